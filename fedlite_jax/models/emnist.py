@@ -1,0 +1,150 @@
+"""The EMNIST / FEMNIST CNN, split after the flatten layer.
+
+Source: Reddi et al., 2020, "Adaptive Federated Optimization" (the CNN with
+dropout), as implemented by FedJAX's ``fedjax.models.emnist.create_conv_model``
+(``fedjax/models/emnist.py``), and split as in FedLite (Wang et al., 2022,
+Section 5 and Appendix C.2): "two convolutional layers [...] on the clients and
+two dense layers on the server".
+
+Architecture (x: float32 [B, 28, 28, 1] -> logits float32 [B, num_classes]):
+
+  client ('client'): conv 32 3x3 VALID + relu ('conv1') -> conv 64 3x3 VALID +
+    relu ('conv2') -> max-pool 2x2 stride 2 -> dropout 0.25 -> flatten.
+    Cut 'flatten': d = 12 * 12 * 64 = 9,216. Parameters: 18,816.
+  server ('server'): dense 128 + relu ('dense1') -> dropout 0.5 -> dense
+    num_classes ('dense2'). Parameters: 1,187,774 for 62 classes.
+
+Initialization, dropout rates, loss and metrics are FedJAX's: Haiku's default
+initializers (:mod:`fedlite_jax.models.layers`), per-example softmax
+cross-entropy, eval metrics ``'loss'`` (mean cross-entropy) and ``'accuracy'``.
+Parameter shapes equal FedJAX's Haiku ones, so FedJAX parameters map one to one
+(``conv2_d`` -> ``conv1``, ``conv2_d_1`` -> ``conv2``, ``linear`` -> ``dense1``,
+``linear_1`` -> ``dense2``; ``w`` -> ``kernel``, ``b`` -> ``bias``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import fedjax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedlite_jax.models import layers
+from fedlite_jax.models import split
+
+Array = jax.Array
+Batch = Mapping[str, Array]
+
+IMAGE_SHAPE = (28, 28, 1)
+CUT_LAYER = 'flatten'
+CUT_SIZE = 12 * 12 * 64  # 9,216.
+
+
+class EmnistClient(nn.Module):
+  """Client part: two convolutions, max-pool, dropout, flatten.
+
+  Attributes:
+    dropout_rate: dropout rate after the max-pool (FedJAX: 0.25).
+  """
+  dropout_rate: float = 0.25
+
+  @nn.compact
+  def __call__(self, batch: Batch, train: bool) -> Array:
+    """Maps ``batch['x']`` float32 [B, 28, 28, 1] to float32 [B, 9216].
+
+    Raises:
+      ValueError: if ``batch['x']`` is not of shape [B, 28, 28, 1].
+    """
+    x = batch['x']
+    if x.ndim != 4 or tuple(x.shape[1:]) != IMAGE_SHAPE:
+      raise ValueError(
+          f"EMNIST CNN expects batch['x'] of shape [B, 28, 28, 1], got "
+          f'{x.shape}.')
+    x = x.astype(jnp.float32)
+    for name, channels in (('conv1', 32), ('conv2', 64)):
+      x = nn.Conv(channels, (3, 3), padding='VALID', name=name,
+                  kernel_init=layers.haiku_linear_init)(x)
+      x = nn.relu(x)
+    x = nn.max_pool(x, (2, 2), strides=(2, 2), padding='VALID')
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    return x.reshape((x.shape[0], -1))
+
+
+class EmnistServer(nn.Module):
+  """Server part: dense 128, relu, dropout, dense to the classes.
+
+  Attributes:
+    num_classes: 62 (digits and letters) or 10 (digits only).
+    hidden_units: width of the hidden dense layer (FedJAX: 128).
+    dropout_rate: dropout rate after the hidden layer (FedJAX: 0.5).
+  """
+  num_classes: int = 62
+  hidden_units: int = 128
+  dropout_rate: float = 0.5
+
+  @nn.compact
+  def __call__(self, activations: Array, batch: Batch, train: bool) -> Array:
+    """Maps activations float32 [B, 9216] to logits float32 [B, C]."""
+    del batch
+    z = nn.Dense(self.hidden_units, name='dense1',
+                 kernel_init=layers.haiku_linear_init)(activations)
+    z = nn.relu(z)
+    z = nn.Dropout(self.dropout_rate)(z, deterministic=not train)
+    return nn.Dense(self.num_classes, name='dense2',
+                    kernel_init=layers.haiku_linear_init)(z)
+
+
+def train_loss(batch: Batch, preds: Array) -> Array:
+  """Per-example softmax cross-entropy, float32 [B].
+
+  Args:
+    batch: ``batch['y']``: integer class labels [B] (a float array holding
+      integers is accepted and cast).
+    preds: logits float32 [B, C].
+  """
+  labels = batch['y'].astype(jnp.int32)
+  return optax.softmax_cross_entropy_with_integer_labels(preds, labels)
+
+
+def create_emnist_cnn(num_classes: int = 62,
+                      client_dropout_rate: float = 0.25,
+                      server_dropout_rate: float = 0.5) -> split.SplitModel:
+  """Creates the EMNIST CNN of Reddi et al. (2020), split after ``flatten``.
+
+  Args:
+    num_classes: 62 (FEMNIST: digits, upper and lower case) or 10 (digits).
+    client_dropout_rate: dropout after the max-pool (client side).
+    server_dropout_rate: dropout after the hidden dense layer (server side).
+
+  Returns:
+    A :class:`~fedlite_jax.models.split.SplitModel` with ``cut_layer =
+    'flatten'`` and ``cut_size = 9216``; ``model.eval_metrics`` are ``'loss'``
+    and ``'accuracy'``.
+
+  Raises:
+    ValueError: if ``num_classes < 2`` or a dropout rate is not in [0, 1).
+  """
+  if num_classes < 2:
+    raise ValueError(f'num_classes must be >= 2, got {num_classes}.')
+  for rate in (client_dropout_rate, server_dropout_rate):
+    if not 0.0 <= rate < 1.0:
+      raise ValueError(f'dropout rates must be in [0, 1), got {rate}.')
+  return split.build_split_model(
+      client=EmnistClient(dropout_rate=client_dropout_rate),
+      server=EmnistServer(num_classes=num_classes,
+                          dropout_rate=server_dropout_rate),
+      sample_batch={
+          'x': np.zeros((1,) + IMAGE_SHAPE, np.float32),
+          'y': np.zeros((1,), np.int32),
+      },
+      train_loss=train_loss,
+      eval_metrics={
+          'loss': fedjax.metrics.CrossEntropyLoss(),
+          'accuracy': fedjax.metrics.Accuracy(),
+      },
+      cut_layer=CUT_LAYER,
+      cut_size=CUT_SIZE)

@@ -1,0 +1,179 @@
+"""A model split at a cut layer into a client part and a server part.
+
+Split learning (Vepakomma et al., 2018; SplitFed, Thapa et al., 2020; FedLite,
+Wang et al., 2022, "FedLite: A Scalable Approach for Federated Learning on
+Resource-constrained Clients", Section 3) runs the first layers u(w_c; x) -> z
+on the client and the rest h(w_s; z) on the server. Here the whole network is
+one Flax module (:class:`SplitNet`) with two submodules named ``'client'`` and
+``'server'``, so its parameters are ``{'client': ..., 'server': ...}``, and the
+same module is exposed twice:
+
+  * as a ``fedjax.Model`` (:attr:`SplitModel.model`), for FedAvg & co.;
+  * as the split pair :attr:`SplitModel.client_apply` /
+    :attr:`SplitModel.server_apply`, for split learning.
+
+The two views agree exactly: ``server_apply(ps, client_apply(pc, b, r), b, r)``
+equals ``model.apply_for_train({'client': pc, 'server': ps}, b, r)`` (and with
+``r = None``, ``model.apply_for_eval``), including the dropout masks, because
+both apply the submodules through the same parent module, and Flax derives a
+submodule's dropout key from the given key and the submodule's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+import fedjax  # fedlite_jax/__init__.py has patched it already.
+import flax.linen as nn
+import jax
+
+Array = jax.Array
+Params = Any  # A pytree of arrays: {'client': ..., 'server': ...}.
+Batch = Mapping[str, Array]
+PRNGKey = Array
+TrainLoss = Callable[[Batch, Array], Array]
+
+CLIENT = 'client'
+SERVER = 'server'
+
+
+class SplitNet(nn.Module):
+  """The whole network: ``server(client(batch), batch)``.
+
+  The client module is called as ``client(batch, train) -> activations`` and
+  the server module as ``server(activations, batch, train) -> predictions``;
+  ``train`` turns dropout on (it then needs a ``'dropout'`` rng).
+
+  Attributes:
+    client: the client part (its parameters live under ``'client'``).
+    server: the server part (its parameters live under ``'server'``).
+  """
+  client: nn.Module
+  server: nn.Module
+
+  def __call__(self, batch: Batch, train: bool) -> Array:
+    return self.server_forward(self.client_forward(batch, train), batch, train)
+
+  def client_forward(self, batch: Batch, train: bool) -> Array:
+    return self.client(batch, train)
+
+  def server_forward(self, activations: Array, batch: Batch,
+                     train: bool) -> Array:
+    return self.server(activations, batch, train)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitModel:
+  """A ``fedjax.Model`` together with its client/server split.
+
+  Attributes:
+    model: the whole model. ``model.init(rng)`` returns ``{'client':
+      client_params, 'server': server_params}``; ``model.apply_for_train(params,
+      batch, rng)`` uses ``rng`` for dropout; ``model.train_loss(batch, preds)``
+      returns the per-example loss [B], as every FedJAX model.
+    cut_layer: the name of the cut (e.g. ``'flatten'``).
+    cut_size: d, the size of one activation vector at the cut.
+    client_apply: ``(client_params, batch, rng_or_None) -> activations``,
+      float32 [B, d] ([B, T, d] for sequence models). ``rng=None`` is eval mode
+      (no dropout); a key turns dropout on.
+    server_apply: ``(server_params, activations, batch, rng_or_None) ->
+      predictions``, the same predictions as ``model.apply_for_train`` (given a
+      key) or ``model.apply_for_eval`` (given None).
+    module: the underlying Flax module (a :class:`SplitNet`).
+  """
+  model: fedjax.Model
+  cut_layer: str
+  cut_size: int
+  client_apply: Callable[[Params, Batch, Optional[PRNGKey]], Array]
+  server_apply: Callable[[Params, Array, Batch, Optional[PRNGKey]], Array]
+  module: Optional[nn.Module] = None
+
+  def split_params(self, params: Params) -> Tuple[Params, Params]:
+    """Returns ``(client_params, server_params)`` of the whole model's params.
+
+    Raises:
+      ValueError: if ``params`` is not a mapping with exactly the keys
+        ``'client'`` and ``'server'``.
+    """
+    if not isinstance(params, Mapping) or set(params) != {CLIENT, SERVER}:
+      keys = sorted(params) if isinstance(params, Mapping) else type(params)
+      raise ValueError(
+          f"split_params expects {{'client': ..., 'server': ...}}, got {keys}.")
+    return params[CLIENT], params[SERVER]
+
+  def merge_params(self, client_params: Params,
+                   server_params: Params) -> Params:
+    """Inverse of :meth:`split_params`."""
+    return {CLIENT: client_params, SERVER: server_params}
+
+
+def _rngs(rng: Optional[PRNGKey]) -> dict[str, PRNGKey]:
+  return {} if rng is None else {'dropout': rng}
+
+
+def build_split_model(*, client: nn.Module, server: nn.Module,
+                      sample_batch: Batch, train_loss: TrainLoss,
+                      eval_metrics: Mapping[str, fedjax.metrics.Metric],
+                      cut_layer: str, cut_size: int) -> SplitModel:
+  """Wraps a client module and a server module into a :class:`SplitModel`.
+
+  Args:
+    client: a Flax module called as ``client(batch, train)``, returning the
+      cut activations [B, cut_size] or [B, T, cut_size].
+    server: a Flax module called as ``server(activations, batch, train)``,
+      returning the predictions passed to ``train_loss`` and ``eval_metrics``.
+    sample_batch: a batch with the expected keys, dtypes and trailing shapes,
+      used by ``init`` to infer the parameter shapes.
+    train_loss: ``(batch, preds) -> per-example loss [B]``.
+    eval_metrics: FedJAX metrics evaluated on ``(example, prediction)``.
+    cut_layer: the name of the cut.
+    cut_size: d, the size of one activation vector at the cut.
+
+  Returns:
+    A :class:`SplitModel`; every function in it is ``jax.jit``-compiled.
+    ``model.apply_for_train(params, batch, None)`` raises Flax's
+    ``InvalidRngError`` if the model uses dropout.
+  """
+  net = SplitNet(client=client, server=server)
+
+  @jax.jit
+  def init(rng: PRNGKey) -> Params:
+    return net.init({'params': rng}, sample_batch, train=False)['params']
+
+  @jax.jit
+  def apply_for_train(params: Params, batch: Batch,
+                      rng: Optional[PRNGKey] = None) -> Array:
+    return net.apply({'params': params}, batch, train=True, rngs=_rngs(rng))
+
+  @jax.jit
+  def apply_for_eval(params: Params, batch: Batch) -> Array:
+    return net.apply({'params': params}, batch, train=False)
+
+  @jax.jit
+  def client_apply(client_params: Params, batch: Batch,
+                   rng: Optional[PRNGKey] = None) -> Array:
+    return net.apply({'params': {CLIENT: client_params}}, batch,
+                     train=rng is not None, rngs=_rngs(rng),
+                     method=SplitNet.client_forward)
+
+  @jax.jit
+  def server_apply(server_params: Params, activations: Array, batch: Batch,
+                   rng: Optional[PRNGKey] = None) -> Array:
+    return net.apply({'params': {SERVER: server_params}}, activations, batch,
+                     train=rng is not None, rngs=_rngs(rng),
+                     method=SplitNet.server_forward)
+
+  model = fedjax.Model(
+      init=init,
+      apply_for_train=apply_for_train,
+      apply_for_eval=apply_for_eval,
+      train_loss=train_loss,
+      eval_metrics=dict(eval_metrics))
+  return SplitModel(
+      model=model,
+      cut_layer=cut_layer,
+      cut_size=cut_size,
+      client_apply=client_apply,
+      server_apply=server_apply,
+      module=net)

@@ -1,0 +1,18 @@
+"""Round engines: run the client updates of a round and reduce them.
+
+The algorithm code (``fedlite_jax.algorithms``) describes a client update as a
+:class:`ClientProgram` (FedJAX's ``client_init`` / ``client_step`` /
+``client_final`` shape); an engine runs the sampled clients of a round and
+returns the weighted sum of their outputs. The engines give the same result
+to float tolerance; which is fastest depends on the platform (see
+``benchmarks/bench_fedavg.py``).
+"""
+
+from fedlite_jax.rounds.engine import ClientProgram
+from fedlite_jax.rounds.engine import ClientWork
+from fedlite_jax.rounds.engine import ENGINE_NAMES
+from fedlite_jax.rounds.engine import LoopEngine
+from fedlite_jax.rounds.engine import RoundResult
+from fedlite_jax.rounds.engine import VmapEngine
+from fedlite_jax.rounds.engine import default_engine_name
+from fedlite_jax.rounds.engine import make_engine

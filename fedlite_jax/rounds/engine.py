@@ -1,0 +1,270 @@
+"""Execution of one round's client updates: a Python loop or one vmapped program.
+
+Both engines take a :class:`ClientProgram` (pure ``init`` / ``step`` /
+``final`` functions, the shape of FedJAX's ``for_each_client``) and a cohort
+of :class:`ClientWork` items, and return ``sum_i w_i * output_i``, ``sum_i
+w_i`` and the per-client diagnostics. Weighted sums (not means) let algorithms
+such as PVT divide per variable by the weight of the clients that trained it.
+
+* :class:`VmapEngine`: all clients of the round as ONE compiled program --
+  ``jax.vmap`` over clients, ``lax.scan`` over local steps, the weighted sum
+  inside the same program. Step counts are padded to a bucket (next power of
+  two, or a fixed budget) with masked no-op steps so the compiled shape does
+  not change from round to round. This is the layout for GPU/TPU.
+* :class:`LoopEngine`: a Python loop over clients calling jitted blocks of
+  ``steps_per_call`` unrolled steps. On XLA:CPU a ``while`` loop (scan) or a
+  vmap around a convolutional training step is 3-13x slower than per-step
+  jitted calls (ENGINEERING_NOTES.md, jax-ml/jax#12868), so this is the CPU
+  default. ``benchmarks/bench_fedavg.py`` measures both.
+
+Masked steps use ``jnp.where(mask, new_state, state)``: the state after a
+masked step is bit-identical to the state before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+Batch = dict
+
+ENGINE_NAMES = ('auto', 'loop', 'vmap')
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientProgram:
+  """A client update as three pure, jittable functions.
+
+  Attributes:
+    init: ``(shared_input, client_input) -> state``. ``shared_input`` is the
+      same for every client of the round (e.g. the server model);
+      ``client_input`` is per client (e.g. its PRNG key).
+    step: ``(state, batch) -> state``; one local step on one batch (a dict of
+      arrays with a fixed leading batch size).
+    final: ``(shared_input, state) -> (output, diagnostics)``. ``output`` is
+      the pytree the engine reduces as a weighted sum (e.g. the model delta);
+      ``diagnostics`` is a small pytree kept per client.
+  """
+  init: Callable[[PyTree, PyTree], PyTree]
+  step: Callable[[PyTree, Batch], PyTree]
+  final: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientWork:
+  """One sampled client's work for a round.
+
+  Attributes:
+    client_id: the client's id (bytes), for diagnostics and the ledger.
+    batches: the local batches in order; every batch of every client of a
+      round must have the same structure and shapes.
+    client_input: pytree passed to ``ClientProgram.init``.
+    weight: the client's aggregation weight (FedAvg: number of examples).
+  """
+  client_id: bytes
+  batches: Sequence[Batch]
+  client_input: PyTree
+  weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+  """What an engine returns for one round.
+
+  Attributes:
+    weighted_sum: ``sum_i weight_i * output_i`` (pytree of float32 arrays).
+    total_weight: ``sum_i weight_i`` (Python float).
+    diagnostics: per-client diagnostics (NumPy), in cohort order.
+  """
+  weighted_sum: PyTree
+  total_weight: float
+  diagnostics: list[PyTree]
+
+
+def default_engine_name() -> str:
+  """'vmap' on GPU/TPU, 'loop' on CPU (measured; see module docstring)."""
+  return 'loop' if jax.default_backend() == 'cpu' else 'vmap'
+
+
+def _masked(new: PyTree, old: PyTree, mask: jax.Array) -> PyTree:
+  return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
+
+
+def _check_cohort(work: Sequence[ClientWork]) -> None:
+  if not work:
+    raise ValueError('A round needs at least one client; got an empty cohort.')
+  for w in work:
+    if not w.batches:
+      raise ValueError(
+          f'Client {w.client_id!r} has no batches; every sampled client must '
+          'run at least one local step.')
+    if not np.isfinite(w.weight) or w.weight < 0:
+      raise ValueError(
+          f'Client {w.client_id!r} has weight {w.weight}; weights must be '
+          'finite and >= 0.')
+
+
+class LoopEngine:
+  """Python loop over clients; jitted blocks of ``steps_per_call`` steps.
+
+  Args:
+    program: the client update.
+    steps_per_call: local steps unrolled into one jitted call (>= 1). A
+      client's last block is padded with masked no-op steps.
+  """
+
+  name = 'loop'
+
+  def __init__(self, program: ClientProgram, steps_per_call: int = 1):
+    if steps_per_call < 1:
+      raise ValueError(f'steps_per_call must be >= 1, got {steps_per_call}.')
+    self._program = program
+    self._k = steps_per_call
+
+    @jax.jit
+    def init(shared_input, client_input):
+      # Copy so that the state never aliases shared_input and can be donated.
+      return jax.tree.map(jnp.copy, program.init(shared_input, client_input))
+
+    if steps_per_call == 1:
+      step = jax.jit(program.step, donate_argnums=0)
+    else:
+
+      @functools.partial(jax.jit, donate_argnums=0)
+      def step(state, batches, mask):
+        for i in range(steps_per_call):  # Unrolled: no while loop on CPU.
+          batch = jax.tree.map(lambda x, i=i: x[i], batches)
+          state = _masked(program.step(state, batch), state, mask[i])
+        return state
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def final(shared_input, state, acc, weight):
+      output, diag = program.final(shared_input, state)
+      acc = jax.tree.map(lambda a, o: a + weight * o, acc, output)
+      return acc, diag
+
+    self._init, self._step, self._final = init, step, final
+
+  def __call__(self, shared_input: PyTree,
+               work: Sequence[ClientWork]) -> RoundResult:
+    _check_cohort(work)
+    acc = None
+    total = 0.
+    diags = []
+    for w in work:
+      state = self._init(shared_input, w.client_input)
+      if self._k == 1:
+        for batch in w.batches:
+          state = self._step(state, batch)
+      else:
+        for start in range(0, len(w.batches), self._k):
+          block = list(w.batches[start:start + self._k])
+          mask = np.arange(self._k) < len(block)
+          block += [block[-1]] * (self._k - len(block))
+          stacked = jax.tree.map(lambda *xs: np.stack(xs), *block)
+          state = self._step(state, stacked, mask)
+      if acc is None:
+        output_shape = jax.eval_shape(self._program.final, shared_input, state)[0]
+        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), output_shape)
+      acc, diag = self._final(shared_input, state, acc,
+                              np.float32(w.weight))
+      total += float(w.weight)
+      diags.append(diag)
+    return RoundResult(acc, total, [jax.device_get(d) for d in diags])
+
+
+def _bucket(num_steps: int, policy: str | int) -> int:
+  if isinstance(policy, int):
+    if num_steps > policy:
+      raise ValueError(
+          f'A client has {num_steps} local steps, more than the fixed step '
+          f'budget {policy}; raise the budget or cap the client data.')
+    return policy
+  if policy == 'pow2':
+    return 1 << max(0, (num_steps - 1).bit_length())
+  if policy == 'exact':
+    return num_steps
+  raise ValueError(f"step bucket policy must be 'pow2', 'exact' or an int; "
+                   f'got {policy!r}.')
+
+
+class VmapEngine:
+  """All clients of a round as one compiled program (vmap + scan).
+
+  Args:
+    program: the client update.
+    step_bucket: how the longest client's step count is padded: 'pow2' (next
+      power of two; at most log2(max steps) distinct compiled shapes), 'exact'
+      (recompiles whenever the maximum changes), or an int fixed budget.
+  """
+
+  name = 'vmap'
+
+  def __init__(self, program: ClientProgram, step_bucket: str | int = 'pow2'):
+    self._program = program
+    self._bucket = step_bucket
+
+    def one_client(shared_input, client_input, batches, mask, weight):
+      state = program.init(shared_input, client_input)
+
+      def body(state, xs):
+        batch, m = xs
+        return _masked(program.step(state, batch), state, m), None
+
+      state, _ = jax.lax.scan(body, state, (batches, mask))
+      output, diag = program.final(shared_input, state)
+      return jax.tree.map(lambda o: weight * o, output), diag
+
+    @jax.jit
+    def run(shared_input, client_inputs, batches, mask, weights):
+      weighted, diags = jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0))(
+          shared_input, client_inputs, batches, mask, weights)
+      return jax.tree.map(lambda x: jnp.sum(x, axis=0), weighted), diags
+
+    self._run = run
+
+  def __call__(self, shared_input: PyTree,
+               work: Sequence[ClientWork]) -> RoundResult:
+    _check_cohort(work)
+    steps = _bucket(max(len(w.batches) for w in work), self._bucket)
+    template = work[0].batches[0]
+    padding = jax.tree.map(np.zeros_like, template)
+
+    def client_batches(w):
+      padded = list(w.batches) + [padding] * (steps - len(w.batches))
+      return jax.tree.map(lambda *xs: np.stack(xs), *padded)
+
+    batches = jax.tree.map(lambda *xs: np.stack(xs),
+                           *[client_batches(w) for w in work])
+    mask = np.stack([np.arange(steps) < len(w.batches) for w in work])
+    client_inputs = jax.tree.map(lambda *xs: jnp.stack(xs),
+                                 *[w.client_input for w in work])
+    weights = np.asarray([w.weight for w in work], np.float32)
+    weighted_sum, diags = self._run(shared_input, client_inputs, batches, mask,
+                                    weights)
+    diags = jax.device_get(diags)
+    per_client = [jax.tree.map(lambda x, i=i: x[i], diags)
+                  for i in range(len(work))]
+    return RoundResult(weighted_sum, float(weights.sum()), per_client)
+
+
+def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
+                step_bucket: str | int = 'pow2') -> LoopEngine | VmapEngine:
+  """Builds an engine by name ('auto', 'loop' or 'vmap').
+
+  Raises:
+    ValueError: for an unknown name.
+  """
+  if name == 'auto':
+    name = default_engine_name()
+  if name == 'loop':
+    return LoopEngine(program, steps_per_call=steps_per_call)
+  if name == 'vmap':
+    return VmapEngine(program, step_bucket=step_bucket)
+  raise ValueError(f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')
