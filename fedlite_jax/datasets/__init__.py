@@ -1,0 +1,44 @@
+"""Federated datasets as ``fedjax.FederatedData``, without TensorFlow.
+
+Entry point: :func:`load_federated_data` (tasks 'embedded_mnist' (default),
+'emnist', 'emnist_digits', 'stackoverflow_nwp', 'stackoverflow_tag',
+'shakespeare'), returning ``(train, test, info)``.
+
+Modules, one job each:
+
+* ``locate``: where files are searched (data_dir, $FEDLITE_DATA_DIR and its
+  known subfolders, ~/.cache/fedjax, ~/.tff, ~/.keras/datasets).
+* ``sources``: opens FedJAX SQLite directly; converts TFF SQLite / HDF5 once
+  into cached FedJAX SQLite; FedJAX download as the opt-in last resort.
+* ``tf_example``: a small ``tf.train.Example`` wire-format decoder.
+* ``tff_sqlite``, ``tff_hdf5``: stream clients out of TFF's two formats.
+* ``schema``, ``cache``: feature specs; the cache directory and atomic writes.
+* ``emnist``, ``shakespeare``, ``stackoverflow``, ``embedded_mnist``: datasets.
+* ``vocab``, ``word_pipeline``: training-split vocabularies; numpy versions of
+  FedJAX's word tokenizer and TFF's tag-prediction features.
+* ``partition``: the Dirichlet label-skew partitioner.
+"""
+
+from fedlite_jax.datasets.api import DEFAULT_TASK
+from fedlite_jax.datasets.api import load_federated_data
+from fedlite_jax.datasets.api import TASKS
+from fedlite_jax.datasets.embedded_mnist import load_embedded_mnist
+from fedlite_jax.datasets.emnist import load_data as load_emnist
+from fedlite_jax.datasets.errors import DatasetNotFoundError
+from fedlite_jax.datasets.info import BOS
+from fedlite_jax.datasets.info import DatasetInfo
+from fedlite_jax.datasets.info import EOS
+from fedlite_jax.datasets.info import PAD
+from fedlite_jax.datasets.partition import client_ids
+from fedlite_jax.datasets.partition import dirichlet_label_skew
+from fedlite_jax.datasets.partition import partition_to_federated_data
+from fedlite_jax.datasets.shakespeare import load_snippets as load_shakespeare_snippets
+from fedlite_jax.datasets.shakespeare import load_word_data as load_shakespeare_words
+from fedlite_jax.datasets.shakespeare import words_from_text
+from fedlite_jax.datasets.stackoverflow import load_raw as load_stackoverflow_raw
+from fedlite_jax.datasets.stackoverflow import load_tag_prediction as load_stackoverflow_tag
+from fedlite_jax.datasets.stackoverflow import load_word_prediction as load_stackoverflow_nwp
+from fedlite_jax.datasets.tf_example import decode_example
+from fedlite_jax.datasets.tf_example import parse_examples
+from fedlite_jax.datasets.word_pipeline import TagPredictionEncoder
+from fedlite_jax.datasets.word_pipeline import WordTokenizer

@@ -1,0 +1,197 @@
+"""Federated EMNIST (62 classes) and its digits-only variant.
+
+Sources (see :mod:`fedlite_jax.datasets.locate` for the search order):
+
+* FedJAX SQLite ``federated_emnist_{train,test}.sqlite`` /
+  ``federated_emnist_digitsonly_{train,test}.sqlite`` (FedJAX's download
+  names; e.g. the shared ``femnist105/`` subset);
+* TFF SQLite ``emnist_all.sqlite`` (splits 'all_train', 'all_test',
+  'digits_only_train', 'digits_only_test');
+* TFF legacy HDF5 ``fed_emnist_{train,test}.h5`` /
+  ``fed_emnist_digitsonly_{train,test}.h5``.
+
+Raw features (FedJAX ``emnist.load_split``): ``pixels`` float32 [N, 28, 28] in
+[0, 1] with 1.0 = background, ``label`` int32 [N]. Preprocessing is FedJAX's
+own ``fedjax.datasets.emnist.preprocess_split``: batches have ``x`` float32
+[B, 28, 28, 1] = 1 - pixels (background 0), ``y`` int32 [B], and ``domain_id``
+int32 [B] (0 = high-school writer, 1 = Census; parsed from the client id, so
+client ids must have FedJAX's / TFF's EMNIST shapes, as every real source has).
+
+Digits-only fallback: when no digits-only files exist but the 62-class files
+do, the digits-only splits are DERIVED by keeping examples with label < 10
+(clients left without examples are dropped), written once to the cache, and
+flagged in the log and in ``DatasetInfo.derived``. This is close to, but not
+the same as, TFF's digits-only EMNIST (3,383 writers), which LEAF built from
+the NIST digit partition.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import logging
+import fedjax
+from fedjax.datasets import emnist as fedjax_emnist
+
+from fedlite_jax.datasets import cache
+from fedlite_jax.datasets import errors
+from fedlite_jax.datasets import info as info_lib
+from fedlite_jax.datasets import locate
+from fedlite_jax.datasets import schema
+from fedlite_jax.datasets import sources
+
+SPLITS = ('train', 'test')
+SPECS = {
+    'pixels': schema.FeatureSpec('float', (28, 28), 'float32'),
+    'label': schema.FeatureSpec('int64', (), 'int32'),
+}
+_SUBDIRS = ('femnist105', 'emnist')
+_DERIVE_VERSION = 'digits_label_lt_10_v1'
+
+
+def _downloader(only_digits: bool) -> sources.Downloader:
+  def download(split: str, cache_dir: str) -> fedjax.FederatedData:
+    return fedjax_emnist.load_split(split, only_digits=only_digits,
+                                    cache_dir=cache_dir)
+  return download
+
+
+EMNIST = sources.DatasetSource(
+    locate.DatasetFiles(
+        name='emnist',
+        fedjax_sqlite={s: f'federated_emnist_{s}.sqlite' for s in SPLITS},
+        tff_sqlite='emnist_all.sqlite',
+        tff_sqlite_splits={'train': 'all_train', 'test': 'all_test'},
+        tff_hdf5={s: f'fed_emnist_{s}.h5' for s in SPLITS},
+        subdirs=_SUBDIRS),
+    SPECS, _downloader(only_digits=False))
+
+EMNIST_DIGITS = sources.DatasetSource(
+    locate.DatasetFiles(
+        name='emnist_digits',
+        fedjax_sqlite={
+            s: f'federated_emnist_digitsonly_{s}.sqlite' for s in SPLITS},
+        tff_sqlite='emnist_all.sqlite',
+        tff_sqlite_splits={'train': 'digits_only_train',
+                           'test': 'digits_only_test'},
+        tff_hdf5={s: f'fed_emnist_digitsonly_{s}.h5' for s in SPLITS},
+        subdirs=_SUBDIRS),
+    SPECS, _downloader(only_digits=True))
+
+
+def _derive_digits(opened: sources.Opened,
+                   cache_dir: str | None) -> sources.Opened:
+  """Keeps label < 10 of 62-class splits, cached as FedJAX SQLite."""
+  splits, cached = {}, {}
+  for split, fd in opened.splits.items():
+    src = opened.cached.get(split) or opened.paths[split]
+
+    def produce(fd=fd):
+      for client_id, dataset in fd.clients():
+        examples = dataset.raw_examples
+        keep = examples['label'] < 10
+        if keep.any():
+          yield client_id, {k: v[keep] for k, v in examples.items()}
+
+    key = cache.fingerprint([src], _DERIVE_VERSION)
+    path = cache.cached_fedjax_sqlite(
+        f'emnist_digits_derived_{split}.{key}.sqlite', produce, cache_dir)
+    splits[split] = fedjax.SQLiteFederatedData.new(path)
+    cached[f'{split}_digits_derived'] = path
+  return sources.Opened(splits, opened.format, opened.paths,
+                        {**opened.cached, **cached}, opened.origin)
+
+
+def load_raw(only_digits: bool = False,
+             data_dir: str | os.PathLike[str] | None = None,
+             *,
+             allow_download: bool = False,
+             cache_dir: str | os.PathLike[str] | None = None
+             ) -> tuple[sources.Opened, str]:
+  """Opens the raw EMNIST train/test splits (features ``pixels``, ``label``).
+
+  Args:
+    only_digits: digits-only (10 classes) instead of 62 classes.
+    data_dir: explicit data directory (see :mod:`locate`).
+    allow_download: let FedJAX download its copy if nothing is found locally.
+    cache_dir: cache for converted / derived files (see :mod:`cache`).
+
+  Returns:
+    (opened splits, derivation note: '' or a sentence saying the digits-only
+    data was derived from the 62-class files).
+
+  Raises:
+    DatasetNotFoundError: no files found and no download allowed / possible.
+  """
+  if not only_digits:
+    return sources.open_splits(EMNIST, SPLITS, data_dir,
+                               allow_download=allow_download,
+                               cache_directory=cache_dir), ''
+  opened = sources.open_splits(EMNIST_DIGITS, SPLITS, data_dir,
+                               cache_directory=cache_dir, allow_missing=True)
+  if opened is not None:
+    return opened, ''
+  full = sources.open_splits(EMNIST, SPLITS, data_dir,
+                             cache_directory=cache_dir, allow_missing=True)
+  if full is not None:
+    note = ('digits-only EMNIST DERIVED from the 62-class files '
+            f'{sorted(full.paths.values())} by keeping labels < 10 (clients '
+            'without digits dropped); not identical to the published '
+            'digits-only files')
+    logging.warning('fedlite_jax.datasets: no digits-only EMNIST files found; '
+                    '%s.', note)
+    return _derive_digits(full, cache_dir), note
+  try:
+    return sources.open_splits(EMNIST_DIGITS, SPLITS, data_dir,
+                               allow_download=allow_download,
+                               cache_directory=cache_dir), ''
+  except errors.DatasetNotFoundError as e:
+    raise errors.DatasetNotFoundError(
+        f'{e}\nThe 62-class EMNIST files (from which digits-only can be '
+        f'derived) were not found either:\n'
+        f'{EMNIST.files.expected_names(SPLITS)}') from e
+
+
+def load_data(only_digits: bool = False,
+              data_dir: str | os.PathLike[str] | None = None,
+              *,
+              allow_download: bool = False,
+              cache_dir: str | os.PathLike[str] | None = None
+              ) -> tuple[fedjax.FederatedData, fedjax.FederatedData,
+                         info_lib.DatasetInfo]:
+  """Loads preprocessed federated EMNIST (``fedjax...emnist.load_data``).
+
+  Args:
+    only_digits: 10 digit classes instead of 62 classes.
+    data_dir: explicit data directory (see :mod:`locate` for the search order).
+    allow_download: let FedJAX download its copy if nothing is found locally.
+    cache_dir: cache for converted / derived files (see :mod:`cache`).
+
+  Returns:
+    (train, test, info). Batches: ``x`` float32 [B, 28, 28, 1] in [0, 1],
+    background 0 (FedJAX's ``1 - pixels``); ``y`` int32 [B] in [0, 62) or
+    [0, 10); ``domain_id`` int32 [B].
+
+  Raises:
+    DatasetNotFoundError: see :func:`load_raw`.
+  """
+  opened, derived = load_raw(only_digits, data_dir,
+                             allow_download=allow_download,
+                             cache_dir=cache_dir)
+  train = fedjax_emnist.preprocess_split(opened.splits['train'])
+  test = fedjax_emnist.preprocess_split(opened.splits['test'])
+  files = tuple(dict.fromkeys(opened.paths[s] for s in SPLITS))
+  info = info_lib.DatasetInfo(
+      task='emnist_digits' if only_digits else 'emnist',
+      num_classes=10 if only_digits else 62,
+      input_shape=(28, 28, 1),
+      x_dtype='float32',
+      y_dtype='int32',
+      num_train_clients=train.num_clients(),
+      num_test_clients=test.num_clients(),
+      format=opened.format,
+      source=os.path.dirname(files[0]),
+      files=files,
+      cached_files=tuple(opened.cached.values()),
+      derived=derived)
+  return train, test, info

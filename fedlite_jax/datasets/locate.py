@@ -1,0 +1,198 @@
+"""Finds a federated dataset's files on disk.
+
+Resolution order (first match wins; never a substitute dataset):
+
+1. the ``data_dir`` argument, then the ``FEDLITE_DATA_DIR`` environment
+   variable; in each, the directory itself and then the dataset's known
+   subfolders (e.g. ``femnist105/`` for EMNIST, ``shakespeare/`` and
+   ``tff_shakespeare_h5/`` for Shakespeare);
+2. FedJAX's download cache (``fedjax.datasets.downloads.default_cache_dir()``,
+   i.e. ``~/.cache/fedjax``);
+3. TFF's download cache ``~/.tff`` (TFF ``download.get_compressed_file``);
+4. Keras' cache ``~/.keras/datasets``, where TFF's legacy HDF5 archives were
+   extracted by ``tf.keras.utils.get_file``.
+
+Within one directory the formats are tried in the order FedJAX SQLite, TFF
+SQLite, TFF legacy HDF5. Downloading (the last resort) is done by
+:mod:`fedlite_jax.datasets.sources`, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Sequence
+
+from fedjax.datasets import downloads
+
+FEDJAX_SQLITE = 'fedjax_sqlite'
+TFF_SQLITE = 'tff_sqlite'
+TFF_HDF5 = 'tff_hdf5'
+FORMATS = (FEDJAX_SQLITE, TFF_SQLITE, TFF_HDF5)
+FORMAT_TITLES = {FEDJAX_SQLITE: 'FedJAX SQLite', TFF_SQLITE: 'TFF SQLite',
+                 TFF_HDF5: 'TFF legacy HDF5'}
+
+DATA_DIR_ENV = 'FEDLITE_DATA_DIR'
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFiles:
+  """Where one dataset's files are expected, in each on-disk format.
+
+  Attributes:
+    name: dataset name used in messages, e.g. 'emnist'.
+    fedjax_sqlite: split -> FedJAX SQLite file name (FedJAX's download name).
+    tff_sqlite: the TFF SQLite file name (one file holds every split), or None.
+    tff_sqlite_splits: split -> TFF's ``split_name`` inside that file.
+    tff_hdf5: split -> TFF legacy HDF5 file name.
+    subdirs: subfolders of a data directory that may hold the files.
+  """
+  name: str
+  fedjax_sqlite: Mapping[str, str]
+  tff_sqlite: str | None
+  tff_sqlite_splits: Mapping[str, str]
+  tff_hdf5: Mapping[str, str]
+  subdirs: tuple[str, ...] = ()
+
+  def file_names(self, fmt: str, splits: Sequence[str]) -> list[str]:
+    """The file names that format ``fmt`` needs for ``splits``."""
+    if fmt == FEDJAX_SQLITE:
+      return [self.fedjax_sqlite[s] for s in splits]
+    if fmt == TFF_SQLITE:
+      return [self.tff_sqlite] if self.tff_sqlite else []
+    return [self.tff_hdf5[s] for s in splits if s in self.tff_hdf5]
+
+  def expected_names(self, splits: Sequence[str]) -> str:
+    """Human-readable list of acceptable file sets, one format per line."""
+    lines = []
+    for fmt in FORMATS:
+      names = self.file_names(fmt, splits)
+      if names:
+        extra = ''
+        if fmt == TFF_SQLITE:
+          extra = ' (split_name ' + ', '.join(
+              repr(self.tff_sqlite_splits[s]) for s in splits) + ')'
+        lines.append(f'  {FORMAT_TITLES[fmt]}: {", ".join(names)}{extra}')
+    return '\n'.join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchDir:
+  """A directory to search and why it is searched."""
+  path: str
+  origin: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+  """A dataset located on disk.
+
+  Attributes:
+    format: one of FORMATS.
+    paths: split -> file path (for TFF SQLite every split maps to one file).
+    directory: the directory the files are in.
+    origin: why that directory was searched (e.g. 'data_dir argument').
+  """
+  format: str
+  paths: Mapping[str, str]
+  directory: str
+  origin: str
+
+
+def fedjax_cache_dir() -> str:
+  """FedJAX's download cache: ``~/.cache/fedjax`` (on Colab under /tmp)."""
+  return downloads.default_cache_dir()
+
+
+def tff_cache_dir() -> str:
+  """TFF's download cache, ``~/.tff`` (TFF ``download.get_compressed_file``)."""
+  return os.path.join(os.path.expanduser('~'), '.tff')
+
+
+def keras_cache_dir() -> str:
+  """Keras' cache ``~/.keras/datasets`` (TFF's legacy HDF5 downloads)."""
+  return os.path.join(os.path.expanduser('~'), '.keras', 'datasets')
+
+
+def search_dirs(data_dir: str | os.PathLike[str] | None,
+                subdirs: Sequence[str]) -> list[SearchDir]:
+  """The directories to search, in order (see the module docstring).
+
+  Args:
+    data_dir: explicit data directory, or None.
+    subdirs: the dataset's known subfolders of a data directory.
+
+  Returns:
+    Existing and non-existing directories alike (so an error can list them),
+    without duplicates (compared after ``os.path.realpath``).
+  """
+  out, seen = [], set()
+
+  def add(path: str, origin: str) -> None:
+    real = os.path.realpath(path)
+    if real not in seen:
+      seen.add(real)
+      out.append(SearchDir(path, origin))
+
+  roots = []
+  if data_dir is not None:
+    roots.append((os.fspath(data_dir), 'data_dir argument'))
+  env = os.environ.get(DATA_DIR_ENV)
+  if env:
+    roots.append((env, f'${DATA_DIR_ENV}'))
+  for root, origin in roots:
+    root = os.path.expanduser(root)
+    add(root, origin)
+    for sub in subdirs:
+      add(os.path.join(root, sub), f'{origin}, subfolder {sub}/')
+  add(fedjax_cache_dir(), 'FedJAX cache')
+  add(tff_cache_dir(), 'TFF cache')
+  add(keras_cache_dir(), 'Keras cache (TFF legacy HDF5)')
+  return out
+
+
+def find(files: DatasetFiles, splits: Sequence[str],
+         data_dir: str | os.PathLike[str] | None) -> Found | None:
+  """Finds the first directory holding every file of ``splits`` in one format.
+
+  Args:
+    files: the dataset's expected file names.
+    splits: the splits needed, e.g. ('train', 'test').
+    data_dir: explicit data directory, or None.
+
+  Returns:
+    The first match in resolution order, or None. A TFF SQLite file matches by
+    name; whether it holds the splits is checked when it is opened.
+  """
+  for d in search_dirs(data_dir, files.subdirs):
+    if not os.path.isdir(d.path):
+      continue
+    for fmt in FORMATS:
+      names = files.file_names(fmt, splits)
+      if fmt == TFF_HDF5 and len(names) != len(splits):
+        continue
+      if not names:
+        continue
+      paths = [os.path.join(d.path, n) for n in names]
+      if all(os.path.isfile(p) for p in paths):
+        if fmt == TFF_SQLITE:
+          by_split = {s: paths[0] for s in splits}
+        else:
+          by_split = dict(zip(splits, paths))
+        return Found(fmt, by_split, d.path, d.origin)
+  return None
+
+
+def describe_search(files: DatasetFiles, splits: Sequence[str],
+                    data_dir: str | os.PathLike[str] | None) -> str:
+  """Multi-line text: expected file names and the directories searched."""
+  dirs = search_dirs(data_dir, files.subdirs)
+  lines = ['Expected one of these file sets (all files of one line, in one '
+           'directory):', files.expected_names(splits),
+           'Searched, in order:']
+  for d in dirs:
+    state = '' if os.path.isdir(d.path) else ' [does not exist]'
+    lines.append(f'  {d.path} ({d.origin}){state}')
+  if data_dir is None and not os.environ.get(DATA_DIR_ENV):
+    lines.append(f'  (no data_dir argument and ${DATA_DIR_ENV} is not set)')
+  return '\n'.join(lines)

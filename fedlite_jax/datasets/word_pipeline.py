@@ -1,0 +1,208 @@
+"""Word-level preprocessing in numpy (no TensorFlow).
+
+Next-word prediction mirrors FedJAX's TensorFlow tokenizer
+(``fedjax.datasets.stackoverflow.DefaultWordTokenizer.as_preprocess_batch``)
+with one OOV bucket:
+
+* ids: PAD 0, BOS 1, EOS 2, vocabulary word ``i`` -> ``i + 3``, every other
+  word -> OOV ``vocab_size + 3``; the output space has ``vocab_size + 4`` ids;
+* a post's ``tokens`` are split on single spaces (``tf.strings.split(sep=' ')``
+  semantics, which are Python's ``bytes.split(b' ')``: consecutive spaces make
+  empty words, which are OOV unless in the vocabulary);
+* ``ids = [BOS] + words + [EOS]``, ``x = ids[:-1]``, ``y = ids[1:]``, each cut
+  to ``max_length`` and right-padded with PAD.
+
+Tag prediction mirrors TFF's ``tag_prediction_preprocessing.build_to_ids_fn``
+(the StackOverflow logistic-regression baseline): words of ``tokens + ' ' +
+title`` split on whitespace; ``x[j]`` = (occurrences of vocabulary word j) /
+(number of words, OOV included); tags split on '|'; ``y[j]`` = occurrences of
+vocabulary tag j (a multi-hot vector for the usual distinct tags).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from fedlite_jax.datasets import info as info_lib
+
+Examples = Mapping[str, np.ndarray]
+BatchPreprocessor = Callable[[Examples], dict[str, np.ndarray]]
+
+
+def _as_bytes(word: bytes | str) -> bytes:
+  return word.encode('utf-8') if isinstance(word, str) else bytes(word)
+
+
+def _lookup_table(vocab: Sequence[bytes | str],
+                  offset: int) -> dict[bytes, int]:
+  table = {}
+  for i, word in enumerate(vocab):
+    word = _as_bytes(word)
+    if word in table:
+      raise ValueError(f'Vocabulary has a duplicate entry {word!r} (positions '
+                       f'{table[word] - offset} and {i}).')
+    table[word] = i + offset
+  return table
+
+
+class WordTokenizer:
+  """Maps space-separated ``tokens`` to FedJAX's next-word-prediction ids.
+
+  Attributes:
+    vocab_size: number of vocabulary slots (ids 3 .. vocab_size + 2).
+    oov_id: ``vocab_size + 3``.
+    num_ids: ``vocab_size + 4`` (the model's output size).
+  """
+
+  def __init__(self, vocab: Sequence[bytes | str],
+               vocab_size: int | None = None):
+    """Initializes the tokenizer.
+
+    Args:
+      vocab: in-vocabulary words, most frequent first, WITHOUT special tokens;
+        word ``vocab[i]`` gets id ``i + 3``. ``str`` entries are UTF-8 encoded.
+      vocab_size: number of vocabulary slots, >= len(vocab) (default
+        len(vocab)). Larger keeps FedJAX's id layout for a requested size when
+        the corpus has fewer distinct words: the OOV id stays
+        ``vocab_size + 3`` and the unused word ids never occur.
+
+    Raises:
+      ValueError: duplicate words, or vocab_size < len(vocab).
+    """
+    self._table = _lookup_table(vocab, info_lib.NUM_RESERVED)
+    self.vocab_size = len(vocab) if vocab_size is None else int(vocab_size)
+    if self.vocab_size < len(vocab):
+      raise ValueError(f'vocab_size={vocab_size} is smaller than the '
+                       f'vocabulary ({len(vocab)} words).')
+    self.oov_id = self.vocab_size + info_lib.NUM_RESERVED
+    self.num_ids = self.oov_id + 1
+
+  def word_ids(self, tokens: bytes, max_words: int | None = None) -> list[int]:
+    """Ids of the first ``max_words`` space-separated words (all if None)."""
+    if max_words is None:
+      words = tokens.split(b' ')
+    else:
+      words = tokens.split(b' ', max_words)[:max_words]
+    get, oov = self._table.get, self.oov_id
+    return [get(w, oov) for w in words]
+
+  def encode(self, tokens: np.ndarray,
+             max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes a batch of posts.
+
+    Args:
+      tokens: [B] array (or sequence) of bytes, space-separated words.
+      max_length: L >= 1, the length of x and y.
+
+    Returns:
+      (x, y), int32 [B, L] each; see the module docstring.
+
+    Raises:
+      ValueError: max_length < 1.
+    """
+    if max_length < 1:
+      raise ValueError(f'max_length must be >= 1, got {max_length}.')
+    num = len(tokens)
+    x = np.zeros((num, max_length), np.int32)
+    y = np.zeros((num, max_length), np.int32)
+    for i, t in enumerate(tokens):
+      ids = self.word_ids(_as_bytes(t), max_length)
+      seq_x = [info_lib.BOS] + ids[:max_length - 1]
+      seq_y = ids + [info_lib.EOS] if len(ids) < max_length else ids
+      x[i, :len(seq_x)] = seq_x
+      y[i, :len(seq_y)] = seq_y
+    return x, y
+
+  def as_preprocess_batch(self, max_length: int) -> BatchPreprocessor:
+    """A ``FederatedData.preprocess_batch`` function, as FedJAX's.
+
+    The returned function maps {'tokens': [B] bytes, optional 'domain_id'}
+    to {'x': int32 [B, L], 'y': int32 [B, L]} plus 'domain_id' if present.
+    """
+    if max_length < 1:
+      raise ValueError(f'max_length must be >= 1, got {max_length}.')
+
+    def preprocess_batch(examples: Examples) -> dict[str, np.ndarray]:
+      x, y = self.encode(examples['tokens'], max_length)
+      result = {'x': x, 'y': y}
+      if 'domain_id' in examples:
+        result['domain_id'] = examples['domain_id']
+      return result
+
+    return preprocess_batch
+
+
+class TagPredictionEncoder:
+  """Bag-of-words inputs and tag targets (TFF's StackOverflow LR task).
+
+  Attributes:
+    num_words: length of ``x`` (word vocabulary slots).
+    num_tags: length of ``y`` (tag vocabulary slots).
+  """
+
+  def __init__(self, word_vocab: Sequence[bytes | str],
+               tag_vocab: Sequence[bytes | str],
+               num_words: int | None = None, num_tags: int | None = None):
+    """Initializes the encoder.
+
+    Args:
+      word_vocab: vocabulary words; word ``i`` is ``x[..., i]``.
+      tag_vocab: vocabulary tags; tag ``j`` is ``y[..., j]``.
+      num_words: x length, >= len(word_vocab) (default len(word_vocab)).
+      num_tags: y length, >= len(tag_vocab) (default len(tag_vocab)).
+
+    Raises:
+      ValueError: duplicates, or a size smaller than its vocabulary.
+    """
+    self._words = _lookup_table(word_vocab, 0)
+    self._tags = _lookup_table(tag_vocab, 0)
+    self.num_words = len(word_vocab) if num_words is None else int(num_words)
+    self.num_tags = len(tag_vocab) if num_tags is None else int(num_tags)
+    if self.num_words < len(word_vocab) or self.num_tags < len(tag_vocab):
+      raise ValueError('num_words / num_tags must be >= the vocabulary sizes '
+                       f'({len(word_vocab)}, {len(tag_vocab)}); got '
+                       f'{num_words}, {num_tags}.')
+
+  def encode(self, tokens: np.ndarray, titles: np.ndarray,
+             tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes a batch.
+
+    Args:
+      tokens: [B] bytes, the post body's space-separated tokens.
+      titles: [B] bytes, the question titles.
+      tags: [B] bytes, '|'-separated tags.
+
+    Returns:
+      x float32 [B, num_words]: word counts / number of words in
+        ``tokens + b' ' + title`` split on whitespace (OOV words count in the
+        denominator only; a post with no words gives zeros, where TF's
+        ``reduce_mean`` would give NaN);
+      y float32 [B, num_tags]: vocabulary tag counts (OOV tags dropped).
+    """
+    num = len(tokens)
+    x = np.zeros((num, self.num_words), np.float32)
+    y = np.zeros((num, self.num_tags), np.float32)
+    for i in range(num):
+      words = (_as_bytes(tokens[i]) + b' ' + _as_bytes(titles[i])).split()
+      if words:
+        ids = [self._words.get(w, -1) for w in words]
+        counts = np.bincount([j for j in ids if j >= 0],
+                             minlength=self.num_words)
+        x[i] = counts / np.float32(len(words))
+      tag_ids = [self._tags.get(t, -1) for t in _as_bytes(tags[i]).split(b'|')]
+      for j in tag_ids:
+        if j >= 0:
+          y[i, j] += 1.0
+    return x, y
+
+  def as_preprocess_batch(self) -> BatchPreprocessor:
+    """``preprocess_batch``: {'tokens', 'title', 'tags'} -> {'x', 'y'}."""
+
+    def preprocess_batch(examples: Examples) -> dict[str, np.ndarray]:
+      x, y = self.encode(examples['tokens'], examples['title'],
+                         examples['tags'])
+      return {'x': x, 'y': y}
+
+    return preprocess_batch

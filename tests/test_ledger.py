@@ -1,0 +1,64 @@
+"""Communication ledger: FedAvg baseline, ratios, and the IGC Table 2 formula."""
+
+import io
+import math
+
+import pytest
+
+from fedlite_jax.comm import CommLedger
+from fedlite_jax.comm import total_compression
+
+
+def test_fedavg_is_32_bits_per_param_each_way():
+  n = 1_206_590  # EMNIST CNN
+  ledger = CommLedger(n)
+  bits = 32.0 * n
+  for r in range(3):
+    ledger.record_round(r, {f'c{i}': {'upload_bits': bits, 'download_bits': bits}
+                            for i in range(10)})
+  s = ledger.summary()
+  assert s['total_upload_bytes'] == 3 * 10 * 4 * n
+  assert s['total_download_bytes'] == 3 * 10 * 4 * n
+  assert s['upload_compression'] == s['download_compression'] == 1.0
+  assert s['total_compression'] == 1.0
+  assert s['client_rounds'] == 30 and s['rounds'] == 3
+
+
+def test_compression_ratios_and_table2_total():
+  # IGC paper Table 2: D = 124,439,808, d = 16,384, K = 8: up D/d = 7,595x,
+  # down D/(dK) = 949x, total 2/(1/up + 1/down) = 1,688x.
+  big_d, d, k = 124_439_808, 16_384, 8
+  ledger = CommLedger(big_d)
+  ledger.record_round(0, {'a': {'upload_bits': 32.0 * d,
+                                'download_bits': 32.0 * d * k}})
+  s = ledger.summary()
+  assert round(s['upload_compression']) == 7595
+  assert round(s['download_compression']) == 949
+  assert round(s['total_compression']) == 1688
+  assert total_compression(7595, 949) == pytest.approx(1687.0, abs=1)
+  # Equals baseline total / actual total because the baseline is symmetric.
+  assert s['total_compression'] == pytest.approx(
+      (s['baseline_upload_bytes'] + s['baseline_download_bytes']) /
+      (s['total_upload_bytes'] + s['total_download_bytes']))
+
+
+def test_csv_rows_and_state_roundtrip():
+  ledger = CommLedger(10)
+  buf = io.StringIO()
+  ledger.attach_csv(buf)
+  ledger.record_round(4, {b'x': {'upload_bits': 1, 'download_bits': 2}})
+  assert buf.getvalue().splitlines() == [
+      'round,client_id,upload_bits,download_bits', '4,x,1,2']
+  again = CommLedger.from_state_dict(ledger.state_dict())
+  assert again.summary() == ledger.summary()
+
+
+def test_bad_bits_are_rejected():
+  ledger = CommLedger(10)
+  with pytest.raises(ValueError, match='upload_bits'):
+    ledger.record_round(0, {'a': {'download_bits': 1}})
+  with pytest.raises(ValueError, match='nan'):
+    ledger.record_round(0, {'a': {'upload_bits': math.nan, 'download_bits': 1}})
+  with pytest.raises(ValueError, match='num_params'):
+    CommLedger(0)
+  assert math.isnan(CommLedger(3).summary()['upload_compression'])
