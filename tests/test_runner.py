@@ -1,0 +1,125 @@
+"""The experiment runner: outputs, exact resume, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fedlite_jax import checkpoint
+from fedlite_jax.experiment import ConfigError
+from fedlite_jax.experiment import RunConfig
+from fedlite_jax.experiment import evaluation
+from fedlite_jax.experiment import run
+from fedlite_jax.experiment import runner
+
+SMALL = dict(task='embedded_mnist', num_clients=12, clients_per_round=3,
+             client_batch_size=32, eval_every=2, progress=False, seed=3)
+
+
+def _final_params(out_dir):
+  path = checkpoint.latest_checkpoint(os.path.join(out_dir, 'checkpoints'))
+  from flax import serialization
+  payload = serialization.msgpack_restore(path.read_bytes())
+  return [np.asarray(payload['leaves'][k]) for k in sorted(payload['leaves'], key=int)]
+
+
+def test_outputs_and_summary(tmp_path):
+  out = tmp_path / 'run'
+  summary = run(RunConfig(num_rounds=4, output_dir=str(out), **SMALL))
+  for name in ('metrics.jsonl', 'summary.json', 'communication.csv',
+               'curves.png'):
+    assert (out / name).exists(), name
+  assert list((out / 'tb').iterdir())
+  rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['round'] for r in rows] == [2, 4]
+  for key in ('accuracy', 'loss', 'upload_bytes', 'download_bytes',
+              'seconds_per_round'):
+    assert key in rows[-1]
+  saved = json.loads((out / 'summary.json').read_text())
+  assert saved['final_eval']['accuracy'] == pytest.approx(rows[-1]['accuracy'])
+  comm = saved['communication']
+  n = 1_199_882  # EMNIST CNN with 10 classes: 18,816 + 9216*128+128 + 128*10+10
+  assert comm['num_params'] == n
+  # FedAvg: 32 bits x params each way, 3 clients x 4 rounds.
+  assert comm['total_upload_bytes'] == comm['total_download_bytes'] == 4 * n * 12
+  for key in ('upload_compression', 'download_compression', 'total_compression'):
+    assert comm[key] == 1.0
+  assert saved['flags']['seed'] == 3 and saved['synthetic_partition']
+  assert len((out / 'communication.csv').read_text().splitlines()) == 1 + 12
+
+
+def test_killed_run_resumes_to_identical_parameters(tmp_path, monkeypatch):
+  cfg = dict(num_rounds=6, checkpoint_every=2, **SMALL)
+  run(RunConfig(output_dir=str(tmp_path / 'full'), **cfg))
+
+  calls = {'n': 0}
+  real_evaluate = evaluation.evaluate
+
+  def crash_on_second_eval(*args, **kwargs):
+    calls['n'] += 1
+    if calls['n'] == 2:  # after round 4 trained, before its checkpoint
+      raise KeyboardInterrupt('simulated kill')
+    return real_evaluate(*args, **kwargs)
+
+  monkeypatch.setattr(evaluation, 'evaluate', crash_on_second_eval)
+  with pytest.raises(KeyboardInterrupt):
+    run(RunConfig(output_dir=str(tmp_path / 'resumed'), **cfg))
+  monkeypatch.setattr(evaluation, 'evaluate', real_evaluate)
+  assert checkpoint.latest_checkpoint(tmp_path / 'resumed' / 'checkpoints').name \
+      == 'ckpt_00000002.msgpack'
+  summary = run(RunConfig(output_dir=str(tmp_path / 'resumed'), **cfg))
+
+  for a, b in zip(_final_params(tmp_path / 'full'),
+                  _final_params(tmp_path / 'resumed')):
+    np.testing.assert_array_equal(a, b)
+  rows = (tmp_path / 'resumed' / 'metrics.jsonl').read_text().splitlines()
+  assert [json.loads(l)['round'] for l in rows] == [2, 4, 6]
+  full = json.loads((tmp_path / 'full' / 'summary.json').read_text())
+  assert summary['communication'] == full['communication']
+  assert summary['final_eval'] == full['final_eval']
+
+
+def test_mismatched_resume_and_foreign_output_dir(tmp_path):
+  out = str(tmp_path / 'r')
+  run(RunConfig(num_rounds=2, output_dir=out, **SMALL))
+  with pytest.raises(checkpoint.CheckpointError, match='client_lr'):
+    run(RunConfig(num_rounds=2, output_dir=out, client_lr=0.5, **SMALL))
+  with pytest.raises(ConfigError, match='--overwrite'):
+    run(RunConfig(num_rounds=2, output_dir=out, resume=False, **SMALL))
+
+
+def test_bad_config_values():
+  with pytest.raises(ConfigError, match="--task='nope'"):
+    run(RunConfig(task='nope'))
+  with pytest.raises(ConfigError, match='--client_lr=-1'):
+    run(RunConfig(client_lr=-1.0, **SMALL))
+  with pytest.raises(ConfigError, match='exceeds'):
+    run(RunConfig(**{**SMALL, 'clients_per_round': 99}))
+
+
+def test_client_rng_depends_on_seed_round_client():
+  keys = {tuple(np.asarray(runner.client_rng(s, r, c)))
+          for s in (0, 1) for r in (0, 1) for c in (b'a', b'b')}
+  assert len(keys) == 8
+  np.testing.assert_array_equal(runner.client_rng(0, 1, b'a'),
+                                runner.client_rng(0, 1, b'a'))
+
+
+@pytest.mark.parametrize('args,expected', [
+    (['--task=bogus'], 'value should be one of'),
+    (['--num_rounds=0'], 'num_rounds'),
+    (['--task=emnist', '--data_dir=/nonexistent/dir'], 'federated_emnist_train.sqlite'),
+])
+def test_binary_bad_flags_one_clear_error(repo_root, tmp_path, args, expected):
+  env = dict(os.environ, FEDLITE_DATA_DIR=str(tmp_path / 'empty'),
+             HOME=str(tmp_path))
+  proc = subprocess.run(
+      [sys.executable, str(repo_root / 'experiments' / 'run_experiment.py'),
+       f'--output_dir={tmp_path / "o"}', *args],
+      capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode != 0
+  assert expected in proc.stderr
+  assert 'Traceback' not in proc.stderr
