@@ -26,14 +26,17 @@ import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 from fedlite_jax import checkpoint
 from fedlite_jax import datasets
 from fedlite_jax.experiment import config as config_lib
+from fedlite_jax.experiment import registry
 from fedlite_jax.experiment import runner
 from fedlite_jax.experiment import tasks
 
 _D = config_lib.RunConfig()
 
 flags.DEFINE_enum('task', _D.task, list(tasks.TASKS), 'Federated task.')
-flags.DEFINE_enum('algorithm', _D.algorithm, list(config_lib.ALGORITHMS),
-                  'Federated algorithm.')
+flags.DEFINE_enum(
+    'algorithm', _D.algorithm, list(registry.algorithms()),
+    'Federated algorithm: ' + '; '.join(
+        f'{s.name}: {s.description}' for s in registry.algorithms().values()))
 flags.DEFINE_integer('num_rounds', None, 'Training rounds.', lower_bound=1)
 flags.DEFINE_integer('clients_per_round', None, 'Cohort size.', lower_bound=1)
 flags.DEFINE_integer('client_batch_size', None, 'Local batch size.',
@@ -94,12 +97,38 @@ flags.DEFINE_integer('num_clients', _D.num_clients,
 flags.DEFINE_float('dirichlet_alpha', _D.dirichlet_alpha,
                    'embedded_mnist: Dirichlet label-skew concentration.')
 
+
+
+def _define_option_flags() -> None:
+  """One flag per algorithm option; unset flags (None) take the defaults."""
+  for opt in registry.all_options().values():
+    kind = type(opt.default)
+    help_text = f'{opt.help} (default {opt.default!r})'
+    if opt.choices is not None:
+      flags.DEFINE_enum(opt.name, None, list(opt.choices), help_text)
+    elif kind is bool:
+      flags.DEFINE_bool(opt.name, None, help_text)
+    elif kind is int:
+      flags.DEFINE_integer(opt.name, None, help_text,
+                           lower_bound=opt.lower_bound)
+    elif kind is float:
+      flags.DEFINE_float(opt.name, None, help_text,
+                         lower_bound=opt.lower_bound)
+    else:
+      flags.DEFINE_string(opt.name, None, help_text)
+
+
+_define_option_flags()
 FLAGS = flags.FLAGS
 
 
 def _config_from_flags() -> config_lib.RunConfig:
-  names = [f.name for f in config_lib.dataclasses.fields(config_lib.RunConfig)]
-  return config_lib.RunConfig(**{n: getattr(FLAGS, n) for n in names})
+  names = [f.name for f in config_lib.dataclasses.fields(config_lib.RunConfig)
+           if f.name != 'options']
+  options = {name: getattr(FLAGS, name) for name in registry.all_options()
+             if getattr(FLAGS, name) is not None}
+  return config_lib.RunConfig(**{n: getattr(FLAGS, n) for n in names},
+                              options=options)
 
 
 def _human_bytes(n: float) -> str:
@@ -131,7 +160,7 @@ def main(argv):
         f'{comm["download_compression"]:.3g}x / total '
         f'{comm["total_compression"]:.3g}x vs FedAvg; '
         f'{summary["seconds_per_round"]:.3f} s/round')
-  print(f'outputs: {FLAGS.output_dir or runner._default_output_dir(runner.config_lib.resolve(_config_from_flags(), tasks.get_task(FLAGS.task).defaults))}')
+  print(f'outputs: {summary["flags"]["output_dir"]}')
 
 
 if __name__ == '__main__':

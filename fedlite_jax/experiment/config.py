@@ -8,9 +8,7 @@ one-line message that names the bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
-
-ALGORITHMS = ('fedavg',)
+from typing import Any, Mapping, Optional
 CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
 SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
 
@@ -55,6 +53,8 @@ class RunConfig:
   vocab_size: int = 10000
   num_clients: int = 50                     # embedded task: clients
   dirichlet_alpha: float = 0.5              # embedded task: label skew
+  # Algorithm-specific options (registry.Option), by name.
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   # Flags that do not change the trained result (excluded from the
   # checkpoint fingerprint so a run can be extended or moved).
@@ -66,8 +66,13 @@ class RunConfig:
 
   def fingerprint(self) -> dict[str, Any]:
     """The result-determining settings (stored in and checked by checkpoints)."""
-    return {k: v for k, v in dataclasses.asdict(self).items()
-            if k not in self.NON_RESULT_FIELDS}
+    from fedlite_jax.experiment import registry  # pylint: disable=g-import-not-at-top
+    known = registry.all_options()
+    out = {k: v for k, v in dataclasses.asdict(self).items()
+           if k not in self.NON_RESULT_FIELDS and k != 'options'}
+    out['options'] = {k: v for k, v in sorted(self.options.items())
+                      if k not in known or known[k].affects_result}
+    return out
 
 
 def _positive(name: str, value: Any) -> None:
@@ -83,10 +88,14 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   """
   filled = {k: (task_defaults[k] if v is None and k in task_defaults else v)
             for k, v in dataclasses.asdict(config).items()}
+  from fedlite_jax.experiment import registry  # pylint: disable=g-import-not-at-top
+  try:
+    spec = registry.get(filled['algorithm'])
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  filled['options'] = _resolve_options(spec, dict(filled['options']),
+                                       task_defaults.get('options', {}))
   config = RunConfig(**filled)
-  if config.algorithm not in ALGORITHMS:
-    raise ConfigError(f'--algorithm={config.algorithm!r}: allowed values are '
-                      f'{", ".join(ALGORITHMS)}.')
   for name in ('num_rounds', 'clients_per_round', 'client_batch_size',
                'client_epochs', 'eval_every', 'eval_batch_size', 'client_lr',
                'server_lr', 'steps_per_call', 'sequence_length', 'vocab_size',
@@ -111,3 +120,31 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.server_eps is not None and config.server_eps <= 0:
     raise ConfigError(f'--server_eps={config.server_eps}: must be > 0.')
   return config
+
+
+def _resolve_options(spec, given: dict[str, Any],
+                     task_defaults: Mapping[str, Any]) -> dict[str, Any]:
+  """The algorithm's options: given values, else task defaults, else defaults.
+
+  Options of other algorithms are dropped (the binary passes all flags).
+
+  Raises:
+    ConfigError: a value of the wrong type, outside its choices or bounds.
+  """
+  out = {}
+  for opt in spec.options:
+    value = given.get(opt.name)
+    if value is None:
+      value = task_defaults.get(opt.name, opt.default)
+    kind = type(opt.default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    if not isinstance(value, kind):
+      raise ConfigError(f'--{opt.name}={value!r}: must be a {kind.__name__}.')
+    if opt.choices is not None and value not in opt.choices:
+      raise ConfigError(f'--{opt.name}={value!r}: allowed values are '
+                        f'{", ".join(map(str, opt.choices))}.')
+    if opt.lower_bound is not None and value < opt.lower_bound:
+      raise ConfigError(f'--{opt.name}={value}: must be >= {opt.lower_bound}.')
+    out[opt.name] = value
+  return out

@@ -21,7 +21,6 @@ from absl import logging
 import fedjax
 import jax
 import numpy as np
-import optax
 import tqdm
 
 from fedlite_jax import checkpoint
@@ -30,6 +29,7 @@ from fedlite_jax.comm import CommLedger
 from fedlite_jax.experiment import config as config_lib
 from fedlite_jax.experiment import evaluation
 from fedlite_jax.experiment import outputs
+from fedlite_jax.experiment import registry
 from fedlite_jax.experiment import tasks
 from fedlite_jax.rounds import default_engine_name
 
@@ -43,48 +43,10 @@ def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
   return jax.random.fold_in(key, zlib.crc32(bytes(client_id)))
 
 
-def make_optimizer(name: str, lr: float, *, beta1: float = 0.9,
-                   beta2: float = 0.999, eps: Optional[float] = None,
-                   clip_norm: float = 0.0) -> optax.GradientTransformation:
-  """optax optimizer by name ('sgd', 'adam', 'adagrad', 'yogi').
-
-  ``eps`` defaults to optax's default for each optimizer. ``clip_norm > 0``
-  prepends ``optax.clip_by_global_norm``.
-  """
-  kw = {} if eps is None else {'eps': eps}
-  if name == 'sgd':
-    opt = optax.sgd(lr)
-  elif name == 'adam':
-    opt = optax.adam(lr, b1=beta1, b2=beta2, **kw)
-  elif name == 'adagrad':
-    opt = optax.adagrad(lr, **kw)
-  elif name == 'yogi':
-    opt = optax.yogi(lr, b1=beta1, b2=beta2, **kw)
-  else:
-    raise ConfigError(f'Unknown optimizer {name!r}.')
-  if clip_norm > 0:
-    opt = optax.chain(optax.clip_by_global_norm(clip_norm), opt)
-  return opt
-
-
-def build_algorithm(config: RunConfig,
-                    model: fedjax.Model) -> fedjax.FederatedAlgorithm:
-  """The ``--algorithm`` as a FedJAX algorithm over ``model``."""
-  if config.algorithm == 'fedavg':
-    return fedavg.federated_averaging(
-        fedjax.model_grad(model),
-        make_optimizer(config.client_optimizer, config.client_lr,
-                       clip_norm=config.client_clip_norm),
-        make_optimizer(config.server_optimizer, config.server_lr,
-                       beta1=config.server_beta1, beta2=config.server_beta2,
-                       eps=config.server_eps),
-        fedjax.ShuffleRepeatBatchHParams(
-            batch_size=config.client_batch_size,
-            num_epochs=config.client_epochs),
-        engine=config.round_engine,
-        steps_per_call=config.steps_per_call)
-  raise ConfigError(f'--algorithm={config.algorithm!r}: allowed values are '
-                    f'{", ".join(config_lib.ALGORITHMS)}.')
+def build_algorithm(config: RunConfig, split_model,
+                    num_params: int) -> fedjax.FederatedAlgorithm:
+  """The ``--algorithm`` as a FedJAX algorithm over ``split_model``."""
+  return registry.get(config.algorithm).build(config, split_model, num_params)
 
 
 def _default_output_dir(config: RunConfig) -> str:
@@ -137,7 +99,8 @@ def run(config: RunConfig) -> dict[str, Any]:
   split_model = task.build_model(config, info)
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
-  algorithm = build_algorithm(config, model)
+  spec = registry.get(config.algorithm)
+  algorithm = build_algorithm(config, split_model, fedavg.num_params(params))
   state = algorithm.init(params)
   ledger = CommLedger(fedavg.num_params(params))
 
@@ -192,12 +155,12 @@ def run(config: RunConfig) -> dict[str, Any]:
                  for cid, cds, _ in sampler.sample()]
       t0 = time.perf_counter()
       state, diagnostics = algorithm.apply(state, clients)
-      jax.block_until_ready(state.params)
+      jax.block_until_ready(state)
       recent.append(time.perf_counter() - t0)
       ledger.record_round(r, diagnostics)
       done = r + 1
       if done % config.eval_every == 0 or done == config.num_rounds:
-        metrics = evaluation.evaluate(model, state.params, batches)
+        metrics = evaluation.evaluate(model, spec.eval_params(state), batches)
         comm = ledger.summary()
         row = {'round': done, **metrics,
                'upload_bytes': comm['total_upload_bytes'],
@@ -218,8 +181,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     writer.close()
     csv.close()
 
-  final_eval = rows[-1] if rows else evaluation.evaluate(model, state.params,
-                                                         batches)
+  final_eval = rows[-1] if rows else evaluation.evaluate(
+      model, spec.eval_params(state), batches)
   final_eval = {k: v for k, v in final_eval.items()
                 if k not in ('round', 'upload_bytes', 'download_bytes',
                              'seconds_per_round')}

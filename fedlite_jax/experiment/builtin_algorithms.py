@@ -1,0 +1,7 @@
+"""Registers the built-in algorithms with the runner (see ``registry``).
+
+Each method lives in its own module; this one only imports them so that
+their ``register`` calls run.
+"""
+
+from fedlite_jax.experiment import algo_fedavg  # noqa: F401

@@ -1,0 +1,105 @@
+"""Algorithm registry: how ``--algorithm=<name>`` becomes a FedJAX algorithm.
+
+Each algorithm module registers an :class:`AlgorithmSpec` with its builder and
+its own options (which ``experiments/run_experiment.py`` turns into absl
+flags, and :class:`~fedlite_jax.experiment.config.RunConfig` carries in
+``options``). New algorithms add a module under ``fedlite_jax/experiment/``
+that calls :func:`register`; nothing else in the runner changes.
+
+Contract of a built algorithm (``fedjax.FederatedAlgorithm``):
+  * ``init(params) -> state``; ``apply(state, clients) -> (state, diags)``
+    with FedJAX's ``clients = [(client_id, ClientDataset, PRNGKey)]``.
+  * ``diags[client_id]`` holds at least ``upload_bits`` and
+    ``download_bits`` (the communication ledger reads them).
+  * ``spec.eval_params(state)`` gives the model parameters to evaluate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import fedjax
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """An algorithm-specific setting, exposed as ``--<name>``.
+
+  Attributes:
+    name: flag name (globally unique; prefix with the method, e.g. 'igc_dim').
+    default: default value; its type (bool, int, float, str) is the flag type.
+    help: flag help text (units, source).
+    choices: allowed values for a string enum, else None.
+    lower_bound: inclusive lower bound for numbers, else None.
+    affects_result: False for options that do not change the trained result
+      (excluded from checkpoint fingerprints).
+  """
+  name: str
+  default: Any
+  help: str
+  choices: Optional[Sequence[str]] = None
+  lower_bound: Optional[float] = None
+  affects_result: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+  """A runnable algorithm.
+
+  Attributes:
+    name: the ``--algorithm`` value.
+    description: one line for ``--help``.
+    build: ``(config, split_model, num_params) -> fedjax.FederatedAlgorithm``.
+    options: its own settings (see :class:`Option`).
+    eval_params: ``state -> params`` of the model to evaluate.
+  """
+  name: str
+  description: str
+  build: Callable[..., fedjax.FederatedAlgorithm]
+  options: tuple[Option, ...] = ()
+  eval_params: Callable[[Any], Any] = lambda state: state.params
+
+
+_REGISTRY: dict[str, AlgorithmSpec] = {}
+
+
+def register(spec: AlgorithmSpec) -> AlgorithmSpec:
+  """Adds ``spec``; option names must be unique across algorithms.
+
+  Raises:
+    ValueError: duplicate algorithm or option name.
+  """
+  if spec.name in _REGISTRY:
+    raise ValueError(f'Algorithm {spec.name!r} is already registered.')
+  taken = {o.name for s in _REGISTRY.values() for o in s.options}
+  for o in spec.options:
+    if o.name in taken:
+      raise ValueError(f'Option --{o.name} of {spec.name!r} is already '
+                       'defined by another algorithm.')
+  _REGISTRY[spec.name] = spec
+  return spec
+
+
+def algorithms() -> dict[str, AlgorithmSpec]:
+  """All registered algorithms (imports the built-in ones first)."""
+  from fedlite_jax.experiment import builtin_algorithms  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  return dict(_REGISTRY)
+
+
+def all_options() -> dict[str, Option]:
+  """Every registered option by name."""
+  return {o.name: o for s in algorithms().values() for o in s.options}
+
+
+def get(name: str) -> AlgorithmSpec:
+  """The algorithm called ``name``.
+
+  Raises:
+    ValueError: unknown name (lists the allowed ones).
+  """
+  specs = algorithms()
+  if name not in specs:
+    raise ValueError(f'--algorithm={name!r}: allowed values are '
+                     f'{", ".join(specs)}.')
+  return specs[name]
