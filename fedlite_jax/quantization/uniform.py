@@ -1,0 +1,419 @@
+"""Stochastic k-level uniform quantization with its bit cost.
+
+Source: Suresh, Yu, Kumar, McMahan, "Distributed Mean Estimation with Limited
+Communication", ICML 2017, Section 2.2 (stochastic k-level quantization), as
+used for upload and download in Ro et al., "Scaling Language Model Size in
+Cross-Device Federated Learning" (2022), Section 4 and Appendix C: "values in
+each layer are converted into one of k evenly distributed values between the
+layer min and max, stochastically assigned to the closest target value either
+above or below the real value ... the number of bits used to store the value
+equals log2(k)".
+
+For one layer ``x`` (one array; one pytree leaf) with ``k = 2**bits`` levels
+``B_r = lo + r * (hi - lo) / (k - 1)``, ``r = 0..k-1``: a value with
+``B_r <= x_i < B_{r+1}`` becomes ``B_{r+1}`` with probability
+``(x_i - B_r) / (B_{r+1} - B_r)`` and ``B_r`` otherwise (Suresh et al.,
+Sec. 2.2), so ``E[Q(x_i)] = x_i`` and
+``Var[Q(x_i)] = (B_{r+1} - x_i)(x_i - B_r) <= (hi - lo)**2 / (4 (k - 1)**2)``.
+
+Range (``zero_center``):
+
+* ``zero_center=False`` (the paper's default): ``lo = min(x)``, ``hi = max(x)``;
+  the message is ``bits`` per value plus two float32 (``lo``, ``hi``): cost
+  ``bits * size + 64`` bits per layer.
+* ``zero_center=True``: the grid is centred on zero, ``lo = -m``, ``hi = m``
+  with ``m = max|x|``; only ``m`` is sent: cost ``bits * size + 32``. Ro et al.
+  apply "zero-centering" on upload without defining it. We read it as a grid
+  symmetric around 0 because the other reading, quantizing ``x - mean(x)`` on
+  ``[min, max] - mean``, is the identity transformation of the same grid in
+  exact arithmetic (levels and probabilities shift with the mean) and so
+  cannot change results. With ``k = 2**bits`` even, 0 itself is never a level;
+  the spacing is ``2 m / (k - 1) >= (max - min) / (k - 1)``, so the variance
+  bound ``spacing**2 / 4`` is never below the min/max grid's (equal when
+  ``min = -max``); in exchange one float fewer is sent.
+
+Optional l-infinity clipping (``clip_std=c``) clips the layer to
+``[-c * std(x), c * std(x)]`` before quantizing (as in TernGrad, Wen et al.
+2017, Sec. 3; Ro et al., App. C, also clip for uniform 2-bit); the result is
+then unbiased for the *clipped* layer only.
+
+Float precision and the high end of ``bits`` (1..32 allowed):
+
+* Computation is in float32 for float32/float16/bfloat16 layers and float64 for
+  float64 layers (``jax_enable_x64``); results are cast back to the layer
+  dtype (for 16-bit dtypes a round-to-nearest, biased by up to half an ulp of
+  that dtype).
+* A float with a ``p``-bit significand (``p = finfo.nmant + 1``: 24 for
+  float32, 53 for float64, 11 for float16, 8 for bfloat16) cannot hold a grid
+  of ``2**p`` or more levels: at ``bits >= p`` the level spacing
+  ``(hi - lo) / (2**bits - 1) <= 2 max(|lo|, |hi|) / (2**p - 1)`` is about one
+  ulp of the layer's largest magnitude, so near the range ends the levels are
+  not representable and rounding to them moves values by about an ulp. For
+  ``bits >= p`` (:func:`passthrough_bits`) the layer is therefore returned
+  unchanged (after the optional clipping), no random numbers are drawn, and
+  ``bits`` per value are still charged. For float32 this is bits 24..32; for
+  float64 (53) it never happens in 1..32. (For small-magnitude values of such
+  a layer the dtype is finer than the grid, so the identity omits a
+  quantization error of at most one spacing, ``<= 2**-22 max(|lo|, |hi|)``
+  for float32.)
+* Below that, float32 arithmetic (``t = (x - lo) * (k - 1) / (hi - lo)``,
+  then ``lo + code * spacing``) rounds; the resulting bias is a few float32
+  ulps of ``max(|lo|, |hi|)`` (the tests allow ``8 eps (|lo| + |hi|)``): far
+  below the quantization noise for moderate ``bits``, of the order of float32
+  resolution near 23 bits.
+* ``x == lo`` and ``x == hi`` come back exactly (so a constant layer, where
+  ``lo == hi``, comes back unchanged and NaN-free; with ``zero_center`` a
+  constant layer also comes back unchanged because its values equal ``lo`` or
+  ``hi``), even when ``hi - lo`` overflows. Otherwise non-finite values, or a
+  range ``hi - lo`` that overflows the dtype, give unspecified results.
+
+Randomness: ``generator='hash'`` (default, a counter-based hash fused into the
+quantizer) or ``'threefry'`` (``jax.random.uniform``); see
+:mod:`fedlite_jax.quantization.rng`. With ``'threefry'`` the uniforms are
+exactly those of ``jax.random.uniform(key, x.shape)``; on pytrees each leaf
+``i`` uses ``jax.random.split(key, num_leaves)[i]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlite_jax.quantization import rng as rng_lib
+
+PyTree = Any
+
+MIN_BITS = 1
+MAX_BITS = 32
+FLOAT_BITS = 32
+"""Bits charged for each float sent alongside the codes (min, max, scale)."""
+
+
+class Quantized(NamedTuple):
+  """Dequantized values and the size of the message that encodes them.
+
+  Attributes:
+    values: the dequantized array (same shape and dtype as the input) or
+      pytree of arrays (same structure).
+    num_bits: total message size in bits (a Python float, computed from static
+      shapes; exact integers for uniform quantization).
+  """
+  values: Any
+  num_bits: float
+
+
+def validate_bits(bits: int) -> int:
+  """Checks ``bits`` and returns it as a Python ``int``.
+
+  Args:
+    bits: bits per value; a static Python (or NumPy) integer.
+
+  Returns:
+    ``int(bits)``.
+
+  Raises:
+    TypeError: if ``bits`` is not an integer (e.g. a float, a bool or a
+      traced value).
+    ValueError: if ``bits`` is outside ``[MIN_BITS, MAX_BITS] = [1, 32]``.
+  """
+  if isinstance(bits, bool) or not isinstance(bits, numbers.Integral):
+    raise TypeError(
+        f'bits must be a static Python integer, got {bits!r} '
+        f'({type(bits).__name__}).')
+  bits = int(bits)
+  if not MIN_BITS <= bits <= MAX_BITS:
+    raise ValueError(
+        f'bits must be in [{MIN_BITS}, {MAX_BITS}] (k = 2**bits levels), '
+        f'got {bits}.')
+  return bits
+
+
+def passthrough_bits(dtype: Any) -> int:
+  """Smallest ``bits`` at which :func:`uniform_quantize` is the identity.
+
+  Args:
+    dtype: a floating dtype.
+
+  Returns:
+    The significand precision ``finfo(dtype).nmant + 1`` in bits: 24 for
+    float32, 53 for float64, 11 for float16, 8 for bfloat16.
+  """
+  return int(jnp.finfo(dtype).nmant) + 1
+
+
+def check_floating(x: Any, what: str) -> None:
+  """Raises ``TypeError`` naming ``what`` unless ``x`` has a floating dtype."""
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f'{what} must have a floating dtype, got {dtype}.')
+
+
+def _compute_dtype(dtype: Any) -> Any:
+  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def clip_bound(x: jax.Array, clip_std: float) -> jax.Array:
+  """The clipping threshold ``clip_std * std(x)`` of :func:`clip_by_std`.
+
+  Args:
+    x: floating array (one layer), at least one element.
+    clip_std: ``c > 0``.
+
+  Returns:
+    A scalar of ``x``'s dtype: ``c * std(x)`` (population standard
+    deviation), or ``+inf`` for a constant layer (``max == min``), which is
+    therefore never clipped.
+  """
+  bound = clip_std * jnp.std(x)
+  return jnp.where(jnp.max(x) == jnp.min(x), jnp.inf, bound).astype(x.dtype)
+
+
+def clip_by_std(x: jax.Array, clip_std: float) -> jax.Array:
+  """l-infinity clipping of a layer at ``clip_std`` standard deviations.
+
+  Source: Wen et al., "TernGrad", NeurIPS 2017, Sec. 3 ("gradient
+  clipping"): ``f(x_i) = x_i`` if ``|x_i| <= c * sigma`` else
+  ``sign(x_i) * c * sigma``, with ``sigma`` the (population) standard
+  deviation of the layer.
+
+  Args:
+    x: floating array of any shape (one layer).
+    clip_std: ``c > 0``.
+
+  Returns:
+    Array of ``x``'s shape and dtype (computed in float32, or float64 for
+    float64). A constant layer (``max == min``, where ``sigma`` is 0 up to
+    rounding and clipping would zero it) is returned unchanged.
+
+  Raises:
+    ValueError: if ``clip_std <= 0``.
+  """
+  if not clip_std > 0:
+    raise ValueError(f'clip_std must be > 0, got {clip_std!r}.')
+  if x.size == 0:
+    return x
+  xc = x.astype(_compute_dtype(x.dtype))
+  bound = clip_bound(xc, clip_std)
+  return jnp.clip(xc, -bound, bound).astype(x.dtype)
+
+
+def min_max(x: jax.Array, clip_std: Optional[float]):
+  """Clipped layer and its min and max, without materializing the clip.
+
+  Args:
+    x: floating array, at least one element.
+    clip_std: ``None`` or ``c > 0`` (:func:`clip_by_std`).
+
+  Returns:
+    ``(clipped x, min, max)``. The reductions run on ``x`` itself (clipping
+    is monotone, so ``min(clip(x)) = clip(min(x))``), so XLA fuses the clip
+    into the consumer's elementwise pass instead of writing a clipped copy.
+  """
+  lo = jnp.min(x)
+  hi = jnp.max(x)
+  if clip_std is None:
+    return x, lo, hi
+  bound = clip_bound(x, clip_std)
+  return (jnp.clip(x, -bound, bound), jnp.clip(lo, -bound, bound),
+          jnp.clip(hi, -bound, bound))
+
+
+def leaf_shape(leaf: Any) -> tuple[int, ...]:
+  """Shape of an array, ``ShapeDtypeStruct`` or Python scalar (no data read)."""
+  shape = getattr(leaf, 'shape', None)
+  return tuple(np.shape(leaf) if shape is None else shape)
+
+
+def _leaf_num_bits(shape: tuple[int, ...], bits: int,
+                   zero_center: bool) -> float:
+  size = math.prod(shape)
+  if size == 0:
+    return 0.0
+  num_floats = 1 if zero_center else 2
+  return float(bits * size + FLOAT_BITS * num_floats)
+
+
+def uniform_num_bits(tree: PyTree, bits: int, *,
+                     zero_center: bool = False) -> float:
+  """Message size of :func:`uniform_quantize_tree` (or of one array).
+
+  ``sum over non-empty leaves of (bits * leaf.size + 32 * F)`` with ``F = 2``
+  floats per layer (min, max) or ``F = 1`` with ``zero_center`` (max |x|).
+  Matches FedJAX's ``uniform_stochastic_quantizer(num_levels=2**bits)``
+  (``log2(num_levels) * size + 64`` per leaf) for ``zero_center=False``.
+  Empty leaves cost 0 bits.
+
+  Args:
+    tree: an array or a pytree of arrays (anything with a ``shape``, e.g.
+      ``jax.ShapeDtypeStruct``); only shapes are read.
+    bits: bits per value, 1..32.
+    zero_center: as in :func:`uniform_quantize`.
+
+  Returns:
+    Size in bits, a Python float holding an exact integer.
+
+  Raises:
+    TypeError, ValueError: as :func:`validate_bits`.
+  """
+  bits = validate_bits(bits)
+  return float(sum(_leaf_num_bits(leaf_shape(leaf), bits, zero_center)
+                   for leaf in jax.tree.leaves(tree)))
+
+
+def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
+                     zero_center: bool, clip_std: Optional[float],
+                     generator: str) -> jax.Array:
+  """The quantizer on one layer; arguments already validated (traceable)."""
+  if x.size == 0:
+    return x
+  dtype = _compute_dtype(x.dtype)
+  xc, lo, hi = min_max(x.astype(dtype), clip_std)
+  if bits >= passthrough_bits(x.dtype):
+    return xc.astype(x.dtype)
+  if zero_center:
+    # max|x| from the min and max: no |x| array feeds a reduction.
+    hi = jnp.maximum(hi, -lo)
+    lo = -hi
+  span = hi - lo
+  levels = float(2**bits - 1)  # Exact in float32 for bits <= 24.
+  scale = levels / jnp.where(span > 0, span, 1).astype(dtype)
+  # t in [0, k - 1]; x == hi maps to k - 1 exactly (also covers span == 0).
+  t = jnp.where(xc >= hi, levels, jnp.clip((xc - lo) * scale, 0, levels))
+  floor = jnp.floor(t)
+  u = rng_lib.random_uniform(key, x.shape, dtype, generator)
+  code = floor + (u < t - floor).astype(dtype)
+  step = span / levels
+  # The end codes map to lo and hi exactly (also if span overflows to inf).
+  out = jnp.where(code >= levels, hi,
+                  jnp.where(code <= 0, lo, jnp.minimum(lo + code * step, hi)))
+  return out.astype(x.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=('bits', 'zero_center', 'clip_std', 'generator'))
+def _quantize_array_jit(x, key, *, bits, zero_center, clip_std, generator):
+  return _quantize_values(x, key, bits, zero_center, clip_std, generator)
+
+
+@functools.partial(
+    jax.jit, static_argnames=('bits', 'zero_center', 'clip_std', 'generator'))
+def _quantize_tree_jit(tree, key, *, bits, zero_center, clip_std, generator):
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  keys = jax.random.split(key, len(leaves))
+  new_leaves = [
+      _quantize_values(leaf, keys[i], bits, zero_center, clip_std, generator)
+      for i, leaf in enumerate(leaves)
+  ]
+  return jax.tree.unflatten(treedef, new_leaves)
+
+
+def _validate(bits: int, clip_std: Optional[float], generator: str) -> int:
+  bits = validate_bits(bits)
+  rng_lib.validate_generator(generator)
+  if clip_std is not None and not clip_std > 0:
+    raise ValueError(f'clip_std must be None or > 0, got {clip_std!r}.')
+  return bits
+
+
+def uniform_quantize(x: jax.Array,
+                     key: jax.Array,
+                     bits: int,
+                     *,
+                     zero_center: bool = False,
+                     clip_std: Optional[float] = None,
+                     generator: str = 'hash') -> Quantized:
+  """Stochastic k-level uniform quantization of one layer (``k = 2**bits``).
+
+  Suresh et al. 2017, Sec. 2.2; Ro et al. 2022, App. C. See the module
+  docstring for the levels, the variance, ``zero_center``, and the float
+  precision rules (identity at ``bits >= passthrough_bits(x.dtype)``, i.e.
+  24..32 for float32). Jittable (``bits``, ``zero_center``, ``clip_std`` and
+  ``generator`` must be static) and vmappable (e.g. over clients: min and max
+  are then per client).
+
+  Args:
+    x: floating array of any shape: one layer, quantized with one (min, max).
+    key: JAX PRNG key (raw ``uint32[2]`` or typed).
+    bits: bits per value, a static integer in 1..32 (``bits=1``: 2 levels,
+      min and max).
+    zero_center: grid on ``[-max|x|, max|x|]`` (one float sent) instead of
+      ``[min(x), max(x)]`` (two floats).
+    clip_std: if set (``c > 0``), clip ``x`` to ``+-c * std(x)`` first
+      (:func:`clip_by_std`); the result is unbiased for the clipped layer.
+    generator: ``'hash'`` (fast counter-based, default) or ``'threefry'``
+      (``jax.random.uniform(key, x.shape)``).
+
+  Returns:
+    ``Quantized(values, num_bits)``: ``values`` has ``x``'s shape and dtype;
+    ``num_bits = bits * x.size + 64`` (``+ 32`` with ``zero_center``; 0 for an
+    empty array).
+
+  Raises:
+    TypeError: non-integer ``bits`` or non-floating ``x``.
+    ValueError: ``bits`` outside 1..32, unknown ``generator``, ``clip_std``
+      not > 0.
+  """
+  bits = _validate(bits, clip_std, generator)
+  x = jnp.asarray(x)
+  check_floating(x, 'x')
+  if clip_std is None and bits >= passthrough_bits(x.dtype):
+    values = x  # Identity (see the module docstring); nothing to compile.
+  else:
+    values = _quantize_array_jit(
+        x, key, bits=bits, zero_center=zero_center, clip_std=clip_std,
+        generator=generator)
+  return Quantized(values, _leaf_num_bits(x.shape, bits, zero_center))
+
+
+def uniform_quantize_tree(tree: PyTree,
+                          key: jax.Array,
+                          bits: int,
+                          *,
+                          zero_center: bool = False,
+                          clip_std: Optional[float] = None,
+                          generator: str = 'hash') -> Quantized:
+  """:func:`uniform_quantize` applied per leaf (one leaf = one layer).
+
+  Leaf ``i`` uses ``jax.random.split(key, num_leaves)[i]`` (as FedJAX's
+  ``uniform_stochastic_quantize_pytree``), its own min/max and its own floats.
+
+  Args:
+    tree: pytree of floating arrays (e.g. model parameters or a model delta).
+    key: JAX PRNG key.
+    bits: bits per value, 1..32 (static).
+    zero_center: as in :func:`uniform_quantize`.
+    clip_std: as in :func:`uniform_quantize`, per leaf.
+    generator: ``'hash'`` or ``'threefry'``.
+
+  Returns:
+    ``Quantized(values, num_bits)``: ``values`` has ``tree``'s structure,
+    shapes and dtypes; ``num_bits = uniform_num_bits(tree, bits,
+    zero_center=zero_center)``.
+
+  Raises:
+    TypeError: non-integer ``bits`` or a non-floating leaf.
+    ValueError: ``bits`` outside 1..32, unknown ``generator``, ``clip_std``
+      not > 0.
+  """
+  bits = _validate(bits, clip_std, generator)
+  tree = jax.tree.map(jnp.asarray, tree)
+  leaves = jax.tree.leaves(tree)
+  for leaf in leaves:
+    check_floating(leaf, 'every leaf')
+  if clip_std is None and all(bits >= passthrough_bits(leaf.dtype)
+                              for leaf in leaves):
+    values = tree  # Identity for every leaf; nothing to compile.
+  else:
+    values = _quantize_tree_jit(
+        tree, key, bits=bits, zero_center=zero_center, clip_std=clip_std,
+        generator=generator)
+  return Quantized(values,
+                   uniform_num_bits(tree, bits, zero_center=zero_center))
