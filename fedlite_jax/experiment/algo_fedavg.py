@@ -9,10 +9,10 @@ from fedlite_jax.experiment import optimizers
 from fedlite_jax.experiment import registry
 
 
-def build(config, split_model, num_params) -> fedjax.FederatedAlgorithm:
-  del num_params
+def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+  config = ctx.config
   return fedavg.federated_averaging(
-      fedjax.model_grad(split_model.model),
+      fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
       optimizers.client_batch_hparams(config),

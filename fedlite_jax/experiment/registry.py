@@ -44,19 +44,37 @@ class Option:
 
 
 @dataclasses.dataclass(frozen=True)
+class BuildContext:
+  """Everything an algorithm builder may need.
+
+  Attributes:
+    config: the resolved RunConfig (options in ``config.options``).
+    split_model: the task's SplitModel (``.model`` is the fedjax.Model).
+    num_params: number of scalar model parameters (D).
+    train_client_ids: the training clients' ids, in FedJAX order.
+    info: the task's dataset info (``fedlite_jax.experiment.tasks.LoadedInfo``).
+  """
+  config: Any
+  split_model: Any
+  num_params: int
+  train_client_ids: tuple[bytes, ...]
+  info: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
   """A runnable algorithm.
 
   Attributes:
     name: the ``--algorithm`` value.
     description: one line for ``--help``.
-    build: ``(config, split_model, num_params) -> fedjax.FederatedAlgorithm``.
+    build: ``BuildContext -> fedjax.FederatedAlgorithm``.
     options: its own settings (see :class:`Option`).
     eval_params: ``state -> params`` of the model to evaluate.
   """
   name: str
   description: str
-  build: Callable[..., fedjax.FederatedAlgorithm]
+  build: Callable[[BuildContext], fedjax.FederatedAlgorithm]
   options: tuple[Option, ...] = ()
   eval_params: Callable[[Any], Any] = lambda state: state.params
 

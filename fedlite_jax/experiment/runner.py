@@ -43,10 +43,9 @@ def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
   return jax.random.fold_in(key, zlib.crc32(bytes(client_id)))
 
 
-def build_algorithm(config: RunConfig, split_model,
-                    num_params: int) -> fedjax.FederatedAlgorithm:
-  """The ``--algorithm`` as a FedJAX algorithm over ``split_model``."""
-  return registry.get(config.algorithm).build(config, split_model, num_params)
+def build_algorithm(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+  """The ``--algorithm`` as a FedJAX algorithm (see ``registry``)."""
+  return registry.get(ctx.config.algorithm).build(ctx)
 
 
 def _default_output_dir(config: RunConfig) -> str:
@@ -100,7 +99,10 @@ def run(config: RunConfig) -> dict[str, Any]:
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
   spec = registry.get(config.algorithm)
-  algorithm = build_algorithm(config, split_model, fedavg.num_params(params))
+  algorithm = build_algorithm(registry.BuildContext(
+      config=config, split_model=split_model,
+      num_params=fedavg.num_params(params),
+      train_client_ids=tuple(train_fd.client_ids()), info=info))
   state = algorithm.init(params)
   ledger = CommLedger(fedavg.num_params(params))
 
