@@ -1,0 +1,71 @@
+"""Regenerates BUILD from the source tree: python tools/gen_build.py.
+
+Run after adding or removing a module, binary or test; tests/test_build.py
+fails while BUILD is out of date. New subpackages need an entry in pkgs.
+"""
+import pathlib, sys
+root = pathlib.Path('.')
+def files(folder):
+  return sorted(str(p) for p in pathlib.Path(folder).glob('*.py'))
+pkgs = {  # target name -> (folder, deps, doc)
+  'fedlite_jax': ('fedlite_jax', [], 'Package root and the FedJAX compatibility layer.'),
+  'datasets': ('fedlite_jax/datasets', [':fedlite_jax'], 'Federated datasets (FedJAX/TFF formats, embedded MNIST).'),
+  'models': ('fedlite_jax/models', [':fedlite_jax'], 'Split-ready flax models.'),
+  'rounds': ('fedlite_jax/rounds', [':fedlite_jax'], 'Round engines (loop / vmap).'),
+  'comm': ('fedlite_jax/comm', [], 'Communication ledger.'),
+  'algorithms': ('fedlite_jax/algorithms', [':fedlite_jax', ':rounds', ':transforms', ':igc', ':quantization'], 'Federated algorithms (FedJAX FederatedAlgorithm builders).'),
+  'igc': ('fedlite_jax/igc', [], 'FWHT, Fastfood, intrinsic reparameterization.'),
+  'transforms': ('fedlite_jax/transforms', [':igc', ':quantization'], 'Composable compression transforms with bit costs.'),
+  'quantization': ('fedlite_jax/quantization', [], 'Stochastic k-level quantization, TernGrad.'),
+  'fedlite': ('fedlite_jax/fedlite', [], 'Grouped product quantization and the VQ layer.'),
+  'experiment': ('fedlite_jax/experiment', [':algorithms', ':comm', ':datasets', ':models', ':checkpoint_lib'], 'Experiment runner library.'),
+}
+ext = {
+  'fedlite_jax': ['jax', 'numpy', 'fedjax'], 'datasets': ['fedjax', 'numpy', 'h5py', 'mlxtend', 'absl-py', 'msgpack'],
+  'models': ['flax', 'jax', 'fedjax'], 'rounds': ['jax', 'numpy'], 'comm': [], 'algorithms': ['fedjax', 'jax', 'optax'],
+  'igc': ['jax', 'numpy'], 'transforms': ['jax'], 'quantization': ['jax'], 'fedlite': ['jax', 'flax'],
+  'experiment': ['absl-py', 'fedjax', 'jax', 'matplotlib', 'optax', 'tensorboardX', 'tqdm'],
+}
+out = ['# Bazel targets (rules_python). tests/test_build.py checks that every module,',
+       '# binary and test file is named here exactly once.', '',
+       'load("@pip//:requirements.bzl", "requirement")',
+       'load("@rules_python//python:defs.bzl", "py_binary", "py_library", "py_test")', '',
+       'package(default_visibility = ["//visibility:public"])', '']
+def lst(items, indent=8):
+  return '\n'.join(' ' * indent + f'"{i}",' for i in items)
+def deps(local, pip):
+  return [*local, *[f'requirement("{p}")' for p in pip]]
+def dep_lines(d):
+  return '\n'.join(' ' * 8 + (x if x.startswith('requirement') else f'"{x}"') + ',' for x in d)
+for name, (folder, local, doc) in pkgs.items():
+  srcs = files(folder)
+  if name == 'fedlite_jax':
+    srcs = [x for x in srcs if not x.endswith('checkpoint.py')]
+  if not srcs:
+    continue
+  local = [l for l in local if pathlib.Path(pkgs.get(l[1:], ('x',))[0]).exists() or l == ':checkpoint_lib']
+  out += [f'# {doc}', 'py_library(', f'    name = "{name}",', '    srcs = [', lst(srcs), '    ],',
+          '    deps = [', dep_lines(deps(local, ext[name])), '    ],', ')', '']
+out += ['py_library(', '    name = "checkpoint_lib",', '    srcs = ["fedlite_jax/checkpoint.py"],',
+        '    deps = [requirement("flax"), requirement("jax"), requirement("numpy")],', ')', '']
+for p in files('experiments'):
+  n = pathlib.Path(p).stem
+  out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',
+          '    data = glob(["experiments/configs/*.flags"]),', '    deps = [":experiment"],', ')', '']
+for p in files('benchmarks'):
+  n = pathlib.Path(p).stem
+  out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',
+          '    deps = [":experiment"],', ')', '']
+out += ['py_library(', '    name = "test_support",', '    testonly = True,', '    srcs = ["tests/conftest.py"],',
+        '    deps = [":fedlite_jax", requirement("pytest")],', ')', '']
+for p in files('tests'):
+  n = pathlib.Path(p).stem
+  if n == 'conftest':
+    continue
+  big = n in ('test_runner', 'test_fedavg', 'test_compat')
+  out += ['py_test(', f'    name = "{n}",', f'    srcs = ["{p}"],',
+          f'    size = "{"large" if big else "medium"}",', '    data = ["BUILD"],',
+          '    deps = [":experiment", ":test_support"],', ')', '']
+out += ['# The quickstart notebook runs under pytest --nbmake (see README).', 'filegroup(',
+        '    name = "notebooks",', '    srcs = glob(["notebooks/*.ipynb"]),', ')', '']
+pathlib.Path('BUILD').write_text('\n'.join(out))
