@@ -3,10 +3,18 @@
 Run after adding or removing a module, binary or test; tests/test_build.py
 fails while BUILD is out of date. New subpackages need an entry in pkgs.
 """
-import pathlib, sys
-root = pathlib.Path('.')
+import pathlib
+import subprocess
+import sys
+
+# Files in git's index (tracked or staged): `git add` new modules first.
+_INDEX = set(subprocess.run(['git', 'ls-files'], capture_output=True, text=True,
+                            check=True).stdout.split())
+
+
 def files(folder):
-  return sorted(str(p) for p in pathlib.Path(folder).glob('*.py'))
+  return sorted(str(p) for p in pathlib.Path(folder).glob('*.py')
+                if str(p) in _INDEX)
 pkgs = {  # target name -> (folder, deps, doc)
   'fedlite_jax': ('fedlite_jax', [], 'Package root and the FedJAX compatibility layer.'),
   'datasets': ('fedlite_jax/datasets', [':fedlite_jax'], 'Federated datasets (FedJAX/TFF formats, embedded MNIST).'),
@@ -43,7 +51,8 @@ for name, (folder, local, doc) in pkgs.items():
     srcs = [x for x in srcs if not x.endswith('checkpoint.py')]
   if not srcs:
     continue
-  local = [l for l in local if pathlib.Path(pkgs.get(l[1:], ('x',))[0]).exists() or l == ':checkpoint_lib']
+  local = [l for l in local
+           if l == ':checkpoint_lib' or files(pkgs[l[1:]][0])]
   out += [f'# {doc}', 'py_library(', f'    name = "{name}",', '    srcs = [', lst(srcs), '    ],',
           '    deps = [', dep_lines(deps(local, ext[name])), '    ],', ')', '']
 out += ['py_library(', '    name = "checkpoint_lib",', '    srcs = ["fedlite_jax/checkpoint.py"],',
