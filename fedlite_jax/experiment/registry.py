@@ -83,18 +83,23 @@ _REGISTRY: dict[str, AlgorithmSpec] = {}
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
-  """Adds ``spec``; option names must be unique across algorithms.
+  """Adds ``spec``.
+
+  An option name may be used by several algorithms only with an identical
+  :class:`Option` (same default, help, choices, bounds): it is one flag
+  (e.g. ``--intrinsic_dim`` for all intrinsic-compression variants).
 
   Raises:
-    ValueError: duplicate algorithm or option name.
+    ValueError: duplicate algorithm name, or an option name defined
+      differently by another algorithm.
   """
   if spec.name in _REGISTRY:
     raise ValueError(f'Algorithm {spec.name!r} is already registered.')
-  taken = {o.name for s in _REGISTRY.values() for o in s.options}
+  taken = {o.name: o for s in _REGISTRY.values() for o in s.options}
   for o in spec.options:
-    if o.name in taken:
+    if o.name in taken and taken[o.name] != o:
       raise ValueError(f'Option --{o.name} of {spec.name!r} is already '
-                       'defined by another algorithm.')
+                       'defined differently by another algorithm.')
   _REGISTRY[spec.name] = spec
   return spec
 
