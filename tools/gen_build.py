@@ -30,8 +30,8 @@ pkgs = {  # target name -> (folder, deps, doc)
 }
 ext = {
   'fedlite_jax': ['jax', 'numpy', 'fedjax'], 'datasets': ['fedjax', 'numpy', 'h5py', 'mlxtend', 'absl-py', 'msgpack'],
-  'models': ['flax', 'jax', 'fedjax'], 'rounds': ['jax', 'numpy'], 'comm': [], 'algorithms': ['fedjax', 'jax', 'optax'],
-  'igc': ['jax', 'numpy'], 'transforms': ['jax'], 'quantization': ['jax'], 'fedlite': ['jax', 'flax'],
+  'models': ['flax', 'jax', 'fedjax'], 'rounds': ['jax', 'numpy'], 'comm': [], 'algorithms': ['absl-py', 'fedjax', 'jax', 'numpy', 'optax'],
+  'igc': ['jax', 'numpy'], 'transforms': ['jax', 'numpy'], 'quantization': ['jax'], 'fedlite': ['jax', 'flax'],
   'experiment': ['absl-py', 'fedjax', 'jax', 'matplotlib', 'optax', 'tensorboardX', 'tqdm'],
 }
 out = ['# Bazel targets (rules_python). tests/test_build.py checks that every module,',

@@ -5,3 +5,5 @@ their ``register`` calls run.
 """
 
 from fedlite_jax.experiment import algo_fedavg  # noqa: F401
+from fedlite_jax.experiment import algo_baselines  # noqa: F401
+from fedlite_jax.experiment import algo_igc  # noqa: F401

@@ -1,0 +1,140 @@
+"""``--algorithm=sgd | topk | fetchsgd``: the baselines of Melas-Kyriazi &
+Wang (2022), Table 2 / Figure 1.
+
+* ``sgd``: uncompressed, one local step per round (``--local_steps=s``:
+  FedAvg with s local iterations); 32 bits/param each way.
+* ``topk``: local Top-K of the client delta (``--topk_k``,
+  ``--topk_index_bits``).
+* ``fetchsgd``: FetchSGD (Rothchild et al. 2020): count sketch
+  (``--sketch_rows`` x ``--sketch_cols``), server momentum + error feedback
+  + top-k (``--topk_k``). Uses ``--server_lr`` with
+  ``--server_optimizer=sgd`` (its server step is its own).
+
+See :mod:`fedlite_jax.algorithms.compressed_sgd` and
+:mod:`fedlite_jax.algorithms.fetchsgd`.
+"""
+
+from __future__ import annotations
+
+import fedjax
+
+from fedlite_jax.algorithms import compressed_sgd
+from fedlite_jax.algorithms import fetchsgd as fetchsgd_lib
+from fedlite_jax.experiment import compression_options as common
+from fedlite_jax.experiment import optimizers
+from fedlite_jax.experiment import registry
+from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax import transforms
+
+Option = registry.Option
+
+TOPK_INDEX_BITS = Option(
+    'topk_index_bits', 'log2',
+    'Top-K upload bits: log2 = k x (32 + ceil(log2 D)) (values + indices), '
+    'none = 32 k (FetchSGD/CommEfficient and Table 2\'s convention).',
+    choices=transforms.topk.INDEX_BITS)
+SKETCH_ROWS = Option('sketch_rows', 5, 'FetchSGD count sketch rows.',
+                     lower_bound=1)
+SKETCH_COLS = Option('sketch_cols', 100_000,
+                     'FetchSGD count sketch columns.', lower_bound=1)
+SKETCH_MOMENTUM = Option(
+    'sketch_momentum', 0.9,
+    'FetchSGD server momentum rho in [0, 1) (in sketch space).',
+    lower_bound=0.0)
+SKETCH_SEED = Option(
+    'sketch_seed', -1,
+    'FetchSGD hash seed in [0, 2**32); -1 derives it from --seed.',
+    lower_bound=-1)
+
+
+def _check_common(ctx: registry.BuildContext) -> None:
+  config = ctx.config
+  if config.client_epochs != 1:
+    raise ConfigError(f'{config.algorithm} takes --local_steps, not '
+                      f'--client_epochs (got {config.client_epochs}).')
+  k = config.options.get('topk_k')
+  if k is not None and k > ctx.num_params:
+    raise ConfigError(f'--topk_k={k} exceeds the model\'s {ctx.num_params} '
+                      'parameters.')
+
+
+def _build_sgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+  _check_common(ctx)
+  config = ctx.config
+  return compressed_sgd.compressed_sgd(
+      fedjax.model_grad(ctx.split_model.model),
+      optimizers.client_optimizer(config),
+      optimizers.server_optimizer(config),
+      batch_size=config.client_batch_size,
+      local_steps=config.options['local_steps'],
+      upload=None, download_accounting='dense',
+      client_ids=ctx.train_client_ids,
+      nonfinite=config.options['nonfinite_updates'], name='sgd',
+      engine=config.round_engine, steps_per_call=config.steps_per_call)
+
+
+def _build_topk(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+  _check_common(ctx)
+  config = ctx.config
+  opts = config.options
+  return compressed_sgd.compressed_sgd(
+      fedjax.model_grad(ctx.split_model.model),
+      optimizers.client_optimizer(config),
+      optimizers.server_optimizer(config),
+      batch_size=config.client_batch_size,
+      local_steps=opts['local_steps'],
+      upload=transforms.top_k(opts['topk_k'], opts['topk_index_bits']),
+      download_accounting=opts['download_accounting'],
+      client_ids=ctx.train_client_ids,
+      nonfinite=opts['nonfinite_updates'], name='topk',
+      engine=config.round_engine, steps_per_call=config.steps_per_call)
+
+
+def _build_fetchsgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+  _check_common(ctx)
+  config = ctx.config
+  opts = config.options
+  if config.server_optimizer != 'sgd':
+    raise ConfigError('fetchsgd has its own server step (momentum + error '
+                      'feedback in the sketch); use --server_optimizer=sgd '
+                      f'(got {config.server_optimizer!r}) and --server_lr.')
+  if not opts['sketch_momentum'] < 1:
+    raise ConfigError(f'--sketch_momentum={opts["sketch_momentum"]}: must be '
+                      'in [0, 1).')
+  return fetchsgd_lib.fetchsgd(
+      fedjax.model_grad(ctx.split_model.model),
+      optimizers.client_optimizer(config),
+      batch_size=config.client_batch_size,
+      rows=opts['sketch_rows'], cols=opts['sketch_cols'], k=opts['topk_k'],
+      server_lr=config.server_lr, momentum=opts['sketch_momentum'],
+      local_steps=opts['local_steps'],
+      seed=common.derived_seed(opts['sketch_seed'], config.seed, b'sketch'),
+      download_accounting=opts['download_accounting'],
+      client_ids=ctx.train_client_ids,
+      nonfinite=opts['nonfinite_updates'],
+      engine=config.round_engine, steps_per_call=config.steps_per_call)
+
+
+registry.register(registry.AlgorithmSpec(
+    name='sgd',
+    description='Uncompressed SGD: one local step per round (--local_steps > '
+    '1: FedAvg with local iterations); 32 bits/param each way.',
+    build=_build_sgd,
+    options=(common.LOCAL_STEPS, common.NONFINITE_UPDATES)))
+
+registry.register(registry.AlgorithmSpec(
+    name='topk',
+    description='Local Top-K of the client update (--topk_k); download = '
+    'weights changed since last participation.',
+    build=_build_topk,
+    options=(common.TOPK_K, TOPK_INDEX_BITS, common.DOWNLOAD_ACCOUNTING,
+             common.LOCAL_STEPS, common.NONFINITE_UPDATES)))
+
+registry.register(registry.AlgorithmSpec(
+    name='fetchsgd',
+    description='FetchSGD (Rothchild et al. 2020): count sketch upload, '
+    'server momentum + error feedback + top-k.',
+    build=_build_fetchsgd,
+    options=(SKETCH_ROWS, SKETCH_COLS, common.TOPK_K, SKETCH_MOMENTUM,
+             SKETCH_SEED, common.DOWNLOAD_ACCOUNTING, common.LOCAL_STEPS,
+             common.NONFINITE_UPDATES)))

@@ -1,0 +1,135 @@
+"""``--algorithm=igc_static | igc_k_subspace | igc_time_varying |
+igc_k_subspace_time_varying``: intrinsic gradient compression.
+
+Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
+Learning" (2022), Algorithms 1-3 and the K-subspace + time-varying
+combination; see :mod:`fedlite_jax.algorithms.igc`. Client and server
+optimizers, learning rates and the batch size come from the common flags
+(``--client_lr`` is the paper's eta with ``--server_optimizer=sgd
+--server_lr=1``).
+"""
+
+from __future__ import annotations
+
+import fedjax
+
+from fedlite_jax.algorithms import igc
+from fedlite_jax.experiment import compression_options as common
+from fedlite_jax.experiment import optimizers
+from fedlite_jax.experiment import registry
+from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.igc import fastfood
+from fedlite_jax import transforms
+
+Option = registry.Option
+
+INTRINSIC_DIM = Option(
+    'intrinsic_dim', 4096,
+    'd: intrinsic dimension (coordinates uploaded per client per round); '
+    '1 <= d <= number of parameters.', lower_bound=1)
+NUM_SUBSPACES = Option(
+    'num_subspaces', 8,
+    'K: number of subspaces (each client uploads in one, drawn uniformly; '
+    'clients download all K). K = 1 equals static.', lower_bound=1)
+SCALE = Option(
+    'igc_scale', 'unit_expectation',
+    'Fastfood scale: unit_expectation (E[A A^T] = I, the paper\'s '
+    'assumption) or unit_column (Li et al. 2018; needs D/d times larger '
+    'learning rates).', choices=fastfood.SCALES)
+SEED = Option(
+    'igc_seed', -1,
+    'Base Fastfood seed in [0, 2**32); -1 derives it from --seed.',
+    lower_bound=-1)
+ROUNDS_PER_EPOCH = Option(
+    'igc_rounds_per_epoch', 0,
+    'Time-varying: rounds per epoch (new subspaces each epoch); 0 = one '
+    'pass over the clients = ceil(train clients / clients_per_round).',
+    lower_bound=0)
+DOWNLOAD = Option(
+    'igc_download_accounting', 'table1',
+    'Download bits: table1 = the paper\'s Table 1 (d, dK, 2d, 2dK floats '
+    'per client-round); exact = the vectors each client needs given its '
+    'last participation, capped at the full model.',
+    choices=igc.IGC_DOWNLOAD_ACCOUNTING)
+INDEX_BITS = Option(
+    'igc_count_index_bits', True,
+    'Charge ceil(log2 K) upload bits for the subspace index.')
+UPLOAD_QUANT_BITS = Option(
+    'igc_upload_quant_bits', 0,
+    'If > 0, stochastically quantize the d uploaded coordinates to this '
+    'many bits (1..32; transforms.uniform_quantization); 0 = float32.',
+    lower_bound=0)
+
+_COMMON = (INTRINSIC_DIM, SCALE, SEED, DOWNLOAD, INDEX_BITS,
+           UPLOAD_QUANT_BITS, common.LOCAL_STEPS, common.NONFINITE_UPDATES)
+
+
+def _builder(num_subspaces_option: bool, time_varying: bool):
+
+  def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+    config = ctx.config
+    opts = config.options
+    name = config.algorithm
+    d = opts['intrinsic_dim']
+    if d > ctx.num_params:
+      raise ConfigError(f'--intrinsic_dim={d} exceeds the model\'s '
+                        f'{ctx.num_params} parameters.')
+    if config.client_epochs != 1:
+      raise ConfigError(f'{name} takes --local_steps, not --client_epochs '
+                        f'(got --client_epochs={config.client_epochs}).')
+    bits = opts['igc_upload_quant_bits']
+    if bits > 32:
+      raise ConfigError(f'--igc_upload_quant_bits={bits}: must be 0 or in '
+                        '1..32.')
+    rpe = None
+    if time_varying:
+      rpe = opts['igc_rounds_per_epoch'] or igc.default_rounds_per_epoch(
+          len(ctx.train_client_ids), config.clients_per_round)
+    return igc.intrinsic_gradient_compression(
+        fedjax.model_grad(ctx.split_model.model),
+        optimizers.client_optimizer(config),
+        optimizers.server_optimizer(config),
+        batch_size=config.client_batch_size,
+        intrinsic_dim=d,
+        local_steps=opts['local_steps'],
+        num_subspaces=opts['num_subspaces'] if num_subspaces_option else 1,
+        time_varying=time_varying,
+        rounds_per_epoch=rpe,
+        seed=common.derived_seed(opts['igc_seed'], config.seed, b'igc'),
+        scale=opts['igc_scale'],
+        count_index_bits=opts['igc_count_index_bits'],
+        upload_transform=(transforms.uniform_quantization(bits) if bits
+                          else None),
+        download_accounting=opts['igc_download_accounting'],
+        client_ids=ctx.train_client_ids,
+        nonfinite=opts['nonfinite_updates'],
+        engine=config.round_engine,
+        steps_per_call=config.steps_per_call)
+
+  return build
+
+
+registry.register(registry.AlgorithmSpec(
+    name='igc_static',
+    description='Static intrinsic gradient compression (Melas-Kyriazi & '
+    'Wang 2022, Alg. 1): upload/download d floats.',
+    build=_builder(False, False), options=_COMMON))
+
+registry.register(registry.AlgorithmSpec(
+    name='igc_k_subspace',
+    description='K-subspace intrinsic gradient compression (Alg. 2): upload '
+    'd floats + index, download dK.',
+    build=_builder(True, False), options=_COMMON + (NUM_SUBSPACES,)))
+
+registry.register(registry.AlgorithmSpec(
+    name='igc_time_varying',
+    description='Time-varying intrinsic gradient compression (Alg. 3): new '
+    'subspace each epoch; upload d, download 2d.',
+    build=_builder(False, True), options=_COMMON + (ROUNDS_PER_EPOCH,)))
+
+registry.register(registry.AlgorithmSpec(
+    name='igc_k_subspace_time_varying',
+    description='K-subspace + time-varying intrinsic gradient compression '
+    '(described in Sec. 3.2): upload d + index, download 2dK.',
+    build=_builder(True, True),
+    options=_COMMON + (NUM_SUBSPACES, ROUNDS_PER_EPOCH)))

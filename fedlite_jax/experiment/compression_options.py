@@ -1,0 +1,51 @@
+"""Options shared by the compressed-update algorithms (one flag each).
+
+The same :class:`~fedlite_jax.experiment.registry.Option` object is listed by
+several algorithms (``registry.register`` accepts an option name used by
+several algorithms when the options are identical), e.g. ``--local_steps``
+for ``sgd``, ``topk``, ``fetchsgd`` and every ``igc_*``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from fedlite_jax.algorithms import local_delta
+from fedlite_jax.experiment import registry
+
+Option = registry.Option
+
+LOCAL_STEPS = Option(
+    'local_steps', 1,
+    'Local steps per round (each on one shuffled batch of '
+    '--client_batch_size examples); 1 = one local step per update as in '
+    'Melas-Kyriazi & Wang (2022) and FetchSGD; > 1 compresses the model '
+    'delta after that many steps (FedAvg with local iterations for sgd).',
+    lower_bound=1)
+
+NONFINITE_UPDATES = Option(
+    'nonfinite_updates', 'raise',
+    'What to do with a client whose update is NaN/Inf: raise (stop the run '
+    'with an error naming the clients) or skip (drop it from the round and '
+    'log a warning).',
+    choices=local_delta.NONFINITE_POLICIES)
+
+TOPK_K = Option(
+    'topk_k', 12_000,
+    'k: entries sent per client (topk) / coordinates updated per round '
+    '(fetchsgd); 1 <= k <= number of parameters.',
+    lower_bound=1)
+
+DOWNLOAD_ACCOUNTING = Option(
+    'download_accounting', 'changed',
+    'Download bits of topk/fetchsgd: changed = 32 bits per weight changed '
+    'since the client last participated (FetchSGD/CommEfficient), dense = '
+    '32 bits x all parameters.',
+    choices=local_delta.DOWNLOAD_ACCOUNTING)
+
+
+def derived_seed(option_value: int, run_seed: int, salt: bytes) -> int:
+  """``option_value`` if >= 0, else a 32-bit seed derived from the run seed."""
+  if option_value >= 0:
+    return int(option_value) % 2**32
+  return zlib.crc32(salt + int(run_seed).to_bytes(8, 'little', signed=True))

@@ -1,0 +1,263 @@
+"""Intrinsic projection: compress an update to ``A^(k)T x`` (d numbers).
+
+Source: Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
+Learning" (2022): Algorithm 1 (static: one Fastfood matrix ``A``), Algorithm 2
+(K-subspace: the client draws ``k ~ Unif{0..K-1}`` and uploads ``(k, A^(k)T
+g)``), Algorithm 3 (time-varying: a new matrix each epoch). The matrices come
+from :mod:`fedlite_jax.igc.fastfood` (``D x d``, regenerated from an integer
+seed; never materialized).
+
+Seeds. Matrix ``k`` of epoch ``e`` uses :func:`subspace_seed` ``(seed, e,
+k)``: ``seed`` itself for ``(e, k) = (0, 0)`` (so static, K-subspace with
+K = 1 and the first epoch of time-varying share the same ``A``), otherwise
+``seed XOR fmix32(cantor(e, k))`` -- a bijection of the pair index, so no two
+``(e, k)`` of a run share a matrix. Seeds are a protocol constant (client and
+server derive them from the run's seed): they cost no bits.
+
+Bits (per message): ``32 d`` for the coordinates (float32) plus the subspace
+index, ``ceil(log2 K)`` bits (0 for K = 1; ``count_index_bits=False`` drops
+it, as the paper's Table 2 does).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import base
+
+PyTree = Any
+
+__all__ = [
+    'IntrinsicState',
+    'index_bits',
+    'intrinsic_projection',
+    'intrinsic_state',
+    'lift_subspaces',
+    'make_subspaces',
+    'select_subspace',
+    'subspace_seed',
+]
+
+
+class IntrinsicState(NamedTuple):
+  """State of :func:`intrinsic_projection`: the current epoch's K matrices.
+
+  Attributes:
+    fastfood: :class:`fedlite_jax.igc.FastfoodParams` stacked on a leading
+      axis of size K (every array field has shape ``[K, ...]``).
+  """
+  fastfood: ff.FastfoodParams
+
+
+def _fmix32(x: int) -> int:
+  """MurmurHash3's 32-bit finalizer: a bijection of [0, 2**32) with 0 -> 0."""
+  x &= 0xFFFFFFFF
+  x ^= x >> 16
+  x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+  x ^= x >> 13
+  x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+  x ^= x >> 16
+  return x
+
+
+def _nonneg_int(v: Any, name: str) -> int:
+  try:
+    i = operator.index(v)
+  except TypeError as e:
+    raise TypeError(f'{name} must be an integer; got {v!r}.') from e
+  if i < 0:
+    raise ValueError(f'{name} must be >= 0; got {i}.')
+  return i
+
+
+def _positive_int(v: Any, name: str) -> int:
+  i = _nonneg_int(v, name)
+  if i < 1:
+    raise ValueError(f'{name} must be >= 1; got {i}.')
+  return i
+
+
+def subspace_seed(seed: int, epoch: int, index: int) -> int:
+  """Fastfood seed of subspace ``index`` in ``epoch`` (see module docstring).
+
+  Args:
+    seed: the run's base subspace seed, in ``[0, 2**32)``.
+    epoch: epoch number (>= 0); always 0 for static / K-subspace.
+    index: subspace index k (>= 0).
+
+  Returns:
+    An integer in ``[0, 2**32)``; ``seed`` for ``(0, 0)``; distinct for
+    distinct ``(epoch, index)`` while ``cantor(epoch, index) < 2**32``.
+
+  Raises:
+    ValueError: negative arguments, a seed >= 2**32, or a pair index that
+      does not fit 32 bits.
+    TypeError: non-integer arguments.
+  """
+  seed = _nonneg_int(seed, 'seed')
+  if seed >= 2**32:
+    raise ValueError(f'seed must be < 2**32; got {seed}.')
+  epoch = _nonneg_int(epoch, 'epoch')
+  index = _nonneg_int(index, 'index')
+  pair = (epoch + index) * (epoch + index + 1) // 2 + index  # Cantor pairing.
+  if pair >= 2**32:
+    raise ValueError(f'(epoch={epoch}, index={index}) is too large for a '
+                     '32-bit subspace seed.')
+  return seed ^ _fmix32(pair)
+
+
+def make_subspaces(D: int, d: int, num_subspaces: int, seed: int,
+                   epoch: int = 0,
+                   scale: ff.Scale = 'unit_expectation') -> ff.FastfoodParams:
+  """The K Fastfood matrices (D x d) of ``epoch``, stacked on axis 0.
+
+  Host-side (draws permutations with NumPy): ~0.1-1.5 s per matrix for
+  L = 2**21..2**24; memory 12 L bytes per matrix.
+
+  Args:
+    D: number of model parameters (>= 1).
+    d: intrinsic dimension (>= 1).
+    num_subspaces: K (>= 1).
+    seed: base seed in ``[0, 2**32)``.
+    epoch: epoch number (>= 0).
+    scale: Fastfood scale convention (``'unit_expectation'``: E[A A^T] = I,
+      the paper's assumption; ``'unit_column'``: Li et al. 2018).
+
+  Returns:
+    ``FastfoodParams`` whose array fields have a leading axis of size K.
+
+  Raises:
+    ValueError: d, D or K < 1, bad seed/epoch, unknown scale.
+  """
+  d = _positive_int(d, 'd (intrinsic dimension)')
+  num_subspaces = _positive_int(num_subspaces, 'num_subspaces (K)')
+  mats = [ff.fastfood_params(subspace_seed(seed, epoch, k), D, d, scale=scale)
+          for k in range(num_subspaces)]
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *mats)
+
+
+def intrinsic_state(D: int, d: int, num_subspaces: int, seed: int,
+                    epoch: int = 0,
+                    scale: ff.Scale = 'unit_expectation') -> IntrinsicState:
+  """:class:`IntrinsicState` for ``epoch`` (see :func:`make_subspaces`)."""
+  return IntrinsicState(make_subspaces(D, d, num_subspaces, seed, epoch, scale))
+
+
+def index_bits(num_subspaces: int) -> int:
+  """Bits to send a subspace index: ``ceil(log2 K)`` (0 for K = 1)."""
+  num_subspaces = _positive_int(num_subspaces, 'num_subspaces (K)')
+  return (num_subspaces - 1).bit_length()
+
+
+def select_subspace(fastfood: ff.FastfoodParams,
+                    k: jax.Array) -> ff.FastfoodParams:
+  """Matrix ``k`` of a stacked ``FastfoodParams`` (``k``: int32 scalar)."""
+  return jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, k, axis=0, keepdims=False),
+      fastfood)
+
+
+def _num_subspaces(fastfood: ff.FastfoodParams) -> int:
+  return int(fastfood.signs.shape[0])
+
+
+@jax.jit
+def lift_subspaces(fastfood: ff.FastfoodParams,
+                   sigma: jax.Array) -> jax.Array:
+  """``sum_k A^(k) sigma_k``: intrinsic coordinates of all K subspaces -> R^D.
+
+  The server's reconciliation vector (Algorithm 2: ``theta = theta_0 +
+  sum_k A^(k) Sigma^(k)``).
+
+  Args:
+    fastfood: stacked ``FastfoodParams`` ([K, ...]).
+    sigma: ``float32[K, d]``.
+
+  Returns:
+    ``float32[D]``.
+
+  Raises:
+    ValueError: if ``sigma`` is not ``[K, d]``.
+  """
+  K = _num_subspaces(fastfood)
+  if sigma.shape != (K, fastfood.d):
+    raise ValueError(f'sigma must have shape ({K}, {fastfood.d}); got '
+                     f'{sigma.shape}.')
+  total = None
+  for k in range(K):  # Unrolled: K lifts of O(L) memory each, not K at once.
+    a = jax.tree.map(lambda x, k=k: x[k], fastfood)
+    v = ff.fastfood_lift(a, sigma[k])
+    total = v if total is None else total + v
+  return total
+
+
+def intrinsic_projection(d: int,
+                         num_subspaces: int = 1,
+                         seed: int = 0,
+                         scale: ff.Scale = 'unit_expectation',
+                         count_index_bits: bool = True) -> base.CommTransform:
+  """Intrinsic gradient compression of a pytree: ``(k, A^(k)T ravel(x))``.
+
+  Melas-Kyriazi & Wang (2022), Algorithms 1-3 (the "Sketch" step) and Eq. 5.
+  ``encode`` draws ``k ~ Unif{0..K-1}`` from ``key`` (K = 1: always 0),
+  ravels ``x`` (``jax.tree.leaves`` order, float32, length D) and sends
+  ``values = A^(k)T x`` (``float32[d]``) and ``side = {'subspace': int32
+  k}``. ``decode`` returns ``unravel(A^(k) values)`` (the paper's
+  "Unsketch"). ``init(example)`` draws the epoch-0 matrices (host code);
+  replace the state with :func:`intrinsic_state` for another epoch
+  (time-varying compression).
+
+  Args:
+    d: intrinsic dimension (>= 1).
+    num_subspaces: K (>= 1).
+    seed: base subspace seed in ``[0, 2**32)`` (see :func:`subspace_seed`).
+    scale: Fastfood scale convention (default: E[A A^T] = I).
+    count_index_bits: charge ``ceil(log2 K)`` bits for the index.
+
+  Returns:
+    A :class:`~fedlite_jax.transforms.CommTransform`; message bits ``32 d +
+    ceil(log2 K)``.
+
+  Raises:
+    ValueError: d < 1, K < 1, bad seed or scale (here); at ``init``, also a
+      model without parameters.
+  """
+  d = _positive_int(d, 'd (intrinsic dimension)')
+  num_subspaces = _positive_int(num_subspaces, 'num_subspaces (K)')
+  subspace_seed(seed, 0, 0)  # Validates the seed.
+  if scale not in ff.SCALES:
+    raise ValueError(f'scale must be one of {ff.SCALES}; got {scale!r}.')
+  side_bits = float(index_bits(num_subspaces)) if count_index_bits else 0.0
+
+  def init(example):
+    D = base.TreeSpec.of(example).size
+    if D == 0:
+      raise ValueError('intrinsic_projection: the input has no entries.')
+    if d > D:
+      raise ValueError(f'intrinsic_projection: d={d} exceeds the input size '
+                       f'D={D} (the message would be larger than the input).')
+    return intrinsic_state(D, d, num_subspaces, seed, 0, scale)
+
+  def encode(x, state, key):
+    spec = base.TreeSpec.of(x)
+    fastfood = state.fastfood
+    if fastfood.D != spec.size:
+      raise ValueError(f'intrinsic_projection: input has {spec.size} entries '
+                       f'but the subspaces were drawn for D={fastfood.D}.')
+    K = _num_subspaces(fastfood)
+    k = jax.random.randint(key, (), 0, K, dtype=jnp.int32)
+    coords = ff.fastfood_project(select_subspace(fastfood, k),
+                                 spec.ravel(x, jnp.float32))
+    return base.Encoded(coords, {'subspace': k}, 32.0 * fastfood.d,
+                        side_bits, spec), state
+
+  def decode(message, state):
+    a = select_subspace(state.fastfood, message.side['subspace'])
+    return message.spec.unravel(ff.fastfood_lift(a, message.values)), state
+
+  return base.CommTransform(init, encode, decode)

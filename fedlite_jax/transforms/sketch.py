@@ -1,0 +1,247 @@
+"""Count sketch of an update vector (FetchSGD's compressor).
+
+Sources: Charikar, Chen & Farach-Colton, "Finding Frequent Items in Data
+Streams" (ICALP 2002: the Count Sketch); Rothchild et al., "FetchSGD:
+Communication-Efficient Federated Learning with Sketching" (ICML 2020),
+Algorithm 1, and its reference code (CommEfficient's ``CSVec``).
+
+A sketch of ``v in R^D`` is a ``rows x cols`` table ``S[r, c] = sum_{i:
+h_r(i) = c} s_r(i) v_i`` with bucket hashes ``h_r`` and sign hashes ``s_r in
+{-1, +1}``. It is linear (sketches of several clients add up to the sketch
+of their sum). The estimate of ``v_i`` is ``median_r s_r(i) S[r, h_r(i)]``
+(an even number of rows takes the mean of the two middle values, NumPy's
+convention; CSVec uses PyTorch's lower median there -- use odd ``rows``).
+
+Hashes (a deterministic function of ``seed``, recomputed where needed, never
+stored): with ``fmix32`` MurmurHash3's 32-bit finalizer (a bijection),
+``kb_r = fmix32(seed XOR fmix32(2r + 1))``, ``ks_r = fmix32(seed XOR
+fmix32(2r + 2))``:
+
+* ``h_r(i) = fmix32(i XOR kb_r) mod cols``
+* ``s_r(i) = +1 if fmix32(i XOR ks_r) < 2**31 else -1``
+
+(CSVec draws hash coefficients with ``torch.randint``; any pairwise
+independent-looking family serves.) Integer hashing fuses into the sketching
+loop and needs no ``rows x D`` table in memory between calls.
+
+Bits: ``32 * rows * cols`` per sketch (float32 table), as in FetchSGD.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlite_jax.transforms import base
+from fedlite_jax.transforms import topk as topk_lib
+
+__all__ = [
+    'count_sketch',
+    'hashes_at',
+    'median_rows',
+    'sketch_hashes',
+    'sketch_message_bits',
+    'sketch_vector',
+    'unsketch',
+]
+
+_MEDIAN_NETWORK_MAX_ROWS = 15
+
+
+def _fmix32_int(x: int) -> int:
+  x &= 0xFFFFFFFF
+  x ^= x >> 16
+  x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+  x ^= x >> 13
+  x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+  x ^= x >> 16
+  return x
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+  """fmix32 on uint32 arrays (wrapping multiplication)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def _check_int(v: Any, name: str, minimum: int = 1) -> int:
+  try:
+    i = operator.index(v)
+  except TypeError as e:
+    raise TypeError(f'{name} must be an integer; got {v!r}.') from e
+  if i < minimum:
+    raise ValueError(f'{name} must be >= {minimum}; got {i}.')
+  return i
+
+
+def _row_keys(seed: int, rows: int) -> tuple[list[int], list[int]]:
+  seed = _check_int(seed, 'sketch seed', 0)
+  if seed >= 2**32:
+    raise ValueError(f'sketch seed must be < 2**32; got {seed}.')
+  kb = [_fmix32_int(seed ^ _fmix32_int(2 * r + 1)) for r in range(rows)]
+  ks = [_fmix32_int(seed ^ _fmix32_int(2 * r + 2)) for r in range(rows)]
+  return kb, ks
+
+
+def sketch_hashes(seed: int, rows: int, cols: int,
+                  D: int) -> tuple[jax.Array, jax.Array]:
+  """Bucket and sign hashes of every coordinate (see module docstring).
+
+  Args:
+    seed: sketch seed in ``[0, 2**32)`` (shared by clients and server).
+    rows: number of rows (>= 1).
+    cols: number of columns (>= 1).
+    D: vector length (>= 1).
+
+  Returns:
+    ``(buckets int32[rows, D] in [0, cols), signs float32[rows, D] in
+    {-1, +1})``.
+
+  Raises:
+    ValueError: non-positive sizes or a bad seed.
+  """
+  D = _check_int(D, 'D')
+  return hashes_at(seed, rows, cols, jnp.arange(D, dtype=jnp.int32))
+
+
+def hashes_at(seed: int, rows: int, cols: int,
+              indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Bucket and sign hashes of the coordinates ``indices`` (int, any shape).
+
+  Returns:
+    ``(buckets int32[rows, *indices.shape], signs float32[rows,
+    *indices.shape])``.
+  """
+  rows = _check_int(rows, 'sketch rows')
+  cols = _check_int(cols, 'sketch cols')
+  kb, ks = _row_keys(seed, rows)
+  i = jnp.asarray(indices).astype(jnp.uint32)[None]
+  shape = (rows,) + (1,) * (i.ndim - 1)
+  kb = jnp.asarray(np.asarray(kb, np.uint32)).reshape(shape)
+  ks = jnp.asarray(np.asarray(ks, np.uint32)).reshape(shape)
+  buckets = (_fmix32(i ^ kb) % jnp.uint32(cols)).astype(jnp.int32)
+  signs = jnp.where(_fmix32(i ^ ks) < jnp.uint32(2**31), 1.0, -1.0)
+  return buckets, signs.astype(jnp.float32)
+
+
+def sketch_message_bits(rows: int, cols: int) -> float:
+  """Bits of one sketch: ``32 * rows * cols`` (float32 table)."""
+  return float(32 * _check_int(rows, 'sketch rows') *
+               _check_int(cols, 'sketch cols'))
+
+
+def sketch_vector(v: jax.Array, seed: int, rows: int,
+                  cols: int) -> jax.Array:
+  """The count sketch of ``v``: ``float32[rows, cols]`` (linear in ``v``).
+
+  Args:
+    v: ``float[D]``.
+    seed, rows, cols: as :func:`sketch_hashes` (static Python ints).
+
+  Returns:
+    ``S[r, c] = sum_{i: h_r(i) = c} s_r(i) v_i``.
+  """
+  D = v.shape[-1]
+  buckets, signs = sketch_hashes(seed, rows, cols, D)
+  flat_index = buckets + (jnp.arange(rows, dtype=jnp.int32) * cols)[:, None]
+  table = jax.ops.segment_sum((signs * v.astype(jnp.float32)[None]).ravel(),
+                              flat_index.ravel(), num_segments=rows * cols)
+  return table.reshape(rows, cols)
+
+
+def median_rows(x: jax.Array) -> jax.Array:
+  """Median over axis 0 (NumPy convention), a sorting network for <= 15 rows.
+
+  ``jnp.median`` sorts (0.44 s for 5 x 1.2M on this CPU); an odd-even
+  transposition network of elementwise min/max fuses into one pass.
+  """
+  n = x.shape[0]
+  if n > _MEDIAN_NETWORK_MAX_ROWS:
+    return jnp.median(x, axis=0)
+  rows = [x[i] for i in range(n)]
+  for p in range(n):
+    for i in range(p % 2, n - 1, 2):
+      lo = jnp.minimum(rows[i], rows[i + 1])
+      hi = jnp.maximum(rows[i], rows[i + 1])
+      rows[i], rows[i + 1] = lo, hi
+  if n % 2:
+    return rows[n // 2]
+  return 0.5 * (rows[n // 2 - 1] + rows[n // 2])
+
+
+def unsketch(table: jax.Array, seed: int, D: int) -> jax.Array:
+  """Estimates of all D coordinates from a sketch: ``median_r s_r(i) S[r, h_r(i)]``.
+
+  Args:
+    table: ``float32[rows, cols]``.
+    seed: the sketch seed.
+    D: vector length.
+
+  Returns:
+    ``float32[D]``.
+  """
+  rows, cols = table.shape
+  buckets, signs = sketch_hashes(seed, rows, cols, D)
+  est = jnp.take_along_axis(table, buckets, axis=1) * signs
+  return median_rows(est)
+
+
+def count_sketch(rows: int, cols: int, seed: int = 0,
+                 k: Optional[int] = None) -> base.CommTransform:
+  """Count sketch of a pytree as a :class:`CommTransform` (stateless).
+
+  ``encode``: ``values = sketch_vector(ravel(x))`` (``float32[rows, cols]``,
+  ``32 rows cols`` bits, no side information). ``decode``: the median
+  estimates of every coordinate, or (with ``k``) only the k largest in
+  magnitude with zeros elsewhere (FetchSGD's "unsketch + top-k"), unraveled.
+  FetchSGD's server-side momentum and error feedback live in
+  :mod:`fedlite_jax.algorithms.fetchsgd`.
+
+  Args:
+    rows: sketch rows (>= 1; odd recommended).
+    cols: sketch columns (>= 1).
+    seed: hash seed in ``[0, 2**32)``.
+    k: if set, ``decode`` keeps the top-k estimates (1 <= k <= D).
+
+  Returns:
+    A :class:`~fedlite_jax.transforms.CommTransform`.
+
+  Raises:
+    ValueError: non-positive sizes, bad seed, k < 1 (here) or k > D (at
+      ``init`` / ``encode``).
+  """
+  rows = _check_int(rows, 'sketch rows')
+  cols = _check_int(cols, 'sketch cols')
+  _row_keys(seed, rows)
+  if k is not None:
+    k = _check_int(k, 'k')
+  bits = sketch_message_bits(rows, cols)
+
+  def init(example):
+    D = base.TreeSpec.of(example).size
+    if k is not None and k > D:
+      raise ValueError(f'count_sketch: k={k} exceeds D={D}.')
+    return ()
+
+  def encode(x, state, key):
+    del key
+    spec = base.TreeSpec.of(x)
+    table = sketch_vector(spec.ravel(x, jnp.float32), seed, rows, cols)
+    return base.Encoded(table, (), bits, 0.0, spec), state
+
+  def decode(message, state):
+    spec = message.spec
+    est = unsketch(message.values, seed, spec.size)
+    if k is not None:
+      values, idx = topk_lib.topk_abs(est, k)
+      est = topk_lib.scatter(values, idx, spec.size)
+    return spec.unravel(est), state
+
+  return base.CommTransform(init, encode, decode)
