@@ -150,6 +150,7 @@ class LoopEngine:
       return acc, diag
 
     self._init, self._step, self._final = init, step, final
+    self._output_shapes = {}  # (shared, state) shapes -> output shapes
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
@@ -170,13 +171,24 @@ class LoopEngine:
           stacked = jax.tree.map(lambda *xs: np.stack(xs), *block)
           state = self._step(state, stacked, mask)
       if acc is None:
-        output_shape = jax.eval_shape(self._program.final, shared_input, state)[0]
-        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), output_shape)
+        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           self._output_shape(shared_input, state))
       acc, diag = self._final(shared_input, state, acc,
                               np.float32(w.weight))
       total += float(w.weight)
       diags.append(diag)
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
+
+
+  def _output_shape(self, shared_input: PyTree, state: PyTree) -> PyTree:
+    """Shapes of ``program.final``'s output, traced once per input shapes."""
+    key = jax.tree.structure((shared_input, state)), tuple(
+        (jnp.shape(x), jnp.result_type(x).name)
+        for x in jax.tree.leaves((shared_input, state)))
+    if key not in self._output_shapes:
+      self._output_shapes[key] = jax.eval_shape(self._program.final,
+                                                shared_input, state)[0]
+    return self._output_shapes[key]
 
 
 def _bucket(num_steps: int, policy: str | int) -> int:
