@@ -94,6 +94,27 @@ flags.DEFINE_integer('vocab_size', _D.vocab_size,
 flags.DEFINE_integer('num_clients', _D.num_clients,
                      'embedded_mnist: number of synthetic clients.',
                      lower_bound=1)
+flags.DEFINE_enum('tokenizer', _D.tokenizer, ['word', 'sentencepiece'],
+                  'Text tasks: word vocabulary, or a SentencePiece sub-word '
+                  'model trained on the training split (cached; Ro et al. '
+                  '2022). Use --sequence_length=30 for the paper setup.')
+flags.DEFINE_integer('sp_vocab_size', _D.sp_vocab_size,
+                     'SentencePiece ids incl. PAD/BOS/EOS/UNK (paper: 4K).',
+                     lower_bound=5)
+flags.DEFINE_enum('model', None, ['lstm_small', 'lstm_large',
+                                  'transformer_small', 'transformer_large',
+                                  'lstm_tiny', 'transformer_tiny'],
+                  'Language model preset (Ro et al. 2022 Table 1, plus '
+                  'tiny CPU presets); default: the task model (lstm_small '
+                  'with --tokenizer=sentencepiece).')
+flags.DEFINE_enum('lm_loss_reduction', _D.lm_loss_reduction,
+                  ['sequence_sum', 'token_mean'],
+                  'LM presets: per-sequence sum (FedJAX) or mean of token '
+                  'cross-entropies.')
+flags.DEFINE_string('init_checkpoint', None,
+                    'Start from these parameters (a file written by '
+                    'experiments/pretrain_centralized.py) instead of the '
+                    'random init (transfer learning).')
 flags.DEFINE_float('dirichlet_alpha', _D.dirichlet_alpha,
                    'embedded_mnist: Dirichlet label-skew concentration.')
 

@@ -1,10 +1,17 @@
-"""``--algorithm=fedavg``: FedAvg / FedAdam (server optimizer by flag)."""
+"""``--algorithm=fedavg``: FedAvg / FedAdam (server optimizer by flag).
+
+With the compression flags of :mod:`fedlite_jax.experiment.algo_lm`
+(``--download_bits``, ``--upload_quantizer``, ``--pvt_fraction``, ...) it
+becomes the efficient FedAvg of Ro et al. (2022); with their defaults it is
+exactly :func:`fedlite_jax.algorithms.federated_averaging`.
+"""
 
 from __future__ import annotations
 
 import fedjax
 
 from fedlite_jax.algorithms import fedavg
+from fedlite_jax.experiment import algo_lm
 from fedlite_jax.experiment import optimizers
 from fedlite_jax.experiment import registry
 
@@ -23,5 +30,8 @@ def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
 registry.register(registry.AlgorithmSpec(
     name='fedavg',
     description='FedAvg (McMahan et al. 2017); with --server_optimizer=adam, '
-    'FedAdam (Reddi et al. 2021). 32 bits/param each way.',
-    build=build))
+    'FedAdam (Reddi et al. 2021). 32 bits/param each way unless the '
+    'compression flags (--download_bits, --upload_quantizer, --pvt_fraction) '
+    'are set.',
+    build=algo_lm.build_fedavg,
+    options=algo_lm.COMPRESSION_OPTIONS))

@@ -5,5 +5,6 @@ their ``register`` calls run.
 """
 
 from fedlite_jax.experiment import algo_fedavg  # noqa: F401
+from fedlite_jax.experiment import algo_lm  # noqa: F401
 from fedlite_jax.experiment import algo_baselines  # noqa: F401
 from fedlite_jax.experiment import algo_igc  # noqa: F401

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping, Optional
+
+from fedlite_jax.models import lm
+
 CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
 SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
+TOKENIZERS = ('word', 'sentencepiece')
 
 
 class ConfigError(ValueError):
@@ -53,6 +57,11 @@ class RunConfig:
   vocab_size: int = 10000
   num_clients: int = 50                     # embedded task: clients
   dirichlet_alpha: float = 0.5              # embedded task: label skew
+  tokenizer: str = 'word'                   # text tasks: word | sentencepiece
+  sp_vocab_size: int = 4096                 # SentencePiece ids incl. specials
+  model: Optional[str] = None               # LM preset; None = task default
+  lm_loss_reduction: str = 'sequence_sum'   # LM presets: per-sequence loss
+  init_checkpoint: Optional[str] = None     # params file to start from
   # Algorithm-specific options (registry.Option), by name.
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -117,6 +126,18 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
                       'values are auto, loop, vmap.')
   if not 0 <= config.server_beta1 < 1 or not 0 <= config.server_beta2 < 1:
     raise ConfigError('--server_beta1/--server_beta2 must be in [0, 1).')
+  if config.tokenizer not in TOKENIZERS:
+    raise ConfigError(f'--tokenizer={config.tokenizer!r}: allowed values are '
+                      f'{", ".join(TOKENIZERS)}.')
+  if config.model is not None and config.model not in lm.PRESETS:
+    raise ConfigError(f'--model={config.model!r}: allowed values are '
+                      f'{", ".join(lm.PRESETS)}.')
+  if config.sp_vocab_size <= 4:
+    raise ConfigError(f'--sp_vocab_size={config.sp_vocab_size}: must be > 4 '
+                      '(PAD, BOS, EOS, UNK plus pieces).')
+  if config.lm_loss_reduction not in lm.LOSS_REDUCTIONS:
+    raise ConfigError(f'--lm_loss_reduction={config.lm_loss_reduction!r}: '
+                      f'allowed values are {", ".join(lm.LOSS_REDUCTIONS)}.')
   if config.server_eps is not None and config.server_eps <= 0:
     raise ConfigError(f'--server_eps={config.server_eps}: must be > 0.')
   return config

@@ -28,6 +28,7 @@ from fedlite_jax.algorithms import fedavg
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.experiment import config as config_lib
 from fedlite_jax.experiment import evaluation
+from fedlite_jax.experiment import init_params
 from fedlite_jax.experiment import outputs
 from fedlite_jax.experiment import registry
 from fedlite_jax.experiment import tasks
@@ -98,6 +99,12 @@ def run(config: RunConfig) -> dict[str, Any]:
   split_model = task.build_model(config, info)
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
+  if config.init_checkpoint:
+    try:
+      params = init_params.load_params(config.init_checkpoint, params)
+    except (FileNotFoundError, ValueError) as e:
+      raise ConfigError(str(e)) from None
+    logging.info('Initial parameters from %s', config.init_checkpoint)
   spec = registry.get(config.algorithm)
   algorithm = build_algorithm(registry.BuildContext(
       config=config, split_model=split_model,

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from fedlite_jax import datasets
 from fedlite_jax import models
+from fedlite_jax.experiment import lm_tasks
 from fedlite_jax.experiment.config import ConfigError
 from fedlite_jax.experiment.config import RunConfig
 
@@ -68,11 +69,20 @@ class LoadedInfo:
 def _loader(name: str) -> Callable[[RunConfig], Any]:
 
   def load(config: RunConfig):
-    train, test, info = datasets.load_federated_data(
-        name, config.data_dir, sequence_length=config.sequence_length,
-        vocab_size=config.vocab_size, allow_download=config.allow_download,
-        num_clients=config.num_clients, alpha=config.dirichlet_alpha,
-        seed=config.seed)
+    if name in ('shakespeare', 'stackoverflow_nwp'):
+      try:
+        train, test, info = lm_tasks.load_text_data(config, name)
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
+    elif config.tokenizer != 'word':
+      raise ConfigError(f'--tokenizer={config.tokenizer} applies to the text '
+                        f'tasks shakespeare and stackoverflow_nwp, not {name}.')
+    else:
+      train, test, info = datasets.load_federated_data(
+          name, config.data_dir, sequence_length=config.sequence_length,
+          vocab_size=config.vocab_size, allow_download=config.allow_download,
+          num_clients=config.num_clients, alpha=config.dirichlet_alpha,
+          seed=config.seed)
     desc = (f'{name}: {info.num_train_clients} train / {info.num_test_clients}'
             f' test clients, {info.format} from {info.source}')
     if info.synthetic_partition:
@@ -91,6 +101,12 @@ def _cnn(config: RunConfig, info: LoadedInfo) -> models.SplitModel:
 
 
 def _lstm(config: RunConfig, info: LoadedInfo) -> models.SplitModel:
+  try:
+    language_model = lm_tasks.build_lm(config, info.dataset)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if language_model is not None:  # --model, or SentencePiece data
+    return language_model
   return models.create_stackoverflow_lstm(vocab_size=info.dataset.vocab_size,
                                           expected_length=None)
 

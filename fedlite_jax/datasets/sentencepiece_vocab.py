@@ -1,0 +1,556 @@
+"""SentencePiece sub-word vocabularies and next-token-prediction data.
+
+Source: Ro, Breiner, McConnaughey, Chen, Suresh, Kumar, Mathews, "Scaling
+Language Model Size in Cross-Device Federated Learning" (2022), Section 3:
+"we use sentence-piece [Kudo and Richardson, 2018] for sub-word tokenization
+with a vocabulary size of 4K ... computed based on the entire Stack Overflow
+training corpus in an offline process"; Appendix A: "we fix the max sequence
+length for training and evaluation to 30".
+
+What this module does:
+
+* :func:`train_sentencepiece` trains a SentencePiece model (``sentencepiece``
+  library, unigram by default) on sentences of a TRAINING split and returns
+  the serialized model proto. Deterministic: the library's random generator
+  is seeded (``spm.set_random_generator_seed``) and training runs on ONE
+  thread (measured here: the same corpus gives different models with 1 and 2
+  threads, identical models for repeated runs at a fixed thread count).
+  ``input_sentence_size`` caps the sentences the trainer keeps (it
+  reservoir-samples with the seeded generator), so StackOverflow's 135.8M
+  posts fit in memory.
+* :func:`cached_sentencepiece_model` caches the proto in the cache directory
+  (:mod:`fedlite_jax.datasets.cache`; the shared data directory may be
+  read-only), under a name that fingerprints the source files and every
+  training option; it never downloads anything.
+* :class:`SubwordTokenizer` maps text to ``x``/``y`` int32 ``[B, L]`` with the
+  word pipeline's conventions.
+* :func:`load_shakespeare_sp`, :func:`load_stackoverflow_sp` (and the
+  dispatcher :func:`load_sentencepiece_data`) return ``(train, test, info)``
+  like :func:`fedlite_jax.datasets.load_federated_data`.
+
+Id layout (configured in the SentencePiece trainer, checked when a model is
+loaded): PAD 0 (``<pad>``), BOS 1 (``<s>``), EOS 2 (``</s>``), UNK/OOV 3
+(``<unk>``), sub-word pieces 4 .. vocab_size - 1. So PAD, BOS and EOS have the
+word pipeline's ids (FedJAX's StackOverflow layout) and the model's output
+size is exactly ``vocab_size`` (4,096 for "4K"); the OOV id is 3 (the word
+pipeline puts OOV last, at ``vocab_size + 3``). UNK only occurs for
+characters outside the model's ``character_coverage``.
+
+Sequences: ``ids = [BOS] + pieces + [EOS]``, ``x = ids[:-1]``, ``y = ids[1:]``,
+each cut to ``L`` and right-padded with PAD (as
+:class:`~fedlite_jax.datasets.word_pipeline.WordTokenizer`); one example per
+Shakespeare snippet / StackOverflow post (its first ``L`` tokens).
+
+Training text:
+
+* Shakespeare: each snippet's lines (split on newlines, whitespace collapsed,
+  case kept), so a verse line is one SentencePiece "sentence"; examples are
+  whole snippets with whitespace (newlines included) collapsed to one space.
+* StackOverflow: the raw ``tokens`` feature (already lowercased and
+  space-separated by TFF), one post per sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import time
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+from absl import logging
+import fedjax
+from fedjax.datasets import stackoverflow as fedjax_stackoverflow
+import numpy as np
+import sentencepiece as spm
+
+from fedlite_jax.datasets import cache
+from fedlite_jax.datasets import info as info_lib
+from fedlite_jax.datasets import shakespeare
+from fedlite_jax.datasets import stackoverflow
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+UNK_ID = 3
+NUM_SPECIAL_IDS = 4
+SPECIAL_PIECES = {PAD_ID: '<pad>', BOS_ID: '<s>', EOS_ID: '</s>',
+                  UNK_ID: '<unk>'}
+DEFAULT_VOCAB_SIZE = 4096
+DEFAULT_SEQUENCE_LENGTH = 30
+MODEL_TYPES = ('unigram', 'bpe')
+# Bump when the training text or the option set changes (keys the cache).
+PIPELINE_VERSION = 'sp_v1'
+
+Examples = Mapping[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class SentencePieceConfig:
+  """Training options of a SentencePiece model (all part of the cache key).
+
+  Attributes:
+    vocab_size: total number of ids including PAD, BOS, EOS and UNK (default
+      4,096: the paper's "4K"); must be > 4.
+    model_type: 'unigram' (SentencePiece's default; Kudo 2018) or 'bpe'.
+    character_coverage: fraction of characters covered by the alphabet
+      (SentencePiece's default 0.9995); rarer characters map to UNK.
+    input_sentence_size: at most this many training sentences are kept
+      (sampled with the seeded generator); 0 keeps all.
+    seed: seed of SentencePiece's random generator.
+    max_sentence_length: sentences longer than this many bytes are skipped
+      by the trainer (SentencePiece's default 4,192).
+  """
+  vocab_size: int = DEFAULT_VOCAB_SIZE
+  model_type: str = 'unigram'
+  character_coverage: float = 0.9995
+  input_sentence_size: int = 1_000_000
+  seed: int = 0
+  max_sentence_length: int = 4192
+
+  def validate(self) -> None:
+    """Raises ``ValueError`` naming the first bad option."""
+    size = self.vocab_size
+    if isinstance(size, bool) or not isinstance(
+        size, (int, np.integer)) or size <= NUM_SPECIAL_IDS:
+      raise ValueError(f'vocab_size must be an integer > {NUM_SPECIAL_IDS} '
+                       f'(PAD, BOS, EOS, UNK plus pieces), got '
+                       f'{self.vocab_size!r}.')
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f'model_type must be one of {MODEL_TYPES}, got '
+                       f'{self.model_type!r}.')
+    if not 0.0 < self.character_coverage <= 1.0:
+      raise ValueError(f'character_coverage must be in (0, 1], got '
+                       f'{self.character_coverage!r}.')
+    if self.input_sentence_size < 0:
+      raise ValueError(f'input_sentence_size must be >= 0, got '
+                       f'{self.input_sentence_size!r}.')
+    if self.max_sentence_length < 1:
+      raise ValueError(f'max_sentence_length must be >= 1, got '
+                       f'{self.max_sentence_length!r}.')
+
+  def cache_key(self) -> str:
+    return '|'.join(f'{f.name}={getattr(self, f.name)!r}'
+                    for f in dataclasses.fields(self))
+
+
+def normalize_text(text: bytes | str) -> str:
+  """UTF-8 text with every whitespace run (newlines too) collapsed to ' '.
+
+  Args:
+    text: bytes (invalid UTF-8 becomes U+FFFD) or str.
+
+  Returns:
+    The stripped, whitespace-collapsed string ('' for blank text).
+  """
+  if isinstance(text, (bytes, np.bytes_)):
+    text = bytes(text).decode('utf-8', errors='replace')
+  return ' '.join(str(text).split())
+
+
+def train_sentencepiece(sentences: Iterable[str],
+                        config: SentencePieceConfig = SentencePieceConfig()
+                        ) -> bytes:
+  """Trains a SentencePiece model with the id layout of this module.
+
+  Args:
+    sentences: training sentences (str); blank ones are skipped.
+    config: training options (see :class:`SentencePieceConfig`).
+
+  Returns:
+    The serialized ``ModelProto`` (bytes), loadable with
+    :class:`SubwordTokenizer` or ``spm.SentencePieceProcessor(model_proto=)``.
+    The same sentences and config give the same bytes.
+
+  Raises:
+    ValueError: a bad config value; no non-blank sentence; or a
+      ``vocab_size`` larger than the corpus supports (the message names the
+      requested size and SentencePiece's limit).
+  """
+  config.validate()
+  non_blank = (s for s in sentences if s and not s.isspace())
+  first = next(non_blank, None)
+  if first is None:
+    raise ValueError('Cannot train a SentencePiece model on an empty corpus '
+                     '(no non-blank sentence).')
+
+  def all_sentences() -> Iterator[str]:
+    yield first
+    yield from non_blank
+
+  writer = io.BytesIO()
+  spm.set_random_generator_seed(int(config.seed))
+  start = time.perf_counter()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=all_sentences(),
+        model_writer=writer,
+        vocab_size=int(config.vocab_size),
+        model_type=config.model_type,
+        character_coverage=float(config.character_coverage),
+        input_sentence_size=int(config.input_sentence_size),
+        shuffle_input_sentence=True,
+        max_sentence_length=int(config.max_sentence_length),
+        pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+        pad_piece=SPECIAL_PIECES[PAD_ID], bos_piece=SPECIAL_PIECES[BOS_ID],
+        eos_piece=SPECIAL_PIECES[EOS_ID], unk_piece=SPECIAL_PIECES[UNK_ID],
+        hard_vocab_limit=True,
+        num_threads=1,
+        minloglevel=2)
+  except RuntimeError as e:
+    if 'Vocabulary size' in str(e) or 'vocab_size' in str(e):
+      raise ValueError(
+          f'vocab_size={config.vocab_size} is larger than this corpus '
+          f'supports; SentencePiece says: {str(e).strip()}') from None
+    raise
+  logging.info('fedlite_jax.datasets: trained a %d-piece SentencePiece %s '
+               'model in %.1f s', config.vocab_size, config.model_type,
+               time.perf_counter() - start)
+  return writer.getvalue()
+
+
+class SubwordTokenizer:
+  """Text -> next-token-prediction ids with a SentencePiece model.
+
+  Attributes:
+    num_ids: the model's output size (= the SentencePiece vocab size).
+    vocab_size: sub-word pieces without the 4 special ids (num_ids - 4).
+    oov_id: UNK's id, 3.
+    model_proto: the serialized model.
+  """
+
+  def __init__(self, model_proto: bytes):
+    """Loads a model and checks its special ids.
+
+    Args:
+      model_proto: a serialized SentencePiece ``ModelProto``.
+
+    Raises:
+      ValueError: the proto does not load, or its PAD/BOS/EOS/UNK ids are not
+        0/1/2/3 (e.g. a model trained with SentencePiece's default ids).
+    """
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      self._sp.LoadFromSerializedProto(model_proto)
+    except (RuntimeError, OSError) as e:
+      raise ValueError(f'Not a SentencePiece model proto: {e}') from None
+    got = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(),
+           self._sp.unk_id())
+    if got != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
+      raise ValueError(f'SentencePiece model has (pad, bos, eos, unk) ids '
+                       f'{got}; this pipeline needs (0, 1, 2, 3).')
+    self.model_proto = bytes(model_proto)
+    self.num_ids = int(self._sp.get_piece_size())
+    self.vocab_size = self.num_ids - NUM_SPECIAL_IDS
+    self.oov_id = UNK_ID
+
+  def pieces(self, text: str) -> list[str]:
+    """The sub-word pieces of normalized ``text`` (for inspection)."""
+    return self._sp.encode(normalize_text(text), out_type=str)
+
+  def piece_ids(self, texts: Sequence[bytes | str]) -> list[list[int]]:
+    """Sub-word ids (no BOS/EOS) of each normalized text."""
+    return self._sp.encode([normalize_text(t) for t in texts])
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of ``ids``; PAD, BOS and EOS are dropped."""
+    return self._sp.decode([int(i) for i in ids
+                            if i not in (PAD_ID, BOS_ID, EOS_ID)])
+
+  def encode(self, texts: Sequence[bytes | str],
+             max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes a batch of texts.
+
+    Args:
+      texts: [B] bytes or str.
+      max_length: L >= 1.
+
+    Returns:
+      (x, y), int32 [B, L] each: ``x = ([BOS] + ids)[:L]``, ``y = (ids +
+      [EOS])[:L]``, right-padded with PAD (0).
+
+    Raises:
+      ValueError: max_length < 1.
+    """
+    if max_length < 1:
+      raise ValueError(f'max_length must be >= 1, got {max_length}.')
+    all_ids = self.piece_ids(list(texts))
+    x = np.zeros((len(all_ids), max_length), np.int32)
+    y = np.zeros((len(all_ids), max_length), np.int32)
+    for i, ids in enumerate(all_ids):
+      seq_x = [BOS_ID] + ids[:max_length - 1]
+      seq_y = (ids + [EOS_ID])[:max_length]
+      x[i, :len(seq_x)] = seq_x
+      y[i, :len(seq_y)] = seq_y
+    return x, y
+
+  def as_preprocess_batch(
+      self, feature: str,
+      max_length: int) -> Callable[[Examples], dict[str, np.ndarray]]:
+    """A ``FederatedData.preprocess_batch`` function.
+
+    Maps ``{feature: [B] bytes, optional 'domain_id'}`` to ``{'x', 'y'}``
+    int32 [B, L] (plus 'domain_id' if present).
+
+    Raises:
+      ValueError: max_length < 1.
+    """
+    if max_length < 1:
+      raise ValueError(f'max_length must be >= 1, got {max_length}.')
+
+    def preprocess_batch(examples: Examples) -> dict[str, np.ndarray]:
+      x, y = self.encode(examples[feature], max_length)
+      out = {'x': x, 'y': y}
+      if 'domain_id' in examples:
+        out['domain_id'] = examples['domain_id']
+      return out
+
+    return preprocess_batch
+
+
+def split_sentences(fd: fedjax.FederatedData, feature: str,
+                    split_lines: bool) -> Iterator[str]:
+  """Training sentences of a raw split, client by client in FedJAX order.
+
+  Args:
+    fd: raw federated data with a bytes feature.
+    feature: the text feature ('snippets', 'tokens').
+    split_lines: yield each line of an example separately.
+
+  Yields:
+    Normalized, non-blank strings.
+  """
+  for _, cds in fd.clients():
+    for text in cds.all_examples()[feature]:
+      text = bytes(text).decode('utf-8', errors='replace')
+      parts = text.split('\n') if split_lines else (text,)
+      for part in parts:
+        s = normalize_text(part)
+        if s:
+          yield s
+
+
+def cached_sentencepiece_model(
+    sentences: Callable[[], Iterable[str]],
+    name: str,
+    source_paths: Sequence[str],
+    derivation: str,
+    config: SentencePieceConfig = SentencePieceConfig(),
+    cache_directory: str | os.PathLike[str] | None = None
+) -> tuple[bytes, str]:
+  """:func:`train_sentencepiece`, cached as a ``.model`` file.
+
+  Args:
+    sentences: called only on a cache miss; returns the training sentences.
+    name: file-name prefix, e.g. 'shakespeare_train'.
+    source_paths: the files the sentences come from (their identity keys the
+      cache, :func:`fedlite_jax.datasets.cache.fingerprint`).
+    derivation: how the sentences are made (part of the key).
+    config: training options (part of the key).
+    cache_directory: see :func:`fedlite_jax.datasets.cache.cache_dir`.
+
+  Returns:
+    (model proto bytes, path of the cached ``.model`` file).
+
+  Raises:
+    ValueError: as :func:`train_sentencepiece`.
+  """
+  config.validate()
+  key = cache.fingerprint(list(source_paths), derivation, config.cache_key(),
+                          PIPELINE_VERSION)
+  path = os.path.join(cache.cache_dir(cache_directory),
+                      f'{name}.sp{config.vocab_size}.{key}.model')
+  if os.path.isfile(path):
+    logging.info('fedlite_jax.datasets: reusing SentencePiece model %s', path)
+    with open(path, 'rb') as f:
+      return f.read(), path
+  logging.info('fedlite_jax.datasets: training a SentencePiece model '
+               '(one-time) -> %s', path)
+  proto = train_sentencepiece(sentences(), config)
+  tmp = cache.atomic_path(path)
+  with open(tmp, 'wb') as f:
+    f.write(proto)
+  os.replace(tmp, path)
+  return proto, path
+
+
+def _check_length(sequence_length: int) -> None:
+  if isinstance(sequence_length, bool) or not isinstance(
+      sequence_length, (int, np.integer)) or sequence_length < 1:
+    raise ValueError(f'sequence_length must be an integer >= 1, got '
+                     f'{sequence_length!r}.')
+
+
+def _info(task: str, tokenizer: SubwordTokenizer, sequence_length: int,
+          train: fedjax.FederatedData, test: fedjax.FederatedData,
+          opened, model_path: str, derived: str) -> info_lib.DatasetInfo:
+  files = tuple(dict.fromkeys(opened.paths[s] for s in ('train', 'test')))
+  return info_lib.DatasetInfo(
+      task=task,
+      num_classes=tokenizer.num_ids,
+      input_shape=(sequence_length,),
+      x_dtype='int32',
+      y_dtype='int32',
+      num_train_clients=train.num_clients(),
+      num_test_clients=test.num_clients(),
+      format=opened.format,
+      source=os.path.dirname(files[0]),
+      files=files,
+      cached_files=tuple(opened.cached.values()) + (model_path,),
+      derived=derived,
+      sequence_length=sequence_length,
+      vocab_size=tokenizer.vocab_size,
+      oov_id=tokenizer.oov_id)
+
+
+def load_shakespeare_sp(
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+    config: SentencePieceConfig = SentencePieceConfig(),
+    allow_download: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None
+) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
+  """Shakespeare next-sub-word prediction with a SentencePiece vocabulary.
+
+  Args:
+    data_dir: explicit data directory (see :mod:`fedlite_jax.datasets.locate`).
+    sequence_length: L (default 30, Ro et al. App. A).
+    config: SentencePiece options (default: 4,096 ids, unigram, seed 0).
+    allow_download: let FedJAX download its copy if nothing is found locally
+      (the SentencePiece model itself is always trained here).
+    cache_dir: cache for conversions and the SentencePiece model.
+
+  Returns:
+    (train, test, info). Batches: ``x``, ``y`` int32 [B, L] in
+    [0, config.vocab_size); ``info.num_classes = config.vocab_size``,
+    ``info.oov_id = 3``, ``info.vocab_size = config.vocab_size - 4``.
+
+  Raises:
+    DatasetNotFoundError: no Shakespeare files found.
+    ValueError: a bad sequence_length or config, or a vocab_size the training
+      split cannot support.
+  """
+  _check_length(sequence_length)
+  config.validate()
+  train_raw, test_raw, opened = shakespeare.load_snippets(
+      data_dir, allow_download=allow_download, cache_dir=cache_dir)
+  source = [opened.cached.get('train') or opened.paths['train']]
+  proto, model_path = cached_sentencepiece_model(
+      lambda: split_sentences(train_raw, 'snippets', split_lines=True),
+      'shakespeare_train', source, 'snippets lines, whitespace collapsed',
+      config, cache_dir)
+  tokenizer = SubwordTokenizer(proto)
+  preprocess = tokenizer.as_preprocess_batch('snippets', sequence_length)
+  train = train_raw.preprocess_batch(preprocess)
+  test = test_raw.preprocess_batch(preprocess)
+  return train, test, _info(
+      'shakespeare_sp', tokenizer, sequence_length, train, test, opened,
+      model_path,
+      f'sub-word next-token prediction: SentencePiece {config.model_type} '
+      f'{config.vocab_size} ids trained on the training snippets '
+      f'(seed {config.seed}); one example per snippet, first '
+      f'{sequence_length} tokens')
+
+
+def load_stackoverflow_sp(
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+    config: SentencePieceConfig = SentencePieceConfig(),
+    allow_download: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None
+) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
+  """StackOverflow next-sub-word prediction (Ro et al. 2022, Sec. 3).
+
+  The SentencePiece model is trained on the training split's ``tokens``
+  (streamed once; ``config.input_sentence_size`` posts are kept by the
+  trainer's seeded reservoir sample), then cached. Clients keep FedJAX's
+  ``domain_id`` (``stackoverflow.preprocess_client``).
+
+  Args:
+    data_dir: explicit data directory.
+    sequence_length: L (default 30).
+    config: SentencePiece options.
+    allow_download: let FedJAX download StackOverflow if nothing is local.
+    cache_dir: cache for conversions and the SentencePiece model.
+
+  Returns:
+    (train, test, info) as :func:`load_shakespeare_sp`, plus ``domain_id``
+    int32 [B] in batches.
+
+  Raises:
+    DatasetNotFoundError: no StackOverflow files found.
+    ValueError: as :func:`load_shakespeare_sp`.
+  """
+  _check_length(sequence_length)
+  config.validate()
+  opened = stackoverflow.load_raw(('train', 'test'), data_dir,
+                                  allow_download=allow_download,
+                                  cache_dir=cache_dir)
+  train_raw = opened.splits['train']
+  source = [opened.cached.get('train') or opened.paths['train']]
+  proto, model_path = cached_sentencepiece_model(
+      lambda: split_sentences(train_raw, 'tokens', split_lines=False),
+      'stackoverflow_train', source, "raw 'tokens', one post per sentence",
+      config, cache_dir)
+  tokenizer = SubwordTokenizer(proto)
+  preprocess = tokenizer.as_preprocess_batch('tokens', sequence_length)
+  train, test = (
+      opened.splits[s].preprocess_client(
+          fedjax_stackoverflow.preprocess_client).preprocess_batch(preprocess)
+      for s in ('train', 'test'))
+  return train, test, _info(
+      'stackoverflow_sp', tokenizer, sequence_length, train, test, opened,
+      model_path,
+      f'sub-word next-token prediction: SentencePiece {config.model_type} '
+      f'{config.vocab_size} ids trained on the training posts (seed '
+      f'{config.seed}, <= {config.input_sentence_size} sampled posts)')
+
+
+SP_TASKS = {'shakespeare': load_shakespeare_sp,
+            'stackoverflow_nwp': load_stackoverflow_sp}
+
+
+def load_sentencepiece_data(
+    task: str,
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+    allow_download: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None
+) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
+  """``tokenizer='sentencepiece'`` version of a text task.
+
+  Args:
+    task: 'shakespeare' or 'stackoverflow_nwp'.
+    data_dir, sequence_length, allow_download, cache_dir: as the loaders.
+    vocab_size: SentencePiece ids including the 4 special ones.
+    seed: SentencePiece's training seed.
+
+  Returns:
+    (train, test, info).
+
+  Raises:
+    ValueError: an unknown task (naming the allowed ones) or a bad argument.
+  """
+  if task not in SP_TASKS:
+    raise ValueError(f'tokenizer=sentencepiece supports tasks '
+                     f'{sorted(SP_TASKS)}, got {task!r}.')
+  return SP_TASKS[task](
+      data_dir, sequence_length=sequence_length,
+      config=SentencePieceConfig(vocab_size=vocab_size, seed=seed),
+      allow_download=allow_download, cache_dir=cache_dir)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> SubwordTokenizer:
+  """A :class:`SubwordTokenizer` from a ``.model`` file (e.g. the cache's).
+
+  Raises:
+    FileNotFoundError: no such file.
+    ValueError: not a suitable model.
+  """
+  with open(path, 'rb') as f:
+    return SubwordTokenizer(f.read())

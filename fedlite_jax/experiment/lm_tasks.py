@@ -1,0 +1,81 @@
+"""Hooks for ``--tokenizer`` and ``--model`` on the text tasks.
+
+Ro et al. (2022) train on StackOverflow with a 4K SentencePiece vocabulary
+and max sequence length 30, with CIFG-LSTM / Transformer models (Table 1).
+These helpers let ``tasks.py`` offer that without knowing the details:
+
+* :func:`load_text_data`: ``tokenizer='word'`` -> the word pipeline
+  (:func:`fedlite_jax.datasets.load_federated_data`); ``'sentencepiece'`` ->
+  :func:`fedlite_jax.datasets.sentencepiece_vocab.load_sentencepiece_data`
+  (SentencePiece model trained on the training split, cached, seed fixed at
+  0 so the vocabulary does not change with ``--seed``).
+* :func:`build_lm`: a :mod:`fedlite_jax.models.lm` preset sized for the
+  loaded data (``vocab_size = info.num_classes``, ``oov_id = info.oov_id``,
+  ``max_length = info.sequence_length``); without ``--model`` it is
+  ``'lstm_small'`` for SentencePiece data (the word-level FedJAX LSTM's
+  OOV convention does not fit the SentencePiece ids) and None (the task's
+  default model) otherwise.
+
+Config fields read (with defaults when absent, so this works before the
+fields exist): ``tokenizer`` ('word'), ``model`` (None), ``sp_vocab_size``
+(4,096), ``lm_loss_reduction`` ('sequence_sum').
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fedlite_jax import datasets
+from fedlite_jax.datasets import sentencepiece_vocab
+from fedlite_jax.models import lm
+
+TOKENIZERS = ('word', 'sentencepiece')
+MODELS = tuple(lm.PRESETS)
+DEFAULT_SP_MODEL = 'lstm_small'
+
+
+def load_text_data(config: Any, task: str):
+  """``(train, test, DatasetInfo)`` of a text task with ``config.tokenizer``.
+
+  Raises:
+    ValueError: an unknown tokenizer, or sentencepiece for a task without
+      text (names the allowed values).
+    DatasetNotFoundError: the task's files are missing.
+  """
+  tokenizer = getattr(config, 'tokenizer', 'word')
+  if tokenizer not in TOKENIZERS:
+    raise ValueError(f'--tokenizer={tokenizer!r}: allowed values are '
+                     f'{", ".join(TOKENIZERS)}.')
+  if tokenizer == 'sentencepiece':
+    return sentencepiece_vocab.load_sentencepiece_data(
+        task, config.data_dir, sequence_length=config.sequence_length,
+        vocab_size=getattr(config, 'sp_vocab_size',
+                           sentencepiece_vocab.DEFAULT_VOCAB_SIZE),
+        allow_download=config.allow_download)
+  return datasets.load_federated_data(
+      task, config.data_dir, sequence_length=config.sequence_length,
+      vocab_size=config.vocab_size, allow_download=config.allow_download)
+
+
+def build_lm(config: Any, info: datasets.DatasetInfo) -> Optional[Any]:
+  """The ``--model`` preset for ``info``'s vocabulary (None: task default).
+
+  Raises:
+    ValueError: an unknown preset (naming the allowed ones) or a task that
+      is not next-token prediction.
+  """
+  name = getattr(config, 'model', None)
+  if name is None:
+    if not info.task.endswith('_sp'):
+      return None
+    name = DEFAULT_SP_MODEL
+  if name not in lm.PRESETS:
+    raise ValueError(f'--model={name!r}: allowed values are '
+                     f'{", ".join(lm.PRESETS)}.')
+  if info.sequence_length is None or info.oov_id is None:
+    raise ValueError(f'--model={name} is a language model; task '
+                     f'{info.task!r} is not next-token prediction.')
+  return lm.create_lm(
+      name, vocab_size=info.num_classes, max_length=info.sequence_length,
+      oov_id=info.oov_id,
+      loss_reduction=getattr(config, 'lm_loss_reduction', 'sequence_sum'))
