@@ -55,6 +55,9 @@ class CommLedger:
       over the same client-rounds (bits).
     client_rounds: number of (client, round) participations recorded.
     rounds: number of rounds recorded.
+    extra_bits: running sums of algorithm-specific per-client diagnostics
+      (e.g. FedLite's ``activation_bits``); its keys are fixed when the
+      ledger is created, missing entries in a client's diagnostics count 0.
   """
   num_params: int
   upload_bits: float = 0.0
@@ -63,6 +66,7 @@ class CommLedger:
   baseline_download_bits: float = 0.0
   client_rounds: int = 0
   rounds: int = 0
+  extra_bits: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.num_params <= 0:
@@ -111,6 +115,8 @@ class CommLedger:
               'finite number >= 0.')
       round_up += up
       round_down += down
+      for key in self.extra_bits:
+        self.extra_bits[key] += float(d.get(key, 0.0))
       if self._csv is not None:
         cid_str = cid.decode(errors='replace') if isinstance(cid, bytes) else cid
         self._csv.write(f'{round_num},{cid_str},{up:.17g},{down:.17g}\n')
@@ -159,9 +165,13 @@ class CommLedger:
 
   def state_dict(self) -> dict[str, Any]:
     """Plain state for checkpoints."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out['extra_bits'] = dict(self.extra_bits)
+    return out
 
   @classmethod
   def from_state_dict(cls, state: Mapping[str, Any]) -> 'CommLedger':
     """Inverse of :meth:`state_dict`."""
-    return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})
+    return cls(**{f.name: (dict(state[f.name]) if f.name == 'extra_bits'
+                           else state[f.name])
+                  for f in dataclasses.fields(cls) if f.name in state})

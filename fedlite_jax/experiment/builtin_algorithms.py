@@ -8,3 +8,4 @@ from fedlite_jax.experiment import algo_fedavg  # noqa: F401
 from fedlite_jax.experiment import algo_lm  # noqa: F401
 from fedlite_jax.experiment import algo_baselines  # noqa: F401
 from fedlite_jax.experiment import algo_igc  # noqa: F401
+from fedlite_jax.experiment import algo_splitfed  # noqa: F401

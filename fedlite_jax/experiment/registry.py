@@ -17,7 +17,7 @@ Contract of a built algorithm (``fedjax.FederatedAlgorithm``):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import fedjax
 
@@ -71,12 +71,20 @@ class AlgorithmSpec:
     build: ``BuildContext -> fedjax.FederatedAlgorithm``.
     options: its own settings (see :class:`Option`).
     eval_params: ``state -> params`` of the model to evaluate.
+    communication_keys: per-client diagnostics keys (bits) that the ledger
+      sums over the run, beside ``upload_bits`` / ``download_bits``.
+    communication_summary: ``totals -> dict`` merged into
+      ``summary['communication']``; ``totals`` maps each of
+      ``communication_keys`` to its sum over all client-rounds.
   """
   name: str
   description: str
   build: Callable[[BuildContext], fedjax.FederatedAlgorithm]
   options: tuple[Option, ...] = ()
   eval_params: Callable[[Any], Any] = lambda state: state.params
+  communication_keys: tuple[str, ...] = ()
+  communication_summary: Optional[
+      Callable[[Mapping[str, float]], dict[str, float]]] = None
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}

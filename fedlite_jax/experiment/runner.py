@@ -28,7 +28,6 @@ from fedlite_jax.algorithms import fedavg
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.experiment import config as config_lib
 from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import init_params
 from fedlite_jax.experiment import outputs
 from fedlite_jax.experiment import registry
 from fedlite_jax.experiment import tasks
@@ -99,19 +98,14 @@ def run(config: RunConfig) -> dict[str, Any]:
   split_model = task.build_model(config, info)
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
-  if config.init_checkpoint:
-    try:
-      params = init_params.load_params(config.init_checkpoint, params)
-    except (FileNotFoundError, ValueError) as e:
-      raise ConfigError(str(e)) from None
-    logging.info('Initial parameters from %s', config.init_checkpoint)
   spec = registry.get(config.algorithm)
   algorithm = build_algorithm(registry.BuildContext(
       config=config, split_model=split_model,
       num_params=fedavg.num_params(params),
       train_client_ids=tuple(train_fd.client_ids()), info=info))
   state = algorithm.init(params)
-  ledger = CommLedger(fedavg.num_params(params))
+  ledger = CommLedger(fedavg.num_params(params), extra_bits={
+      k: 0.0 for k in spec.communication_keys})
 
   fingerprint = config.fingerprint()
   start_round = 0
@@ -195,12 +189,15 @@ def run(config: RunConfig) -> dict[str, Any]:
   final_eval = {k: v for k, v in final_eval.items()
                 if k not in ('round', 'upload_bytes', 'download_bytes',
                              'seconds_per_round')}
+  communication = ledger.summary()
+  if spec.communication_summary is not None:
+    communication.update(spec.communication_summary(ledger.extra_bits))
   summary = {
       'task': config.task,
       'algorithm': config.algorithm,
       'rounds': config.num_rounds,
       'final_eval': final_eval,
-      'communication': ledger.summary(),
+      'communication': communication,
       'seconds_per_round': float(np.mean(round_seconds)) if round_seconds else None,
       'round_engine': engine,
       'data': info.description,

@@ -1,0 +1,545 @@
+"""SplitFed and FedLite as FedJAX algorithms (one iteration per round).
+
+Sources: Wang et al., 2022, "FedLite: A Scalable Approach for Federated
+Learning on Resource-constrained Clients": Section 3 (SplitFed, Thapa et al.
+2020), Section 4.1 (grouped product quantization of the uploaded
+activations), Section 4.2 / equation 5 (gradient correction), Appendix A.
+
+One ``apply`` is one iteration of Section 3 for the sampled clients ``S``:
+
+1. **Client forward.** Client ``i`` takes one mini-batch of ``B`` examples
+   and computes ``Z_i = u(w_c; batch_i)`` (``[B, d]``, or ``[B, T, d]`` for
+   the NWP LSTM: ``N = B T`` vectors of size ``d``, one per token position).
+2. **Upload.** SplitFed sends ``Z_i``; FedLite sends the grouped-PQ message
+   of ``Z_i`` (codebook + codewords, :func:`fedlite_jax.fedlite.pq.grouped_pq`,
+   with a fresh codebook every iteration, as the paper requires), from which
+   the server rebuilds ``Z~_i``. Labels go up as well.
+3. **Server update.** The server evaluates its part on the concatenation of
+   all clients' (quantized) activations; its objective is
+   ``F_s = sum_i p_i l_i / sum_i p_i`` with ``l_i`` the mean training loss of
+   client ``i``'s batch (``model.train_loss``, averaged over the ``B``
+   examples, as ``fedjax.model_grad``). It steps ``w_s`` with its own
+   optimizer on ``dF_s/dw_s`` and returns ``G_i = dl_i/dZ~_i`` to client ``i``.
+4. **Client backward.** Equation 5 for every example, averaged like the
+   loss: ``g_i = [G_i + lambda' M_i (Z_i - Z~_i)]^T dZ_i/dw_c``. With the
+   default ``lambda_scaling='example'``, ``lambda' = lambda / B``: the
+   corrected per-example gradients ``[dl_j/dz~_j + lambda (z_j - z~_j)]
+   dz_j/dw_c`` are averaged over the batch exactly as the paper's analysis
+   does (Appendix B, equation 36), i.e. the Appendix A surrogate
+   ``(lambda/2) ||z_j - z~_j||^2`` is added to every example's loss (summed
+   over its vectors for sequences) before the batch mean; this equals
+   :func:`fedlite_jax.fedlite.vq_layer.vq_with_correction` with
+   ``loss_reduction='mean'`` and ``num_vectors = B``. With
+   ``lambda_scaling='batch'``, ``lambda' = lambda``: ``lambda (Z - Z~)`` is
+   added to the gradient of the client's batch-mean loss (a plain
+   ``custom_vjp`` adding ``lambda (z - z~)`` in a mean-loss model;
+   ``lambda_batch = lambda_example / B``). The paper does not say which its
+   code used. ``M_i`` masks vectors that carry no loss (NWP positions whose
+   target is PAD, see :func:`loss_vector_mask`); ``lambda = 0`` is the
+   straight-through update and SplitFed has no correction (``Z~ = Z``).
+5. **Client-model synchronization.** ``g_c = sum_i p_i g_i / sum_i p_i`` is
+   applied to ``w_c`` with the client optimizer.
+
+Weights ``p_i``: ``'uniform'`` (default, ``p_i = 1``: every client contributes
+``B`` examples, so with SGD and no quantization the iteration IS one step of
+mini-batch SGD on the whole model over the ``B |S|`` examples, with learning
+rate ``eta_c`` on ``w_c`` and ``eta_s`` on ``w_s``; ``eta_c = eta_s = eta``
+gives plain SGD(``eta``) -- ``tests/test_splitfed.py`` checks this against
+``jax.grad`` of the whole ``fedjax.Model``) or ``'num_examples'`` (``p_i =
+|D_i|``, the client's dataset size; still exact SGD on that weighted loss).
+
+Mini-batch choice: clients are stateless (FedJAX gives each sampled client a
+fresh PRNG key per round), so "its next batch" is the first batch of a
+shuffle-repeat pass seeded by the client's key
+(``fedjax.ShuffleRepeatBatchHParams(batch_size=B, num_epochs=None,
+num_steps=1)``, seed :func:`fedlite_jax.algorithms.batching.
+shuffle_seed_from_rng`): ``B`` examples uniformly without replacement, or the
+whole dataset plus uniformly re-drawn examples when it has fewer than ``B``.
+Dropout (client and server part) uses ``fold_in(key, 1)`` of the client's
+key -- the same key for both parts, so the split model draws exactly the
+masks ``model.apply_for_train(params, batch_i, fold_in(key, 1))`` would -- and
+the k-means initialization ``fold_in(key, 2)``.
+
+Execution: the whole iteration of all clients is ONE jitted program: the
+clients' forward passes (``client_execution='vmap'``: ``jax.vmap`` over
+clients with the shared ``w_c``, so a convolution is one convolution over
+``|S| B`` images, not a grouped one; ``'unroll'``: one forward per client,
+unrolled in the same program, the CPU default because XLA:CPU's
+convolution-kernel and max-pool gradients scale badly with the batch), the
+quantizer vmapped over clients (one k-means per client), the server step on
+all clients' activations, and the VJP of the client forward with the
+per-client cotangents ``(p_i / sum p) [G_i + correction_i]``, which yields
+``g_c`` directly (the weighted sum of the per-client ``g_i``, by linearity).
+The program is compiled once per cohort size and batch shape.
+
+Communication per client per iteration: see
+:mod:`fedlite_jax.algorithms.split_accounting`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+
+import fedjax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedlite_jax.algorithms import batching
+from fedlite_jax.algorithms import split_accounting
+from fedlite_jax.fedlite import pq
+from fedlite_jax.models import split as split_lib
+
+Params = Any
+Batch = Mapping[str, Any]
+ClientWeighting = Literal['uniform', 'num_examples']
+VectorMaskFn = Callable[[Batch, jax.Array], jax.Array]
+ClientExecution = Literal['auto', 'vmap', 'unroll']
+LambdaScaling = Literal['batch', 'example']
+
+PAD_ID = 0
+AUTO_LABEL_BITS = -1
+_DROPOUT_FOLD = 1
+_KMEANS_FOLD = 2
+
+
+@fedjax.dataclass
+class SplitState:
+  """Server-held state of SplitFed / FedLite.
+
+  Attributes:
+    params: the whole model ``{'client': w_c, 'server': w_s}``.
+    client_opt_state: optax state of the client-side model's optimizer (the
+      synchronized client model is updated centrally, step 5).
+    server_opt_state: optax state of the server-side model's optimizer.
+  """
+  params: Params
+  client_opt_state: optax.OptState
+  server_opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizerConfig:
+  """FedLite's quantization layer (Sections 4.1 and 4.2).
+
+  Attributes:
+    num_subvectors: ``q``, subvectors per activation vector (divides ``d``).
+    num_groups: ``R``, groups sharing one codebook (divides ``q``; 1 is the
+      paper's default, ``R = q`` vanilla product quantization).
+    num_centroids: ``L``, k-means centroids per group
+      (``1 <= L <= N q / R`` with ``N`` vectors per client).
+    correction_lambda: ``lambda >= 0`` of equation 5 (module docstring); 0
+      is the straight-through update.
+    lambda_scaling: ``'example'`` (default; ``lambda / B``: equation 5 per
+      example, averaged as in Appendix B eq. 36) or ``'batch'`` (``lambda
+      (Z - Z~)`` added to the gradient of the client's batch-mean loss).
+    kmeans_iters: Lloyd iterations per k-means (``>= 0``).
+    empty_cluster: ``'farthest'`` or ``'keep'`` (see
+      :mod:`fedlite_jax.fedlite.pq`).
+  """
+  num_subvectors: int
+  num_groups: int = 1
+  num_centroids: int = 2
+  correction_lambda: float = 0.0
+  lambda_scaling: LambdaScaling = 'example'
+  kmeans_iters: int = pq.DEFAULT_NUM_ITERS
+  empty_cluster: pq.EmptyClusterRule = 'farthest'
+
+  def __post_init__(self):
+    for name in ('num_subvectors', 'num_groups', 'num_centroids'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
+    if self.num_subvectors % self.num_groups:
+      raise ValueError(f'num_groups (R) must divide num_subvectors '
+                       f'q={self.num_subvectors}, got R={self.num_groups}.')
+    lam = self.correction_lambda
+    if (isinstance(lam, bool) or not isinstance(lam, (int, float)) or
+        not math.isfinite(lam) or lam < 0):
+      raise ValueError(f'correction_lambda must be a finite number >= 0, got '
+                       f'{lam!r}.')
+    if self.lambda_scaling not in ('batch', 'example'):
+      raise ValueError(f"lambda_scaling must be 'batch' or 'example', got "
+                       f'{self.lambda_scaling!r}.')
+    if (isinstance(self.kmeans_iters, bool) or
+        not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 0):
+      raise ValueError(f'kmeans_iters must be an integer >= 0, got '
+                       f'{self.kmeans_iters!r}.')
+    if self.empty_cluster not in ('farthest', 'keep'):
+      raise ValueError(f"empty_cluster must be 'farthest' or 'keep', got "
+                       f'{self.empty_cluster!r}.')
+
+  @property
+  def shape(self) -> split_accounting.PQShape:
+    return split_accounting.PQShape(self.num_subvectors, self.num_groups,
+                                    self.num_centroids)
+
+  def validate(self, cut_size: int, num_vectors: int) -> None:
+    """Checks ``q | d``, ``R | q`` and ``L <= N q / R``.
+
+    Raises:
+      ValueError: naming the offending value (``pq.validate_pq_config``).
+    """
+    pq.validate_pq_config(cut_size, num_vectors, self.num_subvectors,
+                          self.num_groups, self.num_centroids)
+
+
+def loss_vector_mask(batch: Batch, activations: jax.Array) -> jax.Array:
+  """Which activation vectors of one client carry training loss.
+
+  For sequence activations ``[B, T, d]`` with integer targets ``batch['y']``
+  of shape ``[B, T]`` (next-word prediction): positions whose target is not
+  PAD (id 0, FedJAX's convention; their loss is masked out of
+  ``train_loss``). Otherwise all vectors.
+
+  Args:
+    batch: one client's batch.
+    activations: its activations, ``[B, d]`` or ``[B, T, d]``.
+
+  Returns:
+    float32 of shape ``activations.shape[:-1]`` with entries in {0, 1}.
+  """
+  lead = activations.shape[:-1]
+  y = batch.get('y') if hasattr(batch, 'get') else None
+  if (len(lead) == 2 and y is not None and tuple(y.shape) == tuple(lead) and
+      jnp.issubdtype(y.dtype, jnp.integer)):
+    return (y != PAD_ID).astype(jnp.float32)
+  return jnp.ones(lead, jnp.float32)
+
+
+def _num_params(tree: Params) -> int:
+  return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
+
+
+def _stack(batches: Sequence[Batch]) -> dict[str, np.ndarray]:
+  keys = set(batches[0])
+  for b in batches[1:]:
+    if set(b) != keys:
+      raise ValueError(f'Clients have different batch keys: {sorted(keys)} vs '
+                       f'{sorted(b)}.')
+  return {k: np.stack([np.asarray(b[k]) for b in batches]) for k in keys}
+
+
+def client_batch(dataset: fedjax.ClientDataset, batch_size: int,
+                 rng: jax.Array) -> dict[str, np.ndarray]:
+  """The one mini-batch a client uses in an iteration (module docstring).
+
+  Args:
+    dataset: the client's data (at least one example).
+    batch_size: ``B``.
+    rng: the client's PRNG key for this iteration.
+
+  Returns:
+    A dict of NumPy arrays with ``B`` rows each.
+
+  Raises:
+    ValueError: if the client has no examples.
+  """
+  hparams = fedjax.ShuffleRepeatBatchHParams(
+      batch_size=batch_size, num_epochs=None, num_steps=1)
+  return batching.client_batches(dataset, hparams, rng)[0]
+
+
+def resolve_client_execution(execution: ClientExecution) -> str:
+  """``'auto'`` -> ``'unroll'`` on CPU, ``'vmap'`` on GPU/TPU.
+
+  Raises:
+    ValueError: for a value other than 'auto', 'vmap', 'unroll'.
+  """
+  if execution not in ('auto', 'vmap', 'unroll'):
+    raise ValueError(f"client_execution must be 'auto', 'vmap' or 'unroll', "
+                     f'got {execution!r}.')
+  if execution == 'auto':
+    return 'unroll' if jax.default_backend() == 'cpu' else 'vmap'
+  return execution
+
+
+def _client_forward_vjp(client_apply, wc, batch, drop, execution: str):
+  """Client forward of all clients and the VJP of their sum w.r.t. ``w_c``.
+
+  Returns ``(z, vjp)``: ``z`` stacks the clients' activations ``[C, ...]``;
+  ``vjp(cotangent[C, ...])`` returns ``(sum_i cot_i^T dz_i/dw_c,)``.
+
+  ``'vmap'``: one ``jax.vmap`` over clients with the shared ``w_c``.
+  ``'unroll'``: a Python loop over clients inside the same jitted program
+  (one forward and one VJP per client, then a sum). On XLA:CPU the
+  convolution-kernel gradient and max-pool gradient scale badly with the
+  batch (EMNIST CNN client part, fwd+bwd: 35 ms at 20 images, 980 ms at 200),
+  so a whole FEMNIST iteration (10 clients x 20) ran ~1.5x faster unrolled
+  (0.8 vs 1.2 s on a loaded 2-core machine).
+  """
+  if execution == 'vmap':
+    return jax.vjp(
+        lambda w: jax.vmap(client_apply, in_axes=(None, 0, 0))(w, batch, drop),
+        wc)
+  num_clients = drop.shape[0]
+  zs, vjps = [], []
+  for i in range(num_clients):
+    batch_i = jax.tree.map(lambda x, i=i: x[i], batch)
+    z_i, vjp_i = jax.vjp(
+        lambda w, b=batch_i, k=drop[i]: client_apply(w, b, k), wc)
+    zs.append(z_i)
+    vjps.append(vjp_i)
+
+  def vjp(cotangent):
+    grads = [vjps[i](cotangent[i])[0] for i in range(num_clients)]
+    return (jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *grads),)
+
+  return jnp.stack(zs), vjp
+
+
+def split_learning(
+    split_model: split_lib.SplitModel,
+    client_optimizer: optax.GradientTransformation,
+    server_optimizer: optax.GradientTransformation,
+    batch_size: int,
+    *,
+    quantizer: Optional[QuantizerConfig] = None,
+    phi: float = pq.DEFAULT_PHI,
+    label_bits: float = AUTO_LABEL_BITS,
+    client_weighting: ClientWeighting = 'uniform',
+    vector_mask_fn: VectorMaskFn = loss_vector_mask,
+    client_execution: ClientExecution = 'auto',
+) -> fedjax.FederatedAlgorithm:
+  """Builds SplitFed (``quantizer=None``) or FedLite as a FedJAX algorithm.
+
+  Args:
+    split_model: the task's :class:`~fedlite_jax.models.SplitModel`.
+    client_optimizer: optax transformation for ``w_c`` (applied once per
+      iteration to the synchronized client gradient ``g_c``; its learning
+      rate is the paper's ``eta_c``).
+    server_optimizer: optax transformation for ``w_s`` (``eta_s``).
+    batch_size: ``B``, examples per client per iteration.
+    quantizer: FedLite's quantizer and ``lambda``; None for SplitFed.
+    phi: bits per float for the ``paper_*`` accounting (paper: 64).
+    label_bits: bits per uploaded label entry; -1 (default) for
+      ``ceil(log2 C)`` with ``C`` the number of model outputs (1 bit per
+      entry for multi-hot labels shaped like the predictions), 0 when labels
+      are not uploaded (vertical FL).
+    client_weighting: ``'uniform'`` or ``'num_examples'`` (``p_i``).
+    vector_mask_fn: ``(client_batch, client_activations) -> mask`` of the
+      vectors that get the gradient correction (:func:`loss_vector_mask`).
+    client_execution: how the clients' forward/backward passes are laid out
+      in the one compiled program: ``'vmap'``, ``'unroll'`` or ``'auto'``
+      (:func:`resolve_client_execution`). Same result to float tolerance.
+
+  Returns:
+    ``fedjax.FederatedAlgorithm(init, apply)``; ``init(params)`` takes the
+    whole model's ``{'client', 'server'}`` parameters and returns a
+    :class:`SplitState`; ``apply(state, [(client_id, ClientDataset, key)])``
+    runs one iteration and returns ``(state, {client_id: diagnostics})``.
+    Diagnostics (floats): ``num_examples`` (``B``), ``loss`` (the client's
+    mean training loss on its batch before the update), for FedLite
+    ``quantization_error`` (mean squared error per vector) and
+    ``relative_quantization_error`` (``||Z - Z~||_F^2 / ||Z||_F^2``), and the
+    bit counts of :data:`split_accounting.BIT_KEYS` (``upload_bits``,
+    ``download_bits``, ``activation_bits``, ...).
+
+  Raises:
+    ValueError: for ``batch_size < 1``, an unknown ``client_weighting``, a
+      negative ``label_bits`` other than -1, an unknown ``client_execution``,
+      or (from ``apply``) a quantizer
+      that does not fit the activations (``q`` not dividing ``d``, ``L``
+      larger than the subvectors of a group, ...), a client without data or
+      clients with different batch keys.
+    FloatingPointError: from ``apply`` when activations or the updated model
+      are not finite (names the clients).
+  """
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or \
+      batch_size < 1:
+    raise ValueError(f'batch_size must be an integer >= 1, got {batch_size!r}.')
+  if client_weighting not in ('uniform', 'num_examples'):
+    raise ValueError(f"client_weighting must be 'uniform' or 'num_examples', "
+                     f'got {client_weighting!r}.')
+  if label_bits != AUTO_LABEL_BITS and not label_bits >= 0:
+    raise ValueError(f'label_bits must be >= 0 or -1 (auto), got '
+                     f'{label_bits!r}.')
+  if quantizer is not None:
+    # q | d and R | q are known now; L <= N q / R is checked on the first
+    # batch, when N (B, or B T for sequences) is known.
+    d = split_model.cut_size
+    if d % quantizer.num_subvectors:
+      raise ValueError(
+          f'num_subvectors (q) must divide the cut size d={d}, got '
+          f'q={quantizer.num_subvectors}.')
+  execution = resolve_client_execution(client_execution)
+  model = split_model.model
+  client_apply = split_model.client_apply
+  server_apply = split_model.server_apply
+  name = 'SplitFed' if quantizer is None else 'FedLite'
+
+  def objective_and_grads(params, batch, rngs, weights):
+    """Steps 1-4 for all clients; returns grads and per-client diagnostics."""
+    wc, ws = split_model.split_params(params)
+    drop = jax.vmap(lambda k: jax.random.fold_in(k, _DROPOUT_FOLD))(rngs)
+    p = weights / jnp.sum(weights)
+
+    z, client_vjp = _client_forward_vjp(client_apply, wc, batch, drop,
+                                        execution)  # [C, B, (T,) d]
+    num_clients = z.shape[0]
+    diag = {}
+    if quantizer is None:
+      z_up = z
+    else:
+      flat = z.reshape(num_clients, -1, z.shape[-1])  # [C, N, d]
+      kmeans_keys = jax.vmap(
+          lambda k: jax.random.fold_in(k, _KMEANS_FOLD))(rngs)
+      quantize = functools.partial(
+          pq.grouped_pq, q=quantizer.num_subvectors, R=quantizer.num_groups,
+          L=quantizer.num_centroids, num_iters=quantizer.kmeans_iters,
+          phi=phi, empty_cluster=quantizer.empty_cluster)
+      result = jax.vmap(quantize)(flat, kmeans_keys)
+      z_up = result.reconstruction.reshape(z.shape)
+      diag['quantization_error'] = result.quantization_error
+      diag['relative_quantization_error'] = result.relative_error
+
+    def server_objective(ws, z_up):
+      preds = jax.vmap(server_apply, in_axes=(None, 0, 0, 0))(ws, z_up, batch,
+                                                              drop)
+      losses = jax.vmap(model.train_loss)(batch, preds)  # [C, B]
+      client_loss = jnp.mean(losses, axis=1)
+      return jnp.sum(p * client_loss), client_loss
+
+    (_, client_loss), (g_server, g_z) = jax.value_and_grad(
+        server_objective, argnums=(0, 1), has_aux=True)(ws, z_up)
+    # g_z[i] = p_i G_i, with G_i = dl_i / dZ~_i the download of client i.
+    cotangent = g_z
+    if quantizer is not None and quantizer.correction_lambda > 0:
+      mask = jax.vmap(vector_mask_fn)(batch, z)  # [C, B, (T)]
+      scale = p * quantizer.correction_lambda
+      if quantizer.lambda_scaling == 'example':
+        scale = scale / z.shape[1]
+      scale = scale.reshape((num_clients,) + (1,) * (z.ndim - 1))
+      cotangent = cotangent + scale * mask[..., None] * (z - z_up)
+    (g_client,) = client_vjp(cotangent)
+    diag['loss'] = client_loss
+    diag['activations_finite'] = jnp.all(
+        jnp.isfinite(z.reshape(num_clients, -1)), axis=1)
+    return split_model.merge_params(g_client, g_server), diag
+
+  @jax.jit
+  def iteration(state: SplitState, batch, rngs, weights):
+    grads, diag = objective_and_grads(state.params, batch, rngs, weights)
+    wc, ws = split_model.split_params(state.params)
+    gc, gs = split_model.split_params(grads)
+    uc, client_opt_state = client_optimizer.update(gc, state.client_opt_state,
+                                                   wc)
+    us, server_opt_state = server_optimizer.update(gs, state.server_opt_state,
+                                                   ws)
+    params = split_model.merge_params(optax.apply_updates(wc, uc),
+                                      optax.apply_updates(ws, us))
+    finite = jnp.all(jnp.asarray(
+        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+    return SplitState(params, client_opt_state, server_opt_state), diag, finite
+
+  bits_cache: dict[Any, split_accounting.IterationBits] = {}
+
+  def bits_for(state: SplitState,
+               batch0: Batch) -> split_accounting.IterationBits:
+    """Per-client bit counts for this batch shape (computed once per shape)."""
+    sig = tuple(sorted((k, tuple(np.shape(v)), str(np.asarray(v).dtype))
+                       for k, v in batch0.items()))
+    if sig in bits_cache:
+      return bits_cache[sig]
+    wc, ws = split_model.split_params(state.params)
+    z = jax.eval_shape(client_apply, wc, batch0, None)
+    preds = jax.eval_shape(server_apply, ws, z, batch0, None)
+    if z.shape[-1] != split_model.cut_size:
+      raise ValueError(f'Client activations have size {z.shape[-1]}, the '
+                       f'model declares cut_size={split_model.cut_size}.')
+    num_vectors = int(np.prod(z.shape[:-1]))
+    if quantizer is not None:
+      quantizer.validate(split_model.cut_size, num_vectors)
+    y = batch0.get('y')
+    if label_bits == 0 or y is None:
+      elements, per_label = 0, 0.0
+    else:
+      elements = int(np.size(y))
+      if label_bits != AUTO_LABEL_BITS:
+        per_label = float(label_bits)
+      elif tuple(np.shape(y)) == tuple(preds.shape):
+        per_label = 1.0  # Multi-hot labels: one bit per entry.
+      else:
+        per_label = float(math.ceil(math.log2(max(preds.shape[-1], 2))))
+    bits = split_accounting.iteration_bits(
+        cut_size=split_model.cut_size,
+        num_vectors=num_vectors,
+        num_client_params=_num_params(wc),
+        num_params=_num_params(state.params),
+        quantizer=None if quantizer is None else quantizer.shape,
+        phi=phi,
+        label_elements=elements,
+        bits_per_label=per_label)
+    bits_cache[sig] = bits
+    return bits
+
+  def init(params: Params) -> SplitState:
+    wc, ws = split_model.split_params(params)
+    return SplitState(params, client_optimizer.init(wc),
+                      server_optimizer.init(ws))
+
+  def apply(state: SplitState,
+            clients: Sequence[tuple[bytes, fedjax.ClientDataset, jax.Array]]):
+    if not clients:
+      raise ValueError(f'{name}: apply needs at least one client.')
+    batches, weights = [], []
+    for cid, cds, rng in clients:
+      if len(cds) == 0:
+        raise ValueError(f'{name}: client {cid!r} has no examples.')
+      batches.append(client_batch(cds, batch_size, rng))
+      weights.append(1.0 if client_weighting == 'uniform' else float(len(cds)))
+    bits = bits_for(state, batches[0]).diagnostics()
+    rngs = jnp.stack([jnp.asarray(rng) for _, _, rng in clients])
+    new_state, diag, finite = iteration(state, _stack(batches), rngs,
+                                        np.asarray(weights, np.float32))
+    diag = jax.device_get(diag)
+    out = {}
+    for i, (cid, _, _) in enumerate(clients):
+      d = {'num_examples': float(batch_size)}
+      d.update({k: float(v[i]) for k, v in diag.items()
+                if k != 'activations_finite'})
+      d.update(bits)
+      out[cid] = d
+    bad = [cid for i, (cid, _, _) in enumerate(clients)
+           if not diag['activations_finite'][i]]
+    if bad or not bool(finite):
+      raise FloatingPointError(
+          f'{name} produced non-finite values; clients with non-finite '
+          f'activations: {bad or "none (the update diverged)"}. Lower the '
+          'client/server learning rates (or lambda).')
+    return new_state, out
+
+  return fedjax.FederatedAlgorithm(init, apply)
+
+
+def splitfed(split_model: split_lib.SplitModel,
+             client_optimizer: optax.GradientTransformation,
+             server_optimizer: optax.GradientTransformation,
+             batch_size: int, **kwargs) -> fedjax.FederatedAlgorithm:
+  """SplitFed (Section 3): :func:`split_learning` without quantization."""
+  if kwargs.get('quantizer') is not None:
+    raise ValueError('splitfed takes no quantizer; use fedlite.')
+  kwargs.pop('quantizer', None)
+  return split_learning(split_model, client_optimizer, server_optimizer,
+                        batch_size, **kwargs)
+
+
+def fedlite(split_model: split_lib.SplitModel,
+            client_optimizer: optax.GradientTransformation,
+            server_optimizer: optax.GradientTransformation,
+            batch_size: int, quantizer: QuantizerConfig,
+            **kwargs) -> fedjax.FederatedAlgorithm:
+  """FedLite (Section 4): SplitFed + grouped PQ upload + equation-5 gradient.
+
+  Raises:
+    ValueError: if ``quantizer`` is not a :class:`QuantizerConfig`, and as
+      :func:`split_learning`.
+  """
+  if not isinstance(quantizer, QuantizerConfig):
+    raise ValueError(f'fedlite needs a QuantizerConfig, got {quantizer!r}.')
+  return split_learning(split_model, client_optimizer, server_optimizer,
+                        batch_size, quantizer=quantizer, **kwargs)
