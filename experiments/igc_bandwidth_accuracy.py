@@ -269,10 +269,6 @@ def _plot(results: list[dict], path: pathlib.Path, meta: dict) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if FLAGS.data_dir is None and 'FEDLITE_DATA_DIR' not in os.environ:
-    shared = _REPO.parent / 'shared' / 'data'
-    if shared.is_dir():
-      os.environ['FEDLITE_DATA_DIR'] = str(shared)
   out = pathlib.Path(FLAGS.results_dir)
   stem = 'igc_femnist' if not FLAGS.only else 'igc_femnist_partial'
   if FLAGS.report_only:
