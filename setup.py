@@ -33,6 +33,9 @@ EXTRAS_REQUIRE = {
         'ipykernel>=6.29',
     ],
     'notebooks': ['jupyter>=1.0', 'ipykernel>=6.29'],
+    # Benchmarks only (benchmarks/bench_pq.py's faiss columns; skipped with a
+    # message when faiss is missing). Not needed by the library or its tests.
+    'bench': ['faiss-cpu>=1.15.1'],
     # GPU: pip install -U "jax[cuda12]==0.10.2" after installing this package.
 }
 

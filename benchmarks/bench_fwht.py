@@ -1,36 +1,54 @@
-"""Benchmark: jitted JAX FWHT and Fastfood vs NumPy references, one process.
+"""Benchmark: jitted JAX FWHT and Fastfood vs NumPy and C references, one process.
 
 Prints, per length n, the median wall time (ms) of
   * ``jax``: :func:`fedlite_jax.igc.fwht.fwht` under ``jax.jit``;
+  * ``c``: the in-place, cache-blocked, single-threaded C FWHT of
+    ``benchmarks/c_fwht/fwht.c`` (built at run time with ``gcc -O3
+    -march=native`` into a temporary directory, called through ``ctypes``;
+    includes a copy of the input into the work buffer, like ``np_bfly``);
   * ``jax_vjp``: its reverse-mode pullback (should cost about the same);
   * ``jax_bfly``: a per-level radix-2 butterfly in JAX (the design rejected);
   * ``np_bfly``: an in-place radix-2 butterfly in NumPy (float32; includes a
     copy of the input into the work buffer);
   * ``scipy_mm``: ``x @ scipy.linalg.hadamard(n)`` (small n only);
-and the ratios ``np_bfly / jax`` (and ``scipy_mm / jax``), then Fastfood
+and the ratios ``jax / c`` (the issue's goal: <= 2 for n >= 2**20),
+``np_bfly / jax`` (and ``scipy_mm / jax``), then Fastfood
 ``A^T g`` and ``A s`` at the EMNIST-CNN size (D = 1,206,590, d = 16,384,
 L = 2**21) against a NumPy implementation of the same operator. Also the
 minor page faults per JAX call (the allocator trap of ENGINEERING_NOTES.md:
 XLA:CPU buffers >= 32 MiB are fresh mmaps; run with
 ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1`` or a
-preloaded tcmalloc to remove them).
+preloaded tcmalloc to remove them; measured here, the glibc tunables also need
+``:glibc.malloc.trim_threshold=17179869184``, else the heap top is trimmed
+after each call and refaulted).
 
-Timing: ``block_until_ready``, warm-up calls, median of ``--repeats`` runs.
-The machines are shared and noisy: compare ratios from one run.
+Timing: ``block_until_ready``, warm-up calls, median of ``--repeats`` runs;
+the implementations compared at one size are called round-robin (jax, c,
+jax, c, ...) so that load from other processes hits them alike. The machines
+are shared and noisy: compare ratios from one run. Each size also prints a
+machine-readable line ``ratio fwht n=2^K jax/c=R np/jax=R``.
 
 Usage::
 
-  python benchmarks/bench_fwht.py [--min_log2 16] [--max_log2 24]
-      [--repeats 9] [--skip_fastfood]
+  python benchmarks/bench_fwht.py [--sizes 16,20,22,24] [--repeats 9]
+      [--skip_fastfood] [--no_c] [--smoke]
+  GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1 \
+      python benchmarks/bench_fwht.py
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import pathlib
 import resource
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import fedlite_jax  # noqa: F401  (before fedjax)
 
@@ -55,6 +73,71 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2):
     times.append(time.perf_counter() - t0)
   faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
   return 1e3 * statistics.median(times), faults / repeats
+
+
+_C_SOURCE = pathlib.Path(__file__).resolve().parent / 'c_fwht' / 'fwht.c'
+C_FLAGS = ('-O3', '-march=native', '-shared', '-fPIC')
+
+
+def build_c_fwht(build_dir: Optional[str] = None
+                 ) -> Callable[[np.ndarray], np.ndarray]:
+  """Compiles ``c_fwht/fwht.c`` and returns an in-place float32 FWHT.
+
+  Args:
+    build_dir: where the shared library goes (default: a fresh temporary
+      directory, deleted as soon as the library is loaded).
+
+  Returns:
+    ``fn(x)``: transforms the C-contiguous ``float32[n]`` array ``x`` in
+    place (``n`` a power of two) and returns it.
+
+  Raises:
+    RuntimeError: if ``gcc`` is missing or the compilation fails.
+  """
+  cc = shutil.which('gcc') or shutil.which('cc')
+  if cc is None:
+    raise RuntimeError('no C compiler (gcc/cc) on PATH.')
+  tmp = build_dir or tempfile.mkdtemp(prefix='c_fwht_')
+  lib_path = os.path.join(tmp, 'libfwht.so')
+  subprocess.run([cc, *C_FLAGS, str(_C_SOURCE), '-o', lib_path], check=True)
+  lib = ctypes.CDLL(lib_path)
+  if build_dir is None:
+    shutil.rmtree(tmp, ignore_errors=True)  # The mapping stays valid.
+  lib.fwht_f32.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+  lib.fwht_f32.restype = ctypes.c_int
+
+  def fn(x: np.ndarray) -> np.ndarray:
+    if x.dtype != np.float32 or x.ndim != 1 or not x.flags.c_contiguous:
+      raise ValueError('c fwht needs a contiguous 1-D float32 array.')
+    rc = lib.fwht_f32(x.ctypes.data, x.size)
+    if rc != 0:
+      raise ValueError(f'c fwht failed (code {rc}) for length {x.size}.')
+    return x
+
+  return fn
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int,
+                   warmup: int = 2) -> dict[str, tuple[float, float]]:
+  """Round-robin timing: ``{name: (median ms, minor page faults per call)}``.
+
+  Every repeat calls each function once, in order, so that machine noise
+  (other processes on the shared cores) hits all of them alike.
+  """
+  for _ in range(warmup):
+    for fn in fns.values():
+      jax.block_until_ready(fn())
+  times = {k: [] for k in fns}
+  faults = {k: 0 for k in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - t0)
+      faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+  return {k: (1e3 * statistics.median(times[k]), faults[k] / repeats)
+          for k in fns}
 
 
 def np_fwht_inplace(x: np.ndarray) -> np.ndarray:
@@ -103,14 +186,16 @@ def np_fastfood_lift(p: dict, s: np.ndarray) -> np.ndarray:
   return v[:p['D']] * p['scale']
 
 
-def bench_fwht(min_log2: int, max_log2: int, repeats: int) -> None:
+def bench_fwht(sizes: list[int], repeats: int,
+               c_fwht: Optional[Callable[[np.ndarray], np.ndarray]],
+               bfly: bool = True) -> None:
+  """Prints the FWHT table and one ``ratio fwht`` line per size."""
   jit_fwht = jax.jit(fwht)
   jit_vjp = jax.jit(lambda x, ct: jax.vjp(fwht, x)[1](ct)[0])
   jit_bfly = jax.jit(jax_butterfly)
-  print(f'{"n":>10} {"jax":>9} {"jax_vjp":>9} {"jax_bfly":>9} '
-        f'{"np_bfly":>9} {"scipy_mm":>9} {"np/jax":>7} {"mm/jax":>7} '
-        f'{"faults":>7}')
-  sizes = sorted(set([10, 12] + list(range(min_log2, max_log2 + 1))))
+  print(f'{"n":>10} {"jax":>9} {"jax_vjp":>9} {"c":>9} {"jax_bfly":>9} '
+        f'{"np_bfly":>9} {"scipy_mm":>9} {"jax/c":>7} {"np/jax":>7} '
+        f'{"mm/jax":>7} {"faults":>7}')
   for k in sizes:
     n = 1 << k
     rng = np.random.default_rng(k)
@@ -118,28 +203,52 @@ def bench_fwht(min_log2: int, max_log2: int, repeats: int) -> None:
     x = jnp.asarray(x_np)
     # Correctness guard against the NumPy reference.
     ref = np_fwht_inplace(x_np.copy())
-    err = np.abs(np.asarray(jit_fwht(x)) - ref).max() / np.abs(ref).max()
+    scale = np.abs(ref).max()
+    err = np.abs(np.asarray(jit_fwht(x)) - ref).max() / scale
     assert err < 1e-5, (n, err)
-    t_jax, faults = _median_ms(lambda: jit_fwht(x), repeats)
-    t_vjp, _ = _median_ms(lambda: jit_vjp(x, x), repeats)
-    t_bfly, _ = _median_ms(lambda: jit_bfly(x), repeats)
     buf = np.empty_like(x_np)
 
     def np_run():
       np.copyto(buf, x_np)  # Fresh input each call (one extra copy pass).
       return np_fwht_inplace(buf)
 
-    t_np, _ = _median_ms(np_run, repeats)
+    def c_run():
+      np.copyto(buf, x_np)  # Same copy as np_run.
+      return c_fwht(buf)
+
+    fns = {'jax': lambda: jit_fwht(x), 'jax_vjp': lambda: jit_vjp(x, x)}
+    if c_fwht is not None:
+      err_c = np.abs(c_run() - ref).max() / scale
+      assert err_c < 1e-5, (n, err_c)
+      fns['c'] = c_run
+    if bfly:
+      fns['jax_bfly'] = lambda: jit_bfly(x)
+    fns['np_bfly'] = np_run
     if n <= 4096:
       h = scipy.linalg.hadamard(n).astype(np.float32)
-      t_mm, _ = _median_ms(lambda: x_np @ h, repeats)
-      mm = f'{t_mm:9.3f}'
-      mm_ratio = f'{t_mm / t_jax:7.2f}'
-    else:
-      mm, mm_ratio = f'{"-":>9}', f'{"-":>7}'
-    print(f'{"2^" + str(k):>10} {t_jax:9.3f} {t_vjp:9.3f} {t_bfly:9.3f} '
-          f'{t_np:9.3f} {mm} {t_np / t_jax:7.2f} {mm_ratio} {faults:7.0f}',
-          flush=True)
+      fns['scipy_mm'] = lambda: x_np @ h
+    res = interleaved_ms(fns, repeats)
+    t_jax, faults = res['jax']
+
+    def col(name, width=9):
+      return f'{res[name][0]:{width}.3f}' if name in res else f'{"-":>{width}}'
+
+    def ratio(num, den):
+      return (f'{res[num][0] / res[den][0]:7.2f}'
+              if num in res and den in res else f'{"-":>7}')
+
+    print(f'{"2^" + str(k):>10} {col("jax")} {col("jax_vjp")} {col("c")} '
+          f'{col("jax_bfly")} {col("np_bfly")} {col("scipy_mm")} '
+          f'{ratio("jax", "c")} {ratio("np_bfly", "jax")} '
+          f'{ratio("scipy_mm", "jax")} {faults:7.0f}', flush=True)
+    line = f'ratio fwht n=2^{k}'
+    if 'c' in res:
+      line += f' jax/c={res["jax"][0] / res["c"][0]:.2f}'
+      line += f' jax_vjp/c={res["jax_vjp"][0] / res["c"][0]:.2f}'
+    line += f' np/jax={res["np_bfly"][0] / t_jax:.2f}'
+    if 'c' in res:
+      line += f' np/c={res["np_bfly"][0] / res["c"][0]:.2f}'
+    print(line, flush=True)
 
 
 def bench_fastfood(repeats: int, D: int = 1_206_590, d: int = 16_384) -> None:
@@ -167,24 +276,41 @@ def bench_fastfood(repeats: int, D: int = 1_206_590, d: int = 16_384) -> None:
   for name, fj, fn in (
       ('project', lambda: proj(p, g), lambda: np_fastfood_project(pn, g_np)),
       ('lift', lambda: lift(p, s), lambda: np_fastfood_lift(pn, s_np))):
-    t_j, faults = _median_ms(fj, repeats)
-    t_n, _ = _median_ms(fn, repeats)
+    res = interleaved_ms({'jax': fj, 'numpy': fn}, repeats)
+    (t_j, faults), (t_n, _) = res['jax'], res['numpy']
     print(f'{name:>10} {t_j:9.3f} {t_n:9.3f} {t_n / t_j:7.2f} {faults:7.0f}',
           flush=True)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--min_log2', type=int, default=16)
-  parser.add_argument('--max_log2', type=int, default=24)
+  parser.add_argument('--sizes', default='16,20,22,24',
+                      help='comma list of log2(n)')
   parser.add_argument('--repeats', type=int, default=9)
   parser.add_argument('--skip_fastfood', action='store_true')
+  parser.add_argument('--no_c', action='store_true',
+                      help='skip the C reference (no compiler needed)')
+  parser.add_argument('--no_bfly', action='store_true',
+                      help='skip the JAX radix-2 butterfly column')
+  parser.add_argument('--smoke', action='store_true',
+                      help='tiny sizes, 3 repeats (tests)')
   args = parser.parse_args()
+  sizes = [int(v) for v in args.sizes.split(',')]
+  repeats = args.repeats
+  ff_sizes = dict(D=1_206_590, d=16_384)
+  if args.smoke:
+    sizes, repeats, ff_sizes = [10, 12, 16], 3, dict(D=50_000, d=1_024)
   print(f'jax {jax.__version__}, backend {jax.default_backend()}, '
-        f'devices {jax.devices()}')
-  bench_fwht(args.min_log2, args.max_log2, args.repeats)
+        f'devices {jax.devices()}, '
+        f'GLIBC_TUNABLES={os.environ.get("GLIBC_TUNABLES", "")!r}, '
+        f'loadavg {open("/proc/loadavg").read().split()[:3]}')
+  c_fwht = None if args.no_c else build_c_fwht()
+  if c_fwht is not None:
+    print(f'c reference: {_C_SOURCE.name} built with {" ".join(C_FLAGS)} '
+          '(single thread)')
+  bench_fwht(sizes, repeats, c_fwht, bfly=not args.no_bfly)
   if not args.skip_fastfood:
-    bench_fastfood(args.repeats)
+    bench_fastfood(repeats, **ff_sizes)
 
 
 if __name__ == '__main__':
