@@ -31,9 +31,10 @@ pieces (:class:`Compression`):
   * ``upload``: a stateless CommTransform applied by every client to its
     delta (MimeLite: also to its mean full-batch gradient).
   * ``pvt_fraction`` < 1: per client per round a fresh PVT mask (frozen
-    variables get zero gradients and zero updates); only trained variables
-    are encoded and counted; each variable is averaged over the clients
-    that trained it. The engine reduces weighted sums, so the client output
+    variables get zero gradients and zero updates; by default their
+    weight-gradient computations are skipped, :func:`pvt.gated_grad_fn`);
+    only trained variables are encoded and counted; each variable is
+    averaged over the clients that trained it. The engine reduces weighted sums, so the client output
     is ``(w_k * delta_k * m_k, w_k * m_k)`` per variable.
 
 With no compression these are exactly FedAvg / FedProx / MimeLite
@@ -114,11 +115,19 @@ class Compression:
       (0, 1]; 1 = no PVT.
     pvt_freezable: ``(key path, leaf) -> bool``, which variables PVT may
       freeze (default: multiplicative ones, :func:`pvt.is_multiplicative`).
+    pvt_skip_frozen: compute client gradients with
+      :func:`pvt.gated_grad_fn`, which skips the backward-pass work that only
+      a frozen variable's gradient needs (a ``lax.cond`` per freezable
+      variable; saves compute on the ``loop`` engine, nothing under the
+      ``vmap`` engine); False = the full gradient, then masked (the
+      reference). Same results either way (bit-identical in
+      ``tests/test_pvt.py``; to float rounding in general).
   """
   download: Optional[tx.CommTransform] = None
   upload: Optional[tx.CommTransform] = None
   pvt_fraction: float = 1.0
   pvt_freezable: Callable[[Any, Any], bool] = pvt_lib.is_multiplicative
+  pvt_skip_frozen: bool = True
 
 
 @fedjax.dataclass
@@ -239,15 +248,38 @@ def _pvt_key(client_input):
   return jax.random.fold_in(client_input['rng'], pvt_lib.PVT_STREAM)
 
 
+def _client_grad(grad_fn: GradFn, setup_ref: dict, skip_frozen: bool
+                 ) -> Callable[[dict, Params, dict, jax.Array], Params]:
+  """``(state, params, batch, rng) -> grads``, frozen leaves exactly zero.
+
+  With a PVT mask in ``state`` and ``skip_frozen``, the gradient skips the
+  frozen variables' own backward work (:func:`pvt.gated_grad_fn`);
+  otherwise it is the full gradient, masked.
+  """
+
+  def grad(state, params, batch, rng):
+    if 'mask' not in state:
+      return grad_fn(params, batch, rng)
+    if skip_frozen:
+      gated = pvt_lib.gated_grad_fn(grad_fn, setup_ref['setup'].plan.freezable)
+      return gated(params, batch, rng, state['mask'])
+    return pvt_lib.apply_mask(grad_fn(params, batch, rng), state['mask'])
+
+  return grad
+
+
 def _train_program(grad_fn: GradFn, optimizer: optax.GradientTransformation,
                    setup_ref: dict, *, fedprox_mu: float, mime: bool,
-                   upload: Optional[tx.CommTransform]) -> ClientProgram:
+                   upload: Optional[tx.CommTransform],
+                   skip_frozen: bool = True) -> ClientProgram:
   """Local training (FedAvg / FedProx / MimeLite steps) + masked upload.
 
   shared input: ``{'params': Q(w)}`` (+ ``'opt_state'`` for MimeLite);
   client input: ``{'rng': key}``. Output: ``{'delta': delta * m, 'mask':
   float32[num_leaves]}``.
   """
+
+  client_grad = _client_grad(grad_fn, setup_ref, skip_frozen)
 
   def plan():
     return setup_ref['setup'].plan
@@ -270,7 +302,7 @@ def _train_program(grad_fn: GradFn, optimizer: optax.GradientTransformation,
   def step(state, batch):
     rng, use_rng = jax.random.split(state['rng'])
     params = state['params']
-    grads = grad_fn(params, batch, use_rng)
+    grads = client_grad(state, params, batch, use_rng)
     if fedprox_mu:
       # d/dw of 0.5 mu ||w - w_s||^2 (FedProx, Li et al. 2020, Alg. 2).
       grads = jax.tree.map(lambda g, w, s: g + fedprox_mu * (w - s), grads,
@@ -310,10 +342,12 @@ def _train_program(grad_fn: GradFn, optimizer: optax.GradientTransformation,
 
 
 def _grad_program(grad_fn: GradFn, setup_ref: dict,
-                  upload: Optional[tx.CommTransform]) -> ClientProgram:
+                  upload: Optional[tx.CommTransform],
+                  skip_frozen: bool = True) -> ClientProgram:
   """MimeLite's full-batch gradient at the received model (FedJAX's
   ``mime.create_grads_for_each_client``): sums ``num * grad`` over padded
   batches; output ``{'grads': num * Q_up(mean grad) * m, 'num': num * m}``."""
+  client_grad = _client_grad(grad_fn, setup_ref, skip_frozen)
 
   def init(shared, client_input):
     params = shared['params']
@@ -329,7 +363,7 @@ def _grad_program(grad_fn: GradFn, setup_ref: dict,
 
   def step(state, batch):
     rng, use_rng = jax.random.split(state['rng'])
-    grads = grad_fn(state['params'], batch, use_rng)
+    grads = client_grad(state, state['params'], batch, use_rng)
     num = jnp.sum(batch[fedjax.EXAMPLE_MASK_KEY]).astype(jnp.float32)
     grads_sum = jax.tree.map(lambda g, s: g * num + s, grads,
                              state['grads_sum'])
@@ -469,7 +503,8 @@ def efficient_federated_averaging(
   setup_ref: dict[str, _Setup] = {}
   program = _train_program(grad_fn, client_optimizer, setup_ref,
                            fedprox_mu=float(fedprox_mu), mime=False,
-                           upload=compression.upload)
+                           upload=compression.upload,
+                           skip_frozen=compression.pvt_skip_frozen)
   round_engine = make_engine(engine, program, steps_per_call=steps_per_call,
                              step_bucket=step_bucket)
   download = _make_download(compression, seed, setup_ref)
@@ -564,10 +599,12 @@ def efficient_mime_lite(
   train_engine = make_engine(
       engine, _train_program(grad_fn, base_optimizer, setup_ref,
                              fedprox_mu=0.0, mime=True,
-                             upload=compression.upload),
+                             upload=compression.upload,
+                             skip_frozen=compression.pvt_skip_frozen),
       steps_per_call=steps_per_call, step_bucket=step_bucket)
   grads_engine = make_engine(
-      engine, _grad_program(grad_fn, setup_ref, compression.upload),
+      engine, _grad_program(grad_fn, setup_ref, compression.upload,
+                            compression.pvt_skip_frozen),
       steps_per_call=steps_per_call, step_bucket=step_bucket)
   grads_hparams = fedjax.PaddedBatchHParams(batch_size=int(grads_batch_size))
   download = _make_download(compression, seed, setup_ref)

@@ -83,6 +83,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from fedlite_jax.quantization import rng as rng_lib
@@ -158,12 +159,16 @@ def _compute_dtype(dtype: Any) -> Any:
   return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def clip_bound(x: jax.Array, clip_std: float) -> jax.Array:
+def clip_bound(x: jax.Array, clip_std: float,
+               lo: Optional[jax.Array] = None,
+               hi: Optional[jax.Array] = None) -> jax.Array:
   """The clipping threshold ``clip_std * std(x)`` of :func:`clip_by_std`.
 
   Args:
     x: floating array (one layer), at least one element.
     clip_std: ``c > 0``.
+    lo, hi: ``min(x)`` and ``max(x)`` if the caller already has them (saves
+      a pass over ``x``); computed here otherwise.
 
   Returns:
     A scalar of ``x``'s dtype: ``c * std(x)`` (population standard
@@ -171,7 +176,9 @@ def clip_bound(x: jax.Array, clip_std: float) -> jax.Array:
     therefore never clipped.
   """
   bound = clip_std * jnp.std(x)
-  return jnp.where(jnp.max(x) == jnp.min(x), jnp.inf, bound).astype(x.dtype)
+  if lo is None or hi is None:
+    lo, hi = _min_and_max(x)
+  return jnp.where(hi == lo, jnp.inf, bound).astype(x.dtype)
 
 
 def clip_by_std(x: jax.Array, clip_std: float) -> jax.Array:
@@ -203,6 +210,22 @@ def clip_by_std(x: jax.Array, clip_std: float) -> jax.Array:
   return jnp.clip(xc, -bound, bound).astype(x.dtype)
 
 
+def _min_and_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(min(x), max(x))`` in one pass over ``x`` (a variadic ``lax.reduce``).
+
+  ``jnp.min`` and ``jnp.max`` compile to two separate reductions on XLA:CPU,
+  i.e. two reads of the layer from memory; the variadic form reads it once
+  (``benchmarks/bench_quantize.py``). Min and max are exact, so the result
+  does not depend on the reduction order. NaN-propagating like ``jnp.min``.
+  """
+  init = (jnp.array(jnp.inf, x.dtype), jnp.array(-jnp.inf, x.dtype))
+  lo, hi = lax.reduce(
+      (x, x), init,
+      lambda a, b: (jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])),
+      tuple(range(x.ndim)))
+  return lo, hi
+
+
 def min_max(x: jax.Array, clip_std: Optional[float]):
   """Clipped layer and its min and max, without materializing the clip.
 
@@ -214,12 +237,13 @@ def min_max(x: jax.Array, clip_std: Optional[float]):
     ``(clipped x, min, max)``. The reductions run on ``x`` itself (clipping
     is monotone, so ``min(clip(x)) = clip(min(x))``), so XLA fuses the clip
     into the consumer's elementwise pass instead of writing a clipped copy.
+    Min and max come from ONE variadic reduction (:func:`_min_and_max`):
+    one read of ``x`` instead of two.
   """
-  lo = jnp.min(x)
-  hi = jnp.max(x)
+  lo, hi = _min_and_max(x)
   if clip_std is None:
     return x, lo, hi
-  bound = clip_bound(x, clip_std)
+  bound = clip_bound(x, clip_std, lo, hi)
   return (jnp.clip(x, -bound, bound), jnp.clip(lo, -bound, bound),
           jnp.clip(hi, -bound, bound))
 
@@ -283,15 +307,24 @@ def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
   span = hi - lo
   levels = float(2**bits - 1)  # Exact in float32 for bits <= 24.
   scale = levels / jnp.where(span > 0, span, 1).astype(dtype)
-  # t in [0, k - 1]; x == hi maps to k - 1 exactly (also covers span == 0).
-  t = jnp.where(xc >= hi, levels, jnp.clip((xc - lo) * scale, 0, levels))
+  # t >= 0 without a clamp: lo <= xc, so the rounded xc - lo is >= 0 (also
+  # with zero_center and clipping, where lo <= min(xc)). x == hi maps to
+  # k - 1 exactly (also covers span == 0). Rounding can push t slightly
+  # above k - 1 for x just below hi; then floor(t) >= k - 1 and the code
+  # maps to hi below, exactly what clamping t to k - 1 gave (the code was
+  # k - 1 -> hi), so no upper clamp either: fewer operations in the single
+  # fused pass, bit-identical results for finite inputs.
+  t = jnp.where(xc >= hi, levels, (xc - lo) * scale)
   floor = jnp.floor(t)
   u = rng_lib.random_uniform(key, x.shape, dtype, generator)
   code = floor + (u < t - floor).astype(dtype)
   step = span / levels
   # The end codes map to lo and hi exactly (also if span overflows to inf).
-  out = jnp.where(code >= levels, hi,
-                  jnp.where(code <= 0, lo, jnp.minimum(lo + code * step, hi)))
+  # ``where(v > hi, hi, v)`` is ``minimum(v, hi)`` for non-NaN v, without
+  # the NaN-propagating minimum's extra instructions on x86.
+  value = lo + code * step
+  value = jnp.where(value > hi, hi, value)
+  out = jnp.where(code >= levels, hi, jnp.where(code <= 0, lo, value))
   return out.astype(x.dtype)
 
 
