@@ -85,6 +85,20 @@ flags.DEFINE_enum('round_engine', _D.round_engine, ['auto', 'loop', 'vmap'],
 flags.DEFINE_integer('steps_per_call', _D.steps_per_call,
                      'Loop engine: local steps unrolled per jitted call.',
                      lower_bound=1)
+flags.DEFINE_integer('num_devices', None,
+                     'Local devices to split each round\'s clients over (a '
+                     'jax.sharding mesh; default: all local devices). Results '
+                     'do not depend on it beyond float tolerance.')
+flags.DEFINE_string('coordinator_address', None,
+                    'Multi-host runs: host:port of process 0 '
+                    '(jax.distributed).')
+flags.DEFINE_integer('num_processes', _D.num_processes,
+                     'Multi-host runs: number of processes.', lower_bound=1)
+flags.DEFINE_integer('process_id', _D.process_id,
+                     'Multi-host runs: this process\'s index.', lower_bound=0)
+flags.DEFINE_integer('distributed_timeout', _D.distributed_timeout,
+                     'Multi-host runs: seconds to wait for all processes.',
+                     lower_bound=1)
 flags.DEFINE_bool('progress', _D.progress, 'Show a progress bar.')
 flags.DEFINE_integer('sequence_length', _D.sequence_length,
                      'Next-word prediction sequence length.', lower_bound=1)

@@ -509,3 +509,20 @@ def test_input_validation(built):
     models.create_stackoverflow_tag_model(loss_reduction='max')
   with pytest.raises(ValueError):
     stackoverflow_tag.multilabel_loss(np.zeros(6), np.zeros(6), 'median')
+
+
+def test_emnist_reshape_max_pool_equals_flax_max_pool():
+  """The CNN's reshape-max pool: nn.max_pool's values and gradients."""
+  from fedlite_jax.models import emnist as emnist_lib
+  import flax.linen as nn
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 24, 24, 5)).astype(np.float32)
+  cot = rng.standard_normal((3, 12, 12, 5)).astype(np.float32)
+  ref = lambda v: nn.max_pool(v, (2, 2), strides=(2, 2), padding='VALID')
+  ours = emnist_lib._max_pool_2x2  # pylint: disable=protected-access
+  np.testing.assert_array_equal(ours(x), ref(x))
+  g_ref = jax.vjp(ref, x)[1](cot)[0]
+  g_ours = jax.vjp(ours, x)[1](cot)[0]
+  np.testing.assert_array_equal(g_ours, g_ref)
+  # Exactly one input per window receives the window's cotangent.
+  assert int((np.asarray(g_ours) != 0).sum()) == cot.size

@@ -123,3 +123,30 @@ def test_binary_bad_flags_one_clear_error(repo_root, tmp_path, args, expected):
   assert proc.returncode != 0
   assert expected in proc.stderr
   assert 'Traceback' not in proc.stderr
+
+
+def test_fedavg_local_steps_equals_sgd_local_steps(tmp_path):
+  """``fedavg --local_steps=3`` is FedAvg with 3 local iterations.
+
+  With one client per round the aggregation weights cancel, so it must equal
+  the independently built ``sgd --local_steps=3`` (compressed_sgd without a
+  compressor, same batches), and differ from one local epoch.
+  """
+  kw = dict(task='embedded_mnist', num_rounds=2, clients_per_round=1,
+            client_batch_size=20, eval_every=2, eval_num_clients=3,
+            progress=False, client_lr=0.05)
+  steps = runner.run(RunConfig(
+      algorithm='fedavg', output_dir=str(tmp_path / 'a'),
+      options={'local_steps': 3}, **kw))
+  sgd = runner.run(RunConfig(
+      algorithm='sgd', output_dir=str(tmp_path / 'b'),
+      options={'local_steps': 3}, **kw))
+  epoch = runner.run(RunConfig(
+      algorithm='fedavg', output_dir=str(tmp_path / 'c'), **kw))
+  assert steps['final_eval']['loss'] == pytest.approx(
+      sgd['final_eval']['loss'], rel=1e-6)
+  assert abs(steps['final_eval']['loss'] - epoch['final_eval']['loss']) > 1e-3
+  with pytest.raises(ConfigError, match='--local_steps=3'):
+    runner.run(RunConfig(
+        algorithm='fedavg', output_dir=str(tmp_path / 'd'), client_epochs=2,
+        options={'local_steps': 3}, **kw))

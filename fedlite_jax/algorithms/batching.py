@@ -13,6 +13,8 @@ import fedjax
 import jax
 import numpy as np
 
+from fedlite_jax.rounds import remote
+
 
 def shuffle_seed_from_rng(rng: jax.Array) -> int:
   """A 31-bit NumPy shuffle seed derived deterministically from a PRNG key.
@@ -40,11 +42,16 @@ def client_batches(dataset: fedjax.ClientDataset,
     rng: the client's PRNG key for this round.
 
   Returns:
-    A list of batches (dicts of NumPy arrays, each of ``batch_size`` rows).
+    A list of batches (dicts of NumPy arrays, each of ``batch_size`` rows);
+    for a :class:`~fedlite_jax.rounds.remote.RemoteClientDataset` (a client
+    another process runs) a ``RemoteBatches`` of the same length.
 
   Raises:
     ValueError: if the client has no examples.
   """
+  if isinstance(dataset, remote.RemoteClientDataset):
+    # Another process runs this client (multi-host): only the count matters.
+    return dataset.shuffle_repeat_batch(hparams)
   if len(dataset) == 0:
     raise ValueError('Cannot batch a client with 0 examples.')
   if hparams.seed is None:

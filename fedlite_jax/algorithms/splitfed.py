@@ -93,6 +93,7 @@ from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.fedlite import pq
 from fedlite_jax.models import split as split_lib
+from fedlite_jax.rounds import sharding
 
 Params = Any
 Batch = Mapping[str, Any]
@@ -371,6 +372,14 @@ def split_learning(
   client_apply = split_model.client_apply
   server_apply = split_model.server_apply
   name = 'SplitFed' if quantizer is None else 'FedLite'
+  # Several devices (single process): the client axis of the iteration's
+  # inputs is split over the mesh (fedlite_jax.rounds.sharding).
+  mesh = sharding.current_client_mesh()
+  if mesh is not None and mesh.num_devices == 1:
+    mesh = None
+  if mesh is not None and mesh.multi_process:
+    raise ValueError(f'{name} runs in one process (several devices are '
+                     'fine); got a mesh over several processes.')
 
   def objective_and_grads(params, batch, rngs, weights):
     """Steps 1-4 for all clients; returns grads and per-client diagnostics."""
@@ -493,9 +502,19 @@ def split_learning(
       batches.append(client_batch(cds, batch_size, rng))
       weights.append(1.0 if client_weighting == 'uniform' else float(len(cds)))
     bits = bits_for(state, batches[0]).diagnostics()
-    rngs = jnp.stack([jnp.asarray(rng) for _, _, rng in clients])
-    new_state, diag, finite = iteration(state, _stack(batches), rngs,
-                                        np.asarray(weights, np.float32))
+    rngs = [np.asarray(rng) for _, _, rng in clients]
+    if mesh is not None:
+      # Zero-weight copies of the first client pad the cohort to a multiple
+      # of the device count (p_i = 0: no effect on the update or the loss).
+      extra = mesh.padded_size(len(clients)) - len(clients)
+      batches = batches + [batches[0]] * extra
+      rngs = rngs + [rngs[0]] * extra
+      weights = weights + [0.0] * extra
+    args = (_stack(batches), np.stack(rngs), np.asarray(weights, np.float32))
+    if mesh is not None:
+      args = jax.device_put(args, mesh.client_sharding)
+      state = jax.device_put(state, mesh.replicated)
+    new_state, diag, finite = iteration(state, *args)
     diag = jax.device_get(diag)
     out = {}
     for i, (cid, _, _) in enumerate(clients):

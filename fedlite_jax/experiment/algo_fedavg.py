@@ -12,6 +12,7 @@ import fedjax
 
 from fedlite_jax.algorithms import fedavg
 from fedlite_jax.experiment import algo_lm
+from fedlite_jax.experiment import compression_options
 from fedlite_jax.experiment import optimizers
 from fedlite_jax.experiment import registry
 
@@ -30,8 +31,9 @@ def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
 registry.register(registry.AlgorithmSpec(
     name='fedavg',
     description='FedAvg (McMahan et al. 2017); with --server_optimizer=adam, '
-    'FedAdam (Reddi et al. 2021). 32 bits/param each way unless the '
-    'compression flags (--download_bits, --upload_quantizer, --pvt_fraction) '
-    'are set.',
+    'FedAdam (Reddi et al. 2021). One pass over the client data per round '
+    '(--client_epochs) or --local_steps=s local iterations. 32 bits/param '
+    'each way unless the compression flags (--download_bits, '
+    '--upload_quantizer, --pvt_fraction) are set.',
     build=algo_lm.build_fedavg,
-    options=algo_lm.COMPRESSION_OPTIONS))
+    options=algo_lm.COMPRESSION_OPTIONS + (compression_options.LOCAL_STEPS,)))

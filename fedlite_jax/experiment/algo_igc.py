@@ -91,7 +91,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         optimizers.server_optimizer(config),
         batch_size=config.client_batch_size,
         intrinsic_dim=d,
-        local_steps=opts['local_steps'],
+        local_steps=common.local_steps(opts),
         num_subspaces=opts['num_subspaces'] if num_subspaces_option else 1,
         time_varying=time_varying,
         rounds_per_epoch=rpe,

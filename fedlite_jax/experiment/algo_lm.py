@@ -243,4 +243,6 @@ registry.register(registry.AlgorithmSpec(
     '+ gradient, downloads model + optimizer statistics.',
     build=build_mime_lite,
     options=(MIME_BASE_OPTIMIZER, MIME_BASE_EPS, MIME_GRADS_BATCH_SIZE)
-    + COMPRESSION_OPTIONS))
+    + COMPRESSION_OPTIONS,
+    # Its full-batch gradient pass reads every client's data on the host.
+    multi_process=False))

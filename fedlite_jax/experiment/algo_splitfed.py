@@ -180,13 +180,11 @@ def build_fedlite(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
 
 def _spec(**kwargs) -> registry.AlgorithmSpec:
   # Run-level ratios (activation_compression, ...) for summary.json through
-  # the registry's communication hook, when the registry has it (the guard
-  # can go once it is committed).
-  fields = registry.AlgorithmSpec.__dataclass_fields__
-  if 'communication_summary' in fields:
-    kwargs['communication_keys'] = split_accounting.BIT_KEYS
-    kwargs['communication_summary'] = split_accounting.communication_summary
-  return registry.AlgorithmSpec(**kwargs)
+  # the registry's communication hook. One process only: the split program
+  # reads every client's batch itself (several devices of one process work).
+  kwargs['communication_keys'] = split_accounting.BIT_KEYS
+  kwargs['communication_summary'] = split_accounting.communication_summary
+  return registry.AlgorithmSpec(multi_process=False, **kwargs)
 
 
 registry.register(_spec(

@@ -16,12 +16,15 @@ from fedlite_jax.experiment import registry
 Option = registry.Option
 
 LOCAL_STEPS = Option(
-    'local_steps', 1,
+    'local_steps', 0,
     'Local steps per round (each on one shuffled batch of '
-    '--client_batch_size examples); 1 = one local step per update as in '
-    'Melas-Kyriazi & Wang (2022) and FetchSGD; > 1 compresses the model '
-    'delta after that many steps (FedAvg with local iterations for sgd).',
-    lower_bound=1)
+    '--client_batch_size examples). 0 = the algorithm\'s default: one step '
+    'for sgd/topk/fetchsgd/igc_* (one local step per update as in '
+    'Melas-Kyriazi & Wang (2022) and FetchSGD), --client_epochs passes over '
+    'the client data for fedavg. > 0: exactly that many steps (client data '
+    'reshuffled and repeated as needed); compressed algorithms then compress '
+    'the model delta; fedavg becomes FedAvg with s local iterations.',
+    lower_bound=0)
 
 NONFINITE_UPDATES = Option(
     'nonfinite_updates', 'raise',
@@ -42,6 +45,11 @@ DOWNLOAD_ACCOUNTING = Option(
     'since the client last participated (FetchSGD/CommEfficient), dense = '
     '32 bits x all parameters.',
     choices=local_delta.DOWNLOAD_ACCOUNTING)
+
+
+def local_steps(options) -> int:
+  """``--local_steps`` for the one-step algorithms (0 means 1)."""
+  return int(options['local_steps']) or 1
 
 
 def derived_seed(option_value: int, run_seed: int, salt: bytes) -> int:

@@ -51,6 +51,11 @@ class RunConfig:
   allow_download: bool = False
   round_engine: str = 'auto'
   steps_per_call: int = 1
+  num_devices: Optional[int] = None         # local devices; None = all
+  coordinator_address: Optional[str] = None  # multi-host: host:port of p0
+  num_processes: int = 1                    # multi-host: JAX processes
+  process_id: int = 0                       # multi-host: this process
+  distributed_timeout: int = 60             # seconds to reach coordinator
   progress: bool = True
   # Task-specific.
   sequence_length: int = 20
@@ -71,7 +76,8 @@ class RunConfig:
                        'eval_num_clients', 'data_dir', 'output_dir',
                        'checkpoint_every', 'resume', 'overwrite',
                        'allow_download', 'round_engine', 'steps_per_call',
-                       'progress')
+                       'num_devices', 'coordinator_address', 'num_processes',
+                       'process_id', 'distributed_timeout', 'progress')
 
   def fingerprint(self) -> dict[str, Any]:
     """The result-determining settings (stored in and checked by checkpoints)."""
@@ -124,6 +130,17 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.round_engine not in ('auto', 'loop', 'vmap'):
     raise ConfigError(f'--round_engine={config.round_engine!r}: allowed '
                       'values are auto, loop, vmap.')
+  if config.num_devices is not None and config.num_devices < 1:
+    raise ConfigError(f'--num_devices={config.num_devices}: must be >= 1 (or '
+                      'unset for all local devices).')
+  if config.num_processes < 1:
+    raise ConfigError(f'--num_processes={config.num_processes}: must be >= 1.')
+  if not 0 <= config.process_id < config.num_processes:
+    raise ConfigError(f'--process_id={config.process_id}: must be in [0, '
+                      f'{config.num_processes}).')
+  if config.num_processes > 1 and not config.coordinator_address:
+    raise ConfigError(f'--num_processes={config.num_processes} needs '
+                      '--coordinator_address=host:port (process 0).')
   if not 0 <= config.server_beta1 < 1 or not 0 <= config.server_beta2 < 1:
     raise ConfigError('--server_beta1/--server_beta2 must be in [0, 1).')
   if config.tokenizer not in TOKENIZERS:

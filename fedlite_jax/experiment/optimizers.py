@@ -51,6 +51,19 @@ def server_optimizer(config) -> optax.GradientTransformation:
 
 
 def client_batch_hparams(config) -> fedjax.ShuffleRepeatBatchHParams:
-  """Local batching; the shuffle seed derives from each client's key."""
+  """Local batching; the shuffle seed derives from each client's key.
+
+  ``--local_steps=s > 0`` (fedavg): exactly ``s`` batches per client per
+  round (its data reshuffled and repeated as needed), instead of
+  ``--client_epochs`` passes.
+  """
+  steps = int(config.options.get('local_steps') or 0)
+  if steps > 0 and config.client_epochs != 1:
+    raise ConfigError(f'--local_steps={steps} and --client_epochs='
+                      f'{config.client_epochs} both set the local work; '
+                      'pass one of them.')
+  if steps > 0:
+    return fedjax.ShuffleRepeatBatchHParams(
+        batch_size=config.client_batch_size, num_epochs=None, num_steps=steps)
   return fedjax.ShuffleRepeatBatchHParams(
       batch_size=config.client_batch_size, num_epochs=config.client_epochs)

@@ -76,6 +76,9 @@ class AlgorithmSpec:
     communication_summary: ``totals -> dict`` merged into
       ``summary['communication']``; ``totals`` maps each of
       ``communication_keys`` to its sum over all client-rounds.
+    multi_process: runs with ``--num_processes > 1`` (its clients go
+      through a round engine, so each process loads only its own clients'
+      data). Several devices of one process work for every algorithm.
   """
   name: str
   description: str
@@ -85,6 +88,7 @@ class AlgorithmSpec:
   communication_keys: tuple[str, ...] = ()
   communication_summary: Optional[
       Callable[[Mapping[str, float]], dict[str, float]]] = None
+  multi_process: bool = True
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}

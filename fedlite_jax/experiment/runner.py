@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import platform
+import shutil
+import tempfile
 import time
 import zlib
 from typing import Any, Optional
@@ -32,6 +34,8 @@ from fedlite_jax.experiment import outputs
 from fedlite_jax.experiment import registry
 from fedlite_jax.experiment import tasks
 from fedlite_jax.rounds import default_engine_name
+from fedlite_jax.rounds import remote
+from fedlite_jax.rounds import sharding
 
 RunConfig = config_lib.RunConfig
 ConfigError = config_lib.ConfigError
@@ -62,6 +66,12 @@ def _machine() -> dict[str, Any]:
   }
 
 
+def _placement(mesh: sharding.ClientMesh) -> dict[str, Any]:
+  return {'num_devices': mesh.num_devices,
+          'num_processes': mesh.num_processes,
+          'mesh_devices': [str(d) for d in mesh.mesh.devices.flat]}
+
+
 def run(config: RunConfig) -> dict[str, Any]:
   """Runs (or resumes) one federated experiment and returns the summary.
 
@@ -85,39 +95,90 @@ def run(config: RunConfig) -> dict[str, Any]:
   config = config_lib.resolve(config, task.defaults)
   if config.output_dir is None:
     config = dataclasses.replace(config, output_dir=_default_output_dir(config))
+  if config.num_processes > 1 and not jax.distributed.is_initialized():
+    sharding.initialize_distributed(
+        config.coordinator_address, config.num_processes, config.process_id,
+        timeout_s=config.distributed_timeout)
+  try:
+    mesh = sharding.make_client_mesh(config.num_devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if mesh.num_processes != config.num_processes:
+    raise ConfigError(f'--num_processes={config.num_processes}, but JAX runs '
+                      f'{mesh.num_processes} processes.')
+  sharding.check_same_across_processes('Flags', config.fingerprint())
+  # Process 0 writes every output and checkpoint; the others write to a
+  # private scratch directory (removed at the end) and read checkpoints
+  # from the shared output directory.
   out = pathlib.Path(config.output_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  ckpt_dir = out / 'checkpoints'
+  writer_process = jax.process_index() == 0
+  if writer_process:
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = out
+  else:
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix='fedlite_process'))
+    for name in ('metrics.jsonl', 'communication.csv'):
+      if (out / name).exists():
+        shutil.copy(out / name, scratch / name)
+  try:
+    return _run(config, task, mesh, out, scratch)
+  finally:
+    if not writer_process:
+      shutil.rmtree(scratch, ignore_errors=True)
 
+
+def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
+         out: pathlib.Path, scratch: pathlib.Path) -> dict[str, Any]:
+  """The body of :func:`run`; ``scratch`` receives this process's writes."""
+  ckpt_dir = scratch / 'checkpoints'
   train_fd, test_fd, info = task.load_data(config)
   num_train_clients = train_fd.num_clients()
   if config.clients_per_round > num_train_clients:
     raise ConfigError(
         f'--clients_per_round={config.clients_per_round} exceeds the '
         f'{num_train_clients} training clients of task {config.task!r}.')
+  if mesh.multi_process:
+    if config.clients_per_round < mesh.num_processes:
+      raise ConfigError(
+          f'--clients_per_round={config.clients_per_round}: must be >= '
+          f'--num_processes={mesh.num_processes} (every process runs a '
+          'client).')
+    # Each process loads only the sampled clients it runs.
+    train_fd = remote.PartitionedFederatedData(train_fd, mesh.is_local,
+                                               mesh.owner)
   split_model = task.build_model(config, info)
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
   spec = registry.get(config.algorithm)
-  algorithm = build_algorithm(registry.BuildContext(
-      config=config, split_model=split_model,
-      num_params=fedavg.num_params(params),
-      train_client_ids=tuple(train_fd.client_ids()), info=info))
+  if mesh.multi_process and not spec.multi_process:
+    raise ConfigError(
+        f'--algorithm={config.algorithm} does not run across processes yet '
+        '(--num_processes > 1); use one process with several devices.')
+  with sharding.use_client_mesh(mesh):
+    try:
+      algorithm = build_algorithm(registry.BuildContext(
+          config=config, split_model=split_model,
+          num_params=fedavg.num_params(params),
+          train_client_ids=tuple(train_fd.client_ids()), info=info))
+    except ValueError as e:
+      if 'round_engine' in str(e):
+        raise ConfigError(str(e)) from None
+      raise
   state = algorithm.init(params)
   ledger = CommLedger(fedavg.num_params(params), extra_bits={
       k: 0.0 for k in spec.communication_keys})
 
   fingerprint = config.fingerprint()
   start_round = 0
-  latest = checkpoint.latest_checkpoint(ckpt_dir)
-  metrics_path = out / 'metrics.jsonl'
+  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  metrics_path = scratch / 'metrics.jsonl'
   if latest is not None and config.resume:
     start_round, restored = checkpoint.restore_checkpoint(
         latest, {'server': state, 'ledger': ledger.state_dict()}, fingerprint)
     state = restored['server']
     ledger = CommLedger.from_state_dict(restored['ledger'])
     rows = outputs.truncate_metrics(metrics_path, start_round)
-    outputs.truncate_csv(out / 'communication.csv', start_round)
+    outputs.truncate_csv(scratch / 'communication.csv', start_round)
     logging.info('Resumed from %s at round %d.', latest, start_round)
   else:
     if (metrics_path.exists() or latest is not None) and not config.overwrite:
@@ -125,8 +186,10 @@ def run(config: RunConfig) -> dict[str, Any]:
           f'--output_dir={out} holds results of another run (metrics.jsonl or '
           'checkpoints) that cannot be resumed with these flags; pass '
           '--overwrite to replace them or choose another --output_dir.')
+    # Every process has decided before process 0 deletes anything.
+    sharding.barrier('fedlite_run_start')
     for name in ('metrics.jsonl', 'communication.csv', 'summary.json'):
-      (out / name).unlink(missing_ok=True)
+      (scratch / name).unlink(missing_ok=True)
     if ckpt_dir.exists():
       for p in ckpt_dir.iterdir():
         p.unlink()
@@ -135,21 +198,23 @@ def run(config: RunConfig) -> dict[str, Any]:
   if info.synthetic_partition:
     logging.warning('Task %s uses a SYNTHETIC federated partition: %s',
                     config.task, info.description)
-  writer = outputs.MetricsWriter(out)
-  csv = (out / 'communication.csv').open('a')
+  writer = outputs.MetricsWriter(scratch)
+  csv = (scratch / 'communication.csv').open('a')
   ledger.attach_csv(csv)
   batches = evaluation.eval_batches(test_fd, config.eval_batch_size,
                                     config.eval_num_clients, config.seed)
   sampler = fedjax.client_samplers.UniformGetClientSampler(
       train_fd, config.clients_per_round, config.seed, start_round)
   cap = config.max_examples_per_client
-  engine = (default_engine_name() if config.round_engine == 'auto'
-            else config.round_engine)
+  engine = config.round_engine
+  if engine == 'auto':
+    engine = 'vmap' if mesh.num_devices > 1 else default_engine_name()
   round_seconds = [r['seconds_per_round'] for r in rows
                    if 'seconds_per_round' in r]
   recent = []
   bar = tqdm.tqdm(range(start_round, config.num_rounds), initial=start_round,
-                  total=config.num_rounds, disable=not config.progress,
+                  total=config.num_rounds,
+                  disable=not config.progress or jax.process_index() != 0,
                   desc=f'{config.task}/{config.algorithm}', unit='round')
   try:
     for r in bar:
@@ -206,9 +271,10 @@ def run(config: RunConfig) -> dict[str, Any]:
                 'cut_size': split_model.cut_size,
                 'num_params': ledger.num_params},
       'machine': _machine(),
+      'placement': _placement(mesh),
       'flags': dataclasses.asdict(config),
   }
-  outputs.write_summary(out, summary)
-  outputs.plot_curves(out, rows, task.metric,
+  outputs.write_summary(scratch, summary)
+  outputs.plot_curves(scratch, rows, task.metric,
                       f'{config.task} / {config.algorithm} (seed {config.seed})')
   return summary

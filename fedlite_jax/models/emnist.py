@@ -44,6 +44,19 @@ CUT_LAYER = 'flatten'
 CUT_SIZE = 12 * 12 * 64  # 9,216.
 
 
+def _max_pool_2x2(x: Array) -> Array:
+  """2x2 max-pool, stride 2, VALID: float32 [B, H, W, C] -> [B, H/2, W/2, C].
+
+  The same values as ``nn.max_pool(x, (2, 2), strides=(2, 2))`` (H and W are
+  even here: 24 x 24), written as a reshape + max because XLA:CPU's gradient
+  of ``reduce_window`` (select-and-scatter) is slow: a whole client step of
+  this CNN runs 1.65x faster (19.5 -> 11.8 ms, batch 20) with identical
+  gradients (``tests/test_models.py``).
+  """
+  b, h, w, c = x.shape
+  return jnp.max(x.reshape(b, h // 2, 2, w // 2, 2, c), axis=(2, 4))
+
+
 class EmnistClient(nn.Module):
   """Client part: two convolutions, max-pool, dropout, flatten.
 
@@ -69,7 +82,7 @@ class EmnistClient(nn.Module):
       x = nn.Conv(channels, (3, 3), padding='VALID', name=name,
                   kernel_init=layers.haiku_linear_init)(x)
       x = nn.relu(x)
-    x = nn.max_pool(x, (2, 2), strides=(2, 2), padding='VALID')
+    x = _max_pool_2x2(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     return x.reshape((x.shape[0], -1))
 

@@ -5,7 +5,8 @@ The algorithm code (``fedlite_jax.algorithms``) describes a client update as a
 ``client_final`` shape); an engine runs the sampled clients of a round and
 returns the weighted sum of their outputs. The engines give the same result
 to float tolerance; which is fastest depends on the platform (see
-``benchmarks/bench_fedavg.py``).
+``benchmarks/bench_fedavg.py``). ``sharding`` splits a round's clients over
+the devices (and hosts) of a ``jax.sharding.Mesh``.
 """
 
 from fedlite_jax.rounds.engine import ClientProgram
@@ -16,3 +17,9 @@ from fedlite_jax.rounds.engine import RoundResult
 from fedlite_jax.rounds.engine import VmapEngine
 from fedlite_jax.rounds.engine import default_engine_name
 from fedlite_jax.rounds.engine import make_engine
+from fedlite_jax.rounds.fedjax_backend import VmapBackend
+from fedlite_jax.rounds.remote import RemoteClientDataset
+from fedlite_jax.rounds.sharding import ClientMesh
+from fedlite_jax.rounds.sharding import current_client_mesh
+from fedlite_jax.rounds.sharding import make_client_mesh
+from fedlite_jax.rounds.sharding import use_client_mesh

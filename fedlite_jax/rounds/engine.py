@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlite_jax.rounds import sharding
+
 PyTree = Any
 Batch = dict
 
@@ -214,13 +216,20 @@ class VmapEngine:
     step_bucket: how the longest client's step count is padded: 'pow2' (next
       power of two; at most log2(max steps) distinct compiled shapes), 'exact'
       (recompiles whenever the maximum changes), or an int fixed budget.
+    mesh: split the clients over this :class:`ClientMesh` (devices and
+      processes; ``fedlite_jax.rounds.sharding``); None runs on the default
+      device. The cohort is padded with zero-weight clients to a multiple of
+      the device count; the weighted sum is a cross-device reduction inside
+      the program.
   """
 
   name = 'vmap'
 
-  def __init__(self, program: ClientProgram, step_bucket: str | int = 'pow2'):
+  def __init__(self, program: ClientProgram, step_bucket: str | int = 'pow2',
+               mesh: Optional[sharding.ClientMesh] = None):
     self._program = program
     self._bucket = step_bucket
+    self._mesh = mesh
 
     def one_client(shared_input, client_input, batches, mask, weight):
       state = program.init(shared_input, client_input)
@@ -231,52 +240,109 @@ class VmapEngine:
 
       state, _ = jax.lax.scan(body, state, (batches, mask))
       output, diag = program.final(shared_input, state)
-      return jax.tree.map(lambda o: weight * o, output), diag
+      # where, not a product: a padding client (weight 0) whose output is
+      # not finite must not turn the sum into NaN.
+      return jax.tree.map(lambda o: jnp.where(weight > 0, weight * o, 0.),
+                          output), diag
 
-    @jax.jit
     def run(shared_input, client_inputs, batches, mask, weights):
       weighted, diags = jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0))(
           shared_input, client_inputs, batches, mask, weights)
       return jax.tree.map(lambda x: jnp.sum(x, axis=0), weighted), diags
 
-    self._run = run
+    if mesh is None:
+      self._run = jax.jit(run)
+    else:
+      self._run = jax.jit(
+          run, out_shardings=(mesh.replicated, mesh.client_sharding))
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
     _check_cohort(work)
+    mesh = self._mesh
+    cohort = len(work)
     steps = _bucket(max(len(w.batches) for w in work), self._bucket)
-    template = work[0].batches[0]
+    if mesh is None:
+      lo, hi, rows = 0, cohort, cohort
+    else:
+      lo, hi = mesh.local_clients(cohort)
+      rows = mesh.rows_per_process(cohort)
+    local = list(work[lo:hi])
+    template = local[0].batches[0]
     padding = jax.tree.map(np.zeros_like, template)
+    pad_input = jax.tree.map(np.zeros_like, local[0].client_input)
 
-    def client_batches(w):
-      padded = list(w.batches) + [padding] * (steps - len(w.batches))
+    def client_batches(batches):
+      padded = list(batches) + [padding] * (steps - len(batches))
       return jax.tree.map(lambda *xs: np.stack(xs), *padded)
 
-    batches = jax.tree.map(lambda *xs: np.stack(xs),
-                           *[client_batches(w) for w in work])
-    mask = np.stack([np.arange(steps) < len(w.batches) for w in work])
-    client_inputs = jax.tree.map(lambda *xs: jnp.stack(xs),
-                                 *[w.client_input for w in work])
-    weights = np.asarray([w.weight for w in work], np.float32)
+    num_pad = rows - len(local)
+    batches = jax.tree.map(
+        lambda *xs: np.stack(xs),
+        *([client_batches(w.batches) for w in local] +
+          [client_batches([])] * num_pad))
+    mask = np.stack([np.arange(steps) < len(w.batches) for w in local] +
+                    [np.zeros(steps, bool)] * num_pad)
+    client_inputs = jax.tree.map(
+        lambda *xs: np.stack([np.asarray(x) for x in xs]),
+        *([w.client_input for w in local] + [pad_input] * num_pad))
+    weights = np.asarray([w.weight for w in local] + [0.] * num_pad,
+                         np.float32)
+    if mesh is not None:
+      put = lambda x: mesh.put_clients(np.asarray(x), cohort)
+      batches, mask, client_inputs, weights = jax.tree.map(
+          put, (batches, mask, client_inputs, weights))
+      shared_input = mesh.put_replicated(shared_input)
     weighted_sum, diags = self._run(shared_input, client_inputs, batches, mask,
                                     weights)
-    diags = jax.device_get(diags)
-    per_client = [jax.tree.map(lambda x, i=i: x[i], diags)
-                  for i in range(len(work))]
-    return RoundResult(weighted_sum, float(weights.sum()), per_client)
+    if mesh is None:
+      diags = jax.device_get(diags)
+      order = np.arange(cohort)
+    else:
+      # The replicated sum as this process's own single-device arrays, so the
+      # server update that follows is an ordinary (process-local) program.
+      weighted_sum = jax.tree.map(lambda x: x.addressable_data(0),
+                                  weighted_sum)
+      diags = mesh.gather(diags)
+      order = mesh.rows(cohort)
+    per_client = [jax.tree.map(lambda x, i=i: x[i], diags) for i in order]
+    total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
+    return RoundResult(weighted_sum, total, per_client)
 
 
 def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
-                step_bucket: str | int = 'pow2') -> LoopEngine | VmapEngine:
+                step_bucket: str | int = 'pow2',
+                mesh: Optional[sharding.ClientMesh] = None
+                ) -> LoopEngine | VmapEngine:
   """Builds an engine by name ('auto', 'loop' or 'vmap').
 
+  Args:
+    name: 'auto' (vmap on GPU/TPU or on a mesh of several devices, loop on
+      a single CPU device), 'loop' or 'vmap'.
+    program: the client update.
+    steps_per_call: loop engine: local steps per jitted call.
+    step_bucket: vmap engine: step padding policy.
+    mesh: devices/processes to split clients over; None takes the mesh set by
+      ``sharding.use_client_mesh`` (if any). A mesh of one device in one
+      process is the same as none.
+
   Raises:
-    ValueError: for an unknown name.
+    ValueError: for an unknown name, or 'loop' with a mesh of several
+      devices (the loop engine runs on one device).
   """
+  if mesh is None:
+    mesh = sharding.current_client_mesh()
+  if mesh is not None and mesh.num_devices == 1:
+    mesh = None
   if name == 'auto':
-    name = default_engine_name()
+    name = 'vmap' if mesh is not None else default_engine_name()
   if name == 'loop':
+    if mesh is not None:
+      raise ValueError(
+          f'--round_engine=loop runs on one device, but {mesh.num_devices} '
+          'devices were requested; use --round_engine=vmap (or auto) or '
+          '--num_devices=1.')
     return LoopEngine(program, steps_per_call=steps_per_call)
   if name == 'vmap':
-    return VmapEngine(program, step_bucket=step_bucket)
+    return VmapEngine(program, step_bucket=step_bucket, mesh=mesh)
   raise ValueError(f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')

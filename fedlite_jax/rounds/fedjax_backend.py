@@ -1,0 +1,151 @@
+"""A vmapped (and device-sharded) ``fedjax.ForEachClientBackend``.
+
+FedJAX's own algorithms (``fedjax.algorithms.fed_avg``, ``fed_prox``,
+``mime_lite``, ...) and any user algorithm written with
+``fedjax.for_each_client`` run their clients through a backend. FedJAX's
+``jit`` backend calls a jitted step per client per batch from Python; its
+``pmap`` backend needs one device per client. :class:`VmapBackend` runs all
+clients of a call as ONE compiled program: ``jax.vmap`` over clients,
+``lax.scan`` over local steps (padded with masked no-op steps to a power of
+two), and the clients split over a :class:`~fedlite_jax.rounds.sharding.ClientMesh`
+when several devices are present (padding clients with zero inputs fill the
+last device; their outputs are dropped). Select it without touching the
+algorithm::
+
+  fedjax.set_for_each_client_backend(fedlite_jax.rounds.VmapBackend())
+  # or: with fedjax.for_each_client_backend(VmapBackend()): ...
+
+Same results as FedJAX's ``jit`` backend to float tolerance
+(``tests/test_fedjax_backend.py``); ``benchmarks/bench_scaling.py`` times it.
+
+Requirements: every batch of every client in one call must have the same
+structure and shapes (true for ``shuffle_repeat_batch`` and
+``padded_batch``, which FedJAX's algorithms use); a mismatch raises
+``ValueError`` naming the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+import fedjax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlite_jax.rounds import engine as engine_lib
+from fedlite_jax.rounds import sharding
+
+PyTree = Any
+
+
+def _signature(tree: PyTree) -> tuple:
+  return jax.tree.structure(tree), tuple(
+      (np.shape(x), np.result_type(x).name) for x in jax.tree.leaves(tree))
+
+
+class VmapBackend(fedjax.ForEachClientBackend):
+  """``for_each_client`` as one vmapped, optionally sharded, program.
+
+  Args:
+    mesh: the devices to split clients over; None uses every local device
+      (:func:`~fedlite_jax.rounds.sharding.make_client_mesh`). A mesh of one
+      device is plain vmap on that device.
+    step_bucket: local-step padding: 'pow2' (default), 'exact' or an int
+      budget (see :class:`~fedlite_jax.rounds.VmapEngine`).
+
+  Raises:
+    ValueError: from the returned function, for batches whose shapes differ
+      between clients or steps, or a client with no batches when others
+      have some and shapes cannot be inferred.
+  """
+
+  def __init__(self, mesh: Optional[sharding.ClientMesh] = None,
+               step_bucket: str | int = 'pow2'):
+    self._mesh = mesh
+    self._bucket = step_bucket
+
+  def __call__(self, client_init, client_step, client_final):
+    mesh = self._mesh or sharding.make_client_mesh()
+    if mesh.multi_process:
+      raise ValueError('VmapBackend runs the clients of one process; with '
+                       'several processes use the fedlite_jax round engines.')
+    multi = mesh.num_devices > 1
+
+    def one_client(shared_input, client_input, batches, mask):
+      state = client_init(shared_input, client_input)
+
+      def body(state, xs):
+        batch, m = xs
+        new_state, step_result = client_step(state, batch)
+        new_state = engine_lib._masked(new_state, state, m)  # pylint: disable=protected-access
+        step_result = jax.tree.map(
+            lambda x: jnp.where(m, x, jnp.zeros_like(x)), step_result)
+        return new_state, step_result
+
+      state, step_results = jax.lax.scan(body, state, (batches, mask))
+      return client_final(shared_input, state), step_results
+
+    def run_all(shared_input, client_inputs, batches, mask):
+      return jax.vmap(one_client, in_axes=(None, 0, 0, 0))(
+          shared_input, client_inputs, batches, mask)
+
+    run_jit = jax.jit(run_all)
+
+    def run(shared_input: PyTree,
+            clients: Iterable[tuple[Any, Iterable[PyTree], PyTree]]
+            ) -> Iterator[tuple[Any, PyTree, list[PyTree]]]:
+      clients = [(cid, list(batches), cin) for cid, batches, cin in clients]
+      if not clients:
+        return
+      with_batches = [c for c in clients if c[1]]
+      if not with_batches:
+        raise ValueError('for_each_client: no client has any batch.')
+      template = with_batches[0][1][0]
+      sig = _signature(template)
+      for cid, batches, _ in clients:
+        for b in batches:
+          if _signature(b) != sig:
+            raise ValueError(
+                f'VmapBackend needs equally shaped batches; client {cid!r} '
+                f'has {_signature(b)[1]} vs {sig[1]}. Use shuffle_repeat_batch '
+                'or padded_batch, or the jit backend.')
+      steps = engine_lib._bucket(  # pylint: disable=protected-access
+          max(len(b) for _, b, _ in clients), self._bucket)
+      rows = mesh.padded_size(len(clients)) if multi else len(clients)
+      padding = jax.tree.map(np.zeros_like, template)
+      pad_input = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)),
+                               clients[0][2])
+      padded = clients + [(None, [], pad_input)] * (rows - len(clients))
+
+      def stack_batches(batches):
+        full = batches + [padding] * (steps - len(batches))
+        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                            *full)
+
+      batches = jax.tree.map(lambda *xs: np.stack(xs),
+                             *[stack_batches(b) for _, b, _ in padded])
+      mask = np.stack([np.arange(steps) < len(b) for _, b, _ in padded])
+      client_inputs = jax.tree.map(
+          lambda *xs: np.stack([np.asarray(x) for x in xs]),
+          *[cin for _, _, cin in padded])
+      if multi:
+        put = lambda x: jax.device_put(x, mesh.client_sharding)
+        batches, mask, client_inputs = jax.tree.map(
+            put, (batches, mask, client_inputs))
+        shared_input = jax.device_put(shared_input, mesh.replicated)
+      outputs, step_results = run_jit(shared_input, client_inputs, batches,
+                                      mask)
+      # One unstack per leaf (not one slice per client per leaf); step
+      # results are small and come to the host at once.
+      leaves, treedef = jax.tree.flatten(outputs)
+      per_leaf = [list(x) for x in leaves]
+      step_results = jax.device_get(step_results)
+      for i, (cid, client_batches_, _) in enumerate(clients):
+        output = jax.tree.unflatten(treedef, [leaf[i] for leaf in per_leaf])
+        results = [jax.tree.map(lambda x, i=i, t=t: x[i, t], step_results)
+                   for t in range(len(client_batches_))]
+        yield cid, output, results
+
+    return run
+

@@ -1,0 +1,131 @@
+"""Stand-ins for clients whose data another process loads (multi-host runs).
+
+With several JAX processes every process samples the same cohort (the
+sampler is deterministic in the seed and round), but loads only the clients
+it runs (:meth:`fedlite_jax.rounds.sharding.ClientMesh.local_clients`). The
+others are :class:`RemoteClientDataset` objects: they know their number of
+examples (from the federated data's metadata, e.g. the SQLite
+``num_examples`` column), so weights, step counts and the communication
+ledger are the same on every process, but their examples are never read.
+Their batches are :class:`RemoteBatches`: a length without contents.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import fedjax
+
+
+def num_shuffle_repeat_batches(num_examples: int,
+                               hparams: fedjax.ShuffleRepeatBatchHParams
+                               ) -> int:
+  """Batches ``ClientDataset.shuffle_repeat_batch(hparams)`` yields.
+
+  Follows FedJAX 0.0.17's rule: ``ceil(n * epochs / B)`` batches (``floor``
+  with ``drop_remainder``), capped at ``num_steps`` when it is set.
+
+  Raises:
+    ValueError: both ``num_epochs`` and ``num_steps`` are None (infinite).
+  """
+  epochs, steps = hparams.num_epochs, hparams.num_steps
+  if epochs is None and steps is None:
+    raise ValueError('shuffle_repeat_batch with num_epochs=None and '
+                     'num_steps=None never ends; set one of them.')
+  if epochs is None:
+    return steps
+  total = num_examples * epochs
+  count = (total // hparams.batch_size if hparams.drop_remainder else
+           math.ceil(total / hparams.batch_size))
+  return count if steps is None else min(count, steps)
+
+
+class RemoteBatches(Sequence[Any]):
+  """The batches of a client that another process runs: a length only.
+
+  Raises:
+    RuntimeError: on any access to a batch (the data is not on this host).
+  """
+
+  def __init__(self, num_batches: int, client_id: Any, owner: Optional[int]):
+    self._n = num_batches
+    self._client_id = client_id
+    self._owner = owner
+
+  def __len__(self) -> int:
+    return self._n
+
+  def __getitem__(self, index):
+    raise RuntimeError(
+        f'Batches of client {self._client_id!r} live on process '
+        f'{self._owner}; this process never loads them. Only the round engine '
+        'may touch local clients\' batches.')
+
+
+class RemoteClientDataset:
+  """A ``fedjax.ClientDataset`` stand-in: size known, examples elsewhere.
+
+  Args:
+    client_id: the client's id.
+    num_examples: its number of examples (>= 0).
+    owner: the process that loads it (for error messages).
+  """
+
+  def __init__(self, client_id: Any, num_examples: int,
+               owner: Optional[int] = None):
+    self.client_id = client_id
+    self._n = int(num_examples)
+    self.owner = owner
+
+  def __len__(self) -> int:
+    return self._n
+
+  def __getitem__(self, index) -> 'RemoteClientDataset':
+    if not isinstance(index, slice):
+      raise RuntimeError(f'Examples of client {self.client_id!r} live on '
+                         f'process {self.owner}.')
+    return RemoteClientDataset(self.client_id,
+                               len(range(self._n)[index]), self.owner)
+
+  def shuffle_repeat_batch(self, hparams: fedjax.ShuffleRepeatBatchHParams,
+                           **unused) -> RemoteBatches:
+    return RemoteBatches(num_shuffle_repeat_batches(self._n, hparams),
+                         self.client_id, self.owner)
+
+  def padded_batch(self, hparams: fedjax.PaddedBatchHParams,
+                   **unused) -> RemoteBatches:
+    return RemoteBatches(math.ceil(self._n / hparams.batch_size),
+                         self.client_id, self.owner)
+
+
+class PartitionedFederatedData:
+  """Wraps federated data so ``get_clients`` loads only local clients.
+
+  ``fedjax.client_samplers.UniformGetClientSampler`` calls
+  ``get_clients(ids)`` with the round's whole cohort in order; positions
+  that ``is_local(position, cohort_size)`` rejects come back as
+  :class:`RemoteClientDataset` with their size from ``client_sizes()``.
+  Every other attribute is the wrapped object's.
+  """
+
+  def __init__(self, federated_data: Any, is_local, owner):
+    self._fd = federated_data
+    self._is_local = is_local
+    self._owner = owner
+    self._sizes = dict(federated_data.client_sizes())
+
+  def __getattr__(self, name):
+    return getattr(self._fd, name)
+
+  def get_clients(self, client_ids):
+    client_ids = list(client_ids)
+    n = len(client_ids)
+    local = [cid for i, cid in enumerate(client_ids) if self._is_local(i, n)]
+    loaded = dict(self._fd.get_clients(local)) if local else {}
+    for i, cid in enumerate(client_ids):
+      if self._is_local(i, n):
+        yield cid, loaded[cid]
+      else:
+        yield cid, RemoteClientDataset(cid, self._sizes[cid],
+                                       self._owner(i, n))

@@ -1,0 +1,323 @@
+"""Clients of a round split across devices and hosts (``jax.sharding``).
+
+A :class:`ClientMesh` is a one-axis ``jax.sharding.Mesh`` (axis ``'clients'``)
+over ``num_devices`` devices of every process. The vmapped round program
+(:class:`fedlite_jax.rounds.VmapEngine`) takes its per-client inputs sharded
+along that axis (``NamedSharding(mesh, P('clients'))``) and the shared input
+(the server model) replicated; the weighted sum over clients inside the same
+``jax.jit`` program becomes XLA's cross-device all-reduce, so one program
+serves one CPU, several GPUs, a TPU slice or several hosts. No ``pmap``.
+
+Layout of a cohort of ``C`` clients on ``N`` devices in ``P`` processes:
+the cohort is padded to ``C_pad = ceil(C / N) * N`` rows with zero-weight
+padding clients (never dropping a client); the mesh lists the devices of
+process 0 first, so process ``p`` holds the block of rows ``[p * C_pad / P,
+(p + 1) * C_pad / P)``. Real clients are dealt to processes as evenly as
+possible (``C // P`` or one more, in cohort order) and fill the first rows of
+their process's block. Each process loads only its own clients' data
+(:class:`fedlite_jax.rounds.remote.RemoteClientDataset` stands in for the
+others; see ``fedlite_jax.experiment.runner``).
+
+Several hosts: :func:`initialize_distributed` wraps
+``jax.distributed.initialize`` (CPU collectives through gloo) with a timeout
+that becomes a clear error instead of a hang.
+
+The mesh used by :func:`fedlite_jax.rounds.make_engine` when none is passed
+is the one set with :func:`use_client_mesh` (like FedJAX's
+``for_each_client_backend`` context), so algorithms need no extra argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import dataclasses
+import math
+import socket
+import threading
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+import jax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+AXIS = 'clients'
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientMesh:
+  """A one-axis device mesh over which the clients of a round are split.
+
+  Attributes:
+    mesh: ``jax.sharding.Mesh`` with the single axis ``'clients'``; devices
+      ordered by (process index, device id).
+    num_processes: number of JAX processes (hosts) in the mesh.
+    process_index: this process's index.
+  """
+  mesh: Mesh
+
+  @property
+  def num_devices(self) -> int:
+    """Devices in the mesh, over all processes."""
+    return int(self.mesh.devices.size)
+
+  @property
+  def num_processes(self) -> int:
+    return len({d.process_index for d in self.mesh.devices.flat})
+
+  @property
+  def process_index(self) -> int:
+    return jax.process_index()
+
+  @property
+  def multi_process(self) -> bool:
+    return self.num_processes > 1
+
+  def padded_size(self, cohort_size: int) -> int:
+    """``ceil(cohort_size / num_devices) * num_devices`` (clients)."""
+    return math.ceil(cohort_size / self.num_devices) * self.num_devices
+
+  def rows_per_process(self, cohort_size: int) -> int:
+    """Rows (real + padding clients) of the padded cohort per process."""
+    return self.padded_size(cohort_size) // self.num_processes
+
+  def _counts(self, cohort_size: int) -> np.ndarray:
+    """Real clients per process: as even as possible, earlier ones first."""
+    p = self.num_processes
+    return np.asarray([cohort_size // p + (i < cohort_size % p)
+                       for i in range(p)])
+
+  def local_clients(self, cohort_size: int,
+                    process_index: Optional[int] = None) -> tuple[int, int]:
+    """``[lo, hi)``: the cohort positions a process runs and loads.
+
+    Raises:
+      ValueError: a cohort smaller than the number of processes (a process
+        would have no client to take batch shapes from).
+    """
+    if cohort_size < self.num_processes:
+      raise ValueError(
+          f'A cohort of {cohort_size} clients cannot be split over '
+          f'{self.num_processes} processes; use --clients_per_round >= '
+          f'{self.num_processes}.')
+    counts = self._counts(cohort_size)
+    p = self.process_index if process_index is None else process_index
+    lo = int(counts[:p].sum())
+    return lo, lo + int(counts[p])
+
+  def owner(self, position: int, cohort_size: int) -> int:
+    """The process that runs (and loads the data of) cohort ``position``."""
+    bounds = np.cumsum(self._counts(cohort_size))
+    return int(np.searchsorted(bounds, position, side='right'))
+
+  def is_local(self, position: int, cohort_size: int) -> bool:
+    return self.owner(position, cohort_size) == self.process_index
+
+  def rows(self, cohort_size: int) -> np.ndarray:
+    """``[cohort_size]`` int: the row of the padded global array of each client.
+
+    Process ``p``'s real clients fill the first rows of its block of
+    :meth:`rows_per_process` rows; zero-weight padding clients fill the rest.
+    """
+    share = self.rows_per_process(cohort_size)
+    out = []
+    for p in range(self.num_processes):
+      lo, hi = self.local_clients(cohort_size, p)
+      out.extend(p * share + np.arange(hi - lo))
+    return np.asarray(out, np.int64)
+
+  @property
+  def client_sharding(self) -> NamedSharding:
+    """Leading (client) axis split over the mesh."""
+    return NamedSharding(self.mesh, P(AXIS))
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  def put_clients(self, local: np.ndarray, cohort_size: int) -> jax.Array:
+    """A global client-sharded array from this process's block.
+
+    Args:
+      local: ``[C_pad / P, ...]``: this process's block of rows (all
+        ``C_pad`` rows in a single process).
+      cohort_size: the unpadded cohort size ``C``.
+
+    Returns:
+      A ``jax.Array`` of shape ``[C_pad, ...]`` sharded over the mesh.
+    """
+    global_shape = (self.padded_size(cohort_size),) + tuple(local.shape[1:])
+    if not self.multi_process:
+      return jax.device_put(local, self.client_sharding)
+    return jax.make_array_from_process_local_data(self.client_sharding, local,
+                                                  global_shape)
+
+  def put_replicated(self, tree: Any) -> Any:
+    """The same pytree on every device of the mesh."""
+    if not self.multi_process:
+      return jax.device_put(tree, self.replicated)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            self.replicated, np.asarray(x), np.shape(x)), tree)
+
+  def gather(self, tree: Any) -> Any:
+    """NumPy copies of (possibly non-addressable) global arrays."""
+    if not self.multi_process:
+      return jax.device_get(tree)
+    return jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+        tree)
+
+
+def local_device_count_error(num_devices: int) -> Optional[str]:
+  """Why ``num_devices`` is not allowed here, or None when it is."""
+  present = jax.local_device_count()
+  if num_devices < 1 or num_devices > present:
+    return (f'--num_devices={num_devices}: must be between 1 and the '
+            f'{present} local {jax.default_backend()} device(s) present '
+            f'({", ".join(str(d) for d in jax.local_devices())}). On CPU, '
+            'XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N '
+            'devices.')
+  return None
+
+
+def make_client_mesh(num_devices: Optional[int] = None) -> ClientMesh:
+  """A :class:`ClientMesh` over ``num_devices`` local devices per process.
+
+  Args:
+    num_devices: devices of THIS process to use (default: all local
+      devices). With several processes every process must pass the same
+      value; the mesh then has ``num_processes * num_devices`` devices.
+
+  Raises:
+    ValueError: ``num_devices`` < 1 or more than the local devices present.
+  """
+  if num_devices is None:
+    num_devices = jax.local_device_count()
+  error = local_device_count_error(num_devices)
+  if error:
+    raise ValueError(error)
+  if jax.process_count() > 1:
+    counts = multihost_utils.process_allgather(np.int32(num_devices))
+    if len(set(np.asarray(counts).ravel().tolist())) != 1:
+      raise ValueError(
+          f'--num_devices differs across processes: {np.asarray(counts)}; '
+          'every process must use the same number of local devices.')
+  devices = []
+  for p in range(jax.process_count()):
+    local = sorted((d for d in jax.devices() if d.process_index == p),
+                   key=lambda d: d.id)
+    devices.extend(local[:num_devices])
+  return ClientMesh(Mesh(np.asarray(devices), (AXIS,)))
+
+
+_CURRENT = threading.local()
+
+
+def current_client_mesh() -> Optional[ClientMesh]:
+  """The mesh set by :func:`use_client_mesh` in this thread (or None)."""
+  return getattr(_CURRENT, 'mesh', None)
+
+
+@contextlib.contextmanager
+def use_client_mesh(mesh: Optional[ClientMesh]) -> Iterator[None]:
+  """Engines built inside this context split clients over ``mesh``."""
+  previous = current_client_mesh()
+  _CURRENT.mesh = mesh
+  try:
+    yield
+  finally:
+    _CURRENT.mesh = previous
+
+
+def pad_cohort(items: Sequence[Any], padded_size: int,
+               make_padding) -> list[Any]:
+  """``items`` followed by ``make_padding()`` up to ``padded_size``."""
+  return list(items) + [make_padding() for _ in range(padded_size - len(items))]
+
+
+class DistributedInitError(RuntimeError):
+  """``jax.distributed`` could not be initialized (e.g. no coordinator)."""
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int,
+                           process_id: int, timeout_s: int = 60) -> None:
+  """``jax.distributed.initialize`` with CPU collectives and a clear timeout.
+
+  Args:
+    coordinator_address: ``host:port`` of process 0's coordinator service.
+    num_processes: total number of processes (>= 1).
+    process_id: this process's index in ``[0, num_processes)``.
+    timeout_s: seconds to wait for every process to connect.
+
+  Raises:
+    ValueError: inconsistent numbers (process_id out of range, bad address).
+    DistributedInitError: (processes other than 0) the coordinator's port
+      was not reachable within ``timeout_s`` seconds (instead of hanging).
+      Process 0 itself is ended by XLA with DEADLINE_EXCEEDED if the others
+      do not connect within ``timeout_s``.
+  """
+  if num_processes < 1:
+    raise ValueError(f'--num_processes={num_processes}: must be >= 1.')
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f'--process_id={process_id}: must be in [0, '
+                     f'{num_processes}) for --num_processes={num_processes}.')
+  host, _, port = coordinator_address.rpartition(':')
+  if not host or not port.isdigit():
+    raise ValueError(f'--coordinator_address={coordinator_address!r}: must be '
+                     'host:port, e.g. localhost:12355.')
+  if process_id != 0:
+    # XLA aborts the whole process (not an exception) when the coordinator
+    # cannot be reached, so probe its port first and fail with a message.
+    _wait_for_port(host, int(port), timeout_s, coordinator_address,
+                   process_id, num_processes)
+  # CPU cross-process collectives (GPU/TPU use their own); must be set before
+  # any backend is initialized, so no jax.devices() call may precede this.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # If the other processes never arrive, XLA ends this process after
+  # timeout_s with DEADLINE_EXCEEDED (it cannot be caught in Python).
+  jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                             process_id=process_id,
+                             initialization_timeout=timeout_s)
+
+
+def _wait_for_port(host: str, port: int, timeout_s: float, address: str,
+                   process_id: int, num_processes: int) -> None:
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host, port), timeout=1.0):
+        return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise DistributedInitError(
+            f'Process {process_id} of {num_processes} could not reach the '
+            f'jax.distributed coordinator at {address} within {timeout_s:g} '
+            f's ({e}). Start process 0 with the same --coordinator_address '
+            'and --num_processes, and check that the port is reachable.'
+        ) from None
+      time.sleep(0.2)
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches this point (no-op in one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def check_same_across_processes(name: str, value: Any) -> None:
+  """Raises ValueError if ``value`` (hashable, e.g. flags) differs by process."""
+  if jax.process_count() == 1:
+    return
+  digest = np.frombuffer(
+      hashlib.sha256(repr(value).encode()).digest()[:8],
+      np.int64).copy()
+  digests = np.asarray(multihost_utils.process_allgather(digest)).ravel()
+  if len(set(digests.tolist())) != 1:
+    raise ValueError(
+        f'{name} differ across processes (process {jax.process_index()} has '
+        f'{value!r}); every process must be started with the same flags.')
