@@ -62,7 +62,14 @@ def build(grad_fn, local_steps: int, batch_size: int, d: int, lr: float,
       grad_fn, optax.sgd(lr), optax.sgd(1.0), batch_size=batch_size,
       intrinsic_dim=d, local_steps=local_steps, num_subspaces=1,
       time_varying=False, seed=0, client_ids=client_ids)
-  return {'sgd': sgd, 'igc_static': igc_static}
+  # The same algorithm simulated with one projection of the summed deltas
+  # on the server (--igc_project_on_server; equal to float rounding).
+  igc_server = igc.intrinsic_gradient_compression(
+      grad_fn, optax.sgd(lr), optax.sgd(1.0), batch_size=batch_size,
+      intrinsic_dim=d, local_steps=local_steps, num_subspaces=1,
+      time_varying=False, seed=0, client_ids=client_ids,
+      project_on_server=True)
+  return {'sgd': sgd, 'igc_static': igc_static, 'igc_server': igc_server}
 
 
 def time_round_pair(algs, params, cohorts, warmup: int) -> dict[str, list]:
@@ -165,6 +172,11 @@ def main() -> None:
           f'overhead_pct={100 * (t_igc / t_sgd - 1):.1f} '
           f'paired_median_ratio={paired:.3f} sgd_s={t_sgd:.3f} '
           f'igc_s={t_igc:.3f}', flush=True)
+    t_srv = statistics.median(times['igc_server'])
+    print(f'ratio igc_round_project_on_server local_steps={steps} '
+          f'igc/sgd={t_srv / t_sgd:.3f} '
+          f'overhead_pct={100 * (t_srv / t_sgd - 1):.1f} igc_s={t_srv:.3f}',
+          flush=True)
 
 
 if __name__ == '__main__':

@@ -125,15 +125,17 @@ def _part_backend(args) -> None:
       if task == 'emnist' else fedjax.models.emnist.create_conv_model(
           only_digits=True)
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=args.batch_size, seed=0)
-  alg = fedjax.algorithms.fed_avg.federated_averaging(
-      fedjax.model_grad(model), fedjax.optimizers.sgd(0.1),
-      fedjax.optimizers.sgd(1.0), hp)
   params = model.init(jax.random.PRNGKey(0))
   results = {}
   for name, backend in (('jit', 'jit'), ('vmap', VmapBackend())):
+    # FedJAX binds the backend when the algorithm calls for_each_client,
+    # i.e. at construction: build it inside the context.
     with fedjax.for_each_client_backend(backend):
-      results[name] = _time_rounds(alg.apply, alg.init(params), cohorts,
-                                   args.warmup)
+      alg = fedjax.algorithms.fed_avg.federated_averaging(
+          fedjax.model_grad(model), fedjax.optimizers.sgd(0.1),
+          fedjax.optimizers.sgd(1.0), hp)
+    results[name] = _time_rounds(alg.apply, alg.init(params), cohorts,
+                                 args.warmup)
   print(f'\n[backend] fedjax.algorithms.fed_avg (FedJAX haiku CNN), task '
         f'{task}, {args.clients_per_round} clients/round, '
         f'{jax.local_device_count()} {jax.default_backend()} device(s)')

@@ -59,7 +59,8 @@ def test_bench_igc_round_smoke():
   if not data_dir or not (pathlib.Path(data_dir) / 'femnist105').is_dir():
     pytest.skip('FEMNIST-105 not available (set FEDLITE_DATA_DIR).')
   out = _run('bench_igc_round.py', f'--data_dir={data_dir}')
-  lines = [l for l in out.splitlines() if l.startswith('ratio igc_round')]
+  lines = [l for l in out.splitlines() if l.startswith('ratio igc_round ')]
   assert len(lines) == 1, out
+  assert 'ratio igc_round_project_on_server local_steps=1' in out, out
   assert re.search(r'local_steps=1 igc/sgd=[\d.]+ overhead_pct=-?[\d.]+',
                    lines[0]), lines[0]

@@ -33,11 +33,26 @@ def femnist_clients(data_dir):
           for i, (cid, cds) in enumerate(train.get_clients(ids))]
 
 
-def _train(alg, params, clients, backend, rounds=2):
-  state = alg.init(params)
+class _SpyBackend(VmapBackend):
+  """VmapBackend that counts the for_each_client functions it builds."""
+
+  def __init__(self):
+    super().__init__()
+    self.built = 0
+
+  def __call__(self, *args):
+    self.built += 1
+    return super().__call__(*args)
+
+
+def _train(make_alg, params, clients, backend, rounds=2):
+  # FedJAX resolves the backend when for_each_client is CALLED, i.e. when
+  # the algorithm is built, so the algorithm is built inside the context.
   with fedjax.for_each_client_backend(backend):
-    for _ in range(rounds):
-      state, diag = alg.apply(state, clients)
+    alg = make_alg()
+  state = alg.init(params)
+  for _ in range(rounds):
+    state, diag = alg.apply(state, clients)
   return state, diag
 
 
@@ -48,19 +63,21 @@ def test_fedjax_algorithms_match_jit_backend(femnist_clients):
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=20, seed=0)
   per_example_loss = fedjax.model_per_example_loss(model)
   algorithms = {
-      'fed_avg': fedjax.algorithms.fed_avg.federated_averaging(
+      'fed_avg': lambda: fedjax.algorithms.fed_avg.federated_averaging(
           fedjax.model_grad(model), fedjax.optimizers.sgd(0.1),
           fedjax.optimizers.sgd(1.0), hp),
-      'fed_prox': fedjax.algorithms.fed_prox.fed_prox(
+      'fed_prox': lambda: fedjax.algorithms.fed_prox.fed_prox(
           per_example_loss, fedjax.optimizers.sgd(0.1),
           fedjax.optimizers.sgd(1.0), hp, proximal_weight=0.01),
-      'mime_lite': fedjax.algorithms.mime_lite.mime_lite(
+      'mime_lite': lambda: fedjax.algorithms.mime_lite.mime_lite(
           per_example_loss, fedjax.optimizers.sgd(0.1), hp,
           fedjax.PaddedBatchHParams(batch_size=32), server_learning_rate=1.0),
   }
-  for name, alg in algorithms.items():
-    ref, ref_diag = _train(alg, params, femnist_clients, 'jit')
-    got, got_diag = _train(alg, params, femnist_clients, VmapBackend())
+  for name, make_alg in algorithms.items():
+    ref, ref_diag = _train(make_alg, params, femnist_clients, 'jit')
+    spy = _SpyBackend()
+    got, got_diag = _train(make_alg, params, femnist_clients, spy)
+    assert spy.built >= 1, name  # the vmapped backend really ran
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
         jax.tree.leaves(ref.params), jax.tree.leaves(params)))
     assert moved > 1e-3, name  # the rounds did train
@@ -99,12 +116,17 @@ _SCRIPT = textwrap.dedent('''
       clients.append((b'c%d' % i, batches,
                       {'scale': np.float32(1 + 0.1 * i)}))
     shared = {'w': np.arange(3, dtype=np.float32) + 1}
-    fn = fedjax.for_each_client(client_init, client_step, client_final,
-                                with_step_result=True)
+    # FedJAX picks the backend when for_each_client is called.
+    def make():
+      return fedjax.for_each_client(client_init, client_step, client_final,
+                                    with_step_result=True)
     with fedjax.for_each_client_backend('jit'):
-      ref = list(fn(shared, clients))
-    with fedjax.for_each_client_backend(VmapBackend()):
-      got = list(fn(shared, clients))
+      ref = list(make()(shared, clients))
+    backend = VmapBackend()
+    with fedjax.for_each_client_backend(backend):
+      fn = make()
+    assert fn.__qualname__.startswith('VmapBackend'), fn.__qualname__
+    got = list(fn(shared, clients))
     assert [c for c, _, _ in ref] == [c for c, _, _ in got]
     for (cid, a, sa), (_, b, sb) in zip(ref, got):
       np.testing.assert_allclose(a['delta'], b['delta'], rtol=1e-6, atol=1e-7)

@@ -332,3 +332,28 @@ def test_bad_input_errors(setup, femnist):
     alg.apply(alg.init(setup[2]), stranger)
   with pytest.raises(config_lib.ConfigError, match='intrinsic_dim'):
     _registry_alg(setup, femnist, 'igc_static', intrinsic_dim=D + 1)
+
+
+@pytest.mark.parametrize('K,tv', [(1, False), (3, True)])
+def test_project_on_server_equals_client_projection(setup, femnist, K, tv):
+  """Linearity: projecting the per-subspace sums = summing the projections."""
+  rounds = _rounds(femnist, PATTERN)
+  kw = dict(intrinsic_dim=64, num_subspaces=K, time_varying=tv,
+            rounds_per_epoch=2 if tv else None, seed=5)
+  s1, d1 = _run(_build(setup, femnist, **kw), setup[2], rounds)
+  s2, d2 = _run(_build(setup, femnist, project_on_server=True, **kw),
+                setup[2], rounds)
+  _close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
+  _close(s1.sigma, s2.sigma, rtol=1e-4, atol=1e-6)
+  # The same subspace draws and bits per client; norms to float rounding.
+  strip = lambda ds: [{c: {k: v for k, v in x.items() if k != 'delta_l2_norm'}
+                       for c, x in d.items()} for d in ds]
+  assert strip(d1) == strip(d2)
+  norms = lambda ds: [x['delta_l2_norm'] for d in ds for x in d.values()]
+  np.testing.assert_allclose(norms(d1), norms(d2), rtol=1e-4)
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(s1.params), jax.tree.leaves(setup[2])))
+  assert moved > 1e-4
+  with pytest.raises(ValueError, match='project_on_server'):
+    _build(setup, femnist, project_on_server=True,
+           upload_transform=tx.uniform_quantization(8), **kw)

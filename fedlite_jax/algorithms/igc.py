@@ -230,6 +230,7 @@ def intrinsic_gradient_compression(
     engine: str = 'auto',
     steps_per_call: int = 1,
     step_bucket: str | int = 'pow2',
+    project_on_server: bool = False,
 ) -> fedjax.FederatedAlgorithm:
   """Builds static / K-subspace / time-varying IGC as a FederatedAlgorithm.
 
@@ -256,6 +257,14 @@ def intrinsic_gradient_compression(
     client_ids: the training clients' ids (for per-client participation).
     nonfinite: ``'raise'`` or ``'skip'`` (see :mod:`local_delta`).
     engine, steps_per_call, step_bucket: round engine settings.
+    project_on_server: a faster SIMULATION of the same algorithm: the
+      projection is linear, so ``sum_i w_i A^(k_i)T delta_i`` (what the
+      server aggregates) equals ``A^(k)T`` of the per-subspace weighted sum
+      of the deltas; each client outputs ``onehot(k) (x) delta`` (``[K,
+      D]``) and the server projects K sums instead of every client
+      projecting its own. Equal to the default to float rounding (tested);
+      bits are accounted exactly as before. Needs ``upload_transform=None``
+      (a quantized upload is not linear).
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; ``apply`` returns per-client
@@ -263,7 +272,9 @@ def intrinsic_gradient_compression(
     ``epoch``, ``delta_l2_norm``, ``num_examples``.
 
   Raises:
-    ValueError / TypeError: bad sizes or choices (here); d > D (at ``init``).
+    ValueError / TypeError: bad sizes or choices (here), including
+      ``project_on_server`` with an ``upload_transform``; d > D (at
+      ``init``).
     FloatingPointError: from ``apply`` on non-finite updates with
       ``nonfinite='raise'``.
   """
@@ -295,6 +306,10 @@ def intrinsic_gradient_compression(
   else:
     tail_state = None
     value_bits = None
+  if project_on_server and upload_transform is not None:
+    raise ValueError('project_on_server needs a linear upload: it cannot be '
+                     'combined with upload_transform (e.g. quantized '
+                     'coordinates); drop one of them.')
   name = {(False, False): 'igc_static', (True, False): 'igc_k_subspace',
           (False, True): 'igc_time_varying',
           (True, True): 'igc_k_subspace_time_varying'}[(K > 1, time_varying)]
@@ -312,9 +327,27 @@ def intrinsic_gradient_compression(
     out = jax.nn.one_hot(k, K, dtype=coords.dtype)[:, None] * coords[None, :]
     return out, {'subspace': k}
 
+  def defer_projection(shared, client_input, delta):
+    # The same subspace draw as projection.encode (same key split).
+    k_proj, _ = jax.random.split(local_delta.compression_key(client_input))
+    k = tx.sample_subspace(k_proj, K)
+    if K == 1:  # The delta pytree itself: no per-client ravel or mask.
+      return delta, {'subspace': k}
+    flat = tx.TreeSpec.of(delta).ravel(delta, jnp.float32)
+    out = jax.nn.one_hot(k, K, dtype=flat.dtype)[:, None] * flat[None, :]
+    return out, {'subspace': k}
+
+  @jax.jit
+  def project_sums(fastfood, per_subspace_sums):
+    if K == 1:
+      per_subspace_sums = tx.TreeSpec.of(per_subspace_sums).ravel(
+          per_subspace_sums, jnp.float32)[None, :]
+    return tx.project_subspaces(fastfood, per_subspace_sums)
+
   round_engine = make_engine(
-      engine, local_delta.delta_client_program(grad_fn, client_optimizer,
-                                               compress),
+      engine, local_delta.delta_client_program(
+          grad_fn, client_optimizer,
+          defer_projection if project_on_server else compress),
       steps_per_call=steps_per_call, step_bucket=step_bucket)
   cache: dict[str, Any] = {}
 
@@ -368,8 +401,10 @@ def intrinsic_gradient_compression(
                           work)
     total, _ = local_delta.finite_total(result, work, nonfinite, name)
     if total > 0:
-      state = server_update(state, fastfood, result.weighted_sum,
-                            np.float32(total))
+      weighted_sum = result.weighted_sum
+      if project_on_server:
+        weighted_sum = project_sums(fastfood, weighted_sum)
+      state = server_update(state, fastfood, weighted_sum, np.float32(total))
     last_epoch = np.asarray(state.last_epoch)
     positions = (local_delta.client_positions(index, work) if index
                  else np.zeros((0,), np.int32))

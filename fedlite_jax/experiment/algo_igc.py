@@ -60,8 +60,16 @@ UPLOAD_QUANT_BITS = Option(
     'many bits (1..32; transforms.uniform_quantization); 0 = float32.',
     lower_bound=0)
 
+PROJECT_ON_SERVER = Option(
+    'igc_project_on_server', False,
+    'Faster simulation, same algorithm: project the per-subspace weighted '
+    'sum of client deltas once on the server instead of every client\'s '
+    'delta (the projection is linear; equal to float rounding; bits are '
+    'counted per client as usual). Not with --igc_upload_quant_bits.')
+
 _COMMON = (INTRINSIC_DIM, SCALE, SEED, DOWNLOAD, INDEX_BITS,
-           UPLOAD_QUANT_BITS, common.LOCAL_STEPS, common.NONFINITE_UPDATES)
+           UPLOAD_QUANT_BITS, common.LOCAL_STEPS, common.NONFINITE_UPDATES,
+           PROJECT_ON_SERVER)
 
 
 def _builder(num_subspaces_option: bool, time_varying: bool):
@@ -78,6 +86,10 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
       raise ConfigError(f'{name} takes --local_steps, not --client_epochs '
                         f'(got --client_epochs={config.client_epochs}).')
     bits = opts['igc_upload_quant_bits']
+    if bits and opts['igc_project_on_server']:
+      raise ConfigError('--igc_project_on_server needs a linear upload; it '
+                        f'cannot be combined with --igc_upload_quant_bits='
+                        f'{bits}.')
     if bits > 32:
       raise ConfigError(f'--igc_upload_quant_bits={bits}: must be 0 or in '
                         '1..32.')
@@ -104,7 +116,8 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         client_ids=ctx.train_client_ids,
         nonfinite=opts['nonfinite_updates'],
         engine=config.round_engine,
-        steps_per_call=config.steps_per_call)
+        steps_per_call=config.steps_per_call,
+        project_on_server=opts['igc_project_on_server'])
 
   return build
 

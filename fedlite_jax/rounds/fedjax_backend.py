@@ -10,10 +10,18 @@ clients of a call as ONE compiled program: ``jax.vmap`` over clients,
 two), and the clients split over a :class:`~fedlite_jax.rounds.sharding.ClientMesh`
 when several devices are present (padding clients with zero inputs fill the
 last device; their outputs are dropped). Select it without touching the
-algorithm::
+algorithm, BEFORE building it (FedJAX binds the backend when the algorithm
+calls ``fedjax.for_each_client``, i.e. at construction)::
 
   fedjax.set_for_each_client_backend(fedlite_jax.rounds.VmapBackend())
-  # or: with fedjax.for_each_client_backend(VmapBackend()): ...
+  algorithm = fedjax.algorithms.fed_avg.federated_averaging(...)
+  # or: with fedjax.for_each_client_backend(VmapBackend()):
+  #       algorithm = ...  (built inside; apply may run outside)
+
+Speed: on GPU/TPU this is the layout of choice. On XLA:CPU a vmap + scan
+around a convolutional training step is far slower than FedJAX's per-step
+jit calls (``benchmarks/results/scaling.md``: ~40x for the EMNIST CNN), as
+for :class:`~fedlite_jax.rounds.VmapEngine`; small dense models are fine.
 
 Same results as FedJAX's ``jit`` backend to float tolerance
 (``tests/test_fedjax_backend.py``); ``benchmarks/bench_scaling.py`` times it.

@@ -76,6 +76,8 @@ from fedlite_jax.transforms.intrinsic import intrinsic_projection
 from fedlite_jax.transforms.intrinsic import intrinsic_state
 from fedlite_jax.transforms.intrinsic import IntrinsicState
 from fedlite_jax.transforms.intrinsic import lift_subspaces
+from fedlite_jax.transforms.intrinsic import project_subspaces
+from fedlite_jax.transforms.intrinsic import sample_subspace
 from fedlite_jax.transforms.intrinsic import make_subspaces
 from fedlite_jax.transforms.intrinsic import select_subspace
 from fedlite_jax.transforms.intrinsic import subspace_seed
@@ -105,6 +107,8 @@ __all__ = [
     'intrinsic_projection',
     'intrinsic_state',
     'lift_subspaces',
+    'project_subspaces',
+    'sample_subspace',
     'make_subspaces',
     'median_rows',
     'message_bits',

@@ -167,6 +167,42 @@ def _num_subspaces(fastfood: ff.FastfoodParams) -> int:
 
 
 @jax.jit
+def sample_subspace(key: jax.Array, num_subspaces: int) -> jax.Array:
+  """The subspace index a client draws: int32 scalar uniform in [0, K).
+
+  Algorithm 2 (K-subspace): each client picks ``k ~ Unif{0..K-1}``; the
+  encode of :func:`intrinsic_projection` uses exactly this draw.
+  """
+  return jax.random.randint(key, (), 0, num_subspaces, dtype=jnp.int32)
+
+
+def project_subspaces(fastfood: ff.FastfoodParams,
+                      vectors: jax.Array) -> jax.Array:
+  """``[A^(k)T v_k]_k``: K vectors of R^D -> their K intrinsic coordinates.
+
+  Because the projection is linear, ``sum_i w_i A^(k_i)T delta_i`` (the
+  server's per-subspace sum of client uploads) equals ``A^(k)T (sum_{i: k_i
+  = k} w_i delta_i)``: this projects such per-subspace sums once.
+
+  Args:
+    fastfood: stacked ``FastfoodParams`` ([K, ...]).
+    vectors: ``float32[K, D]``.
+
+  Returns:
+    ``float32[K, d]``.
+
+  Raises:
+    ValueError: if ``vectors`` is not ``[K, D]``.
+  """
+  K = _num_subspaces(fastfood)
+  if vectors.shape != (K, fastfood.D):
+    raise ValueError(f'vectors must have shape ({K}, {fastfood.D}); got '
+                     f'{vectors.shape}.')
+  return jnp.stack([
+      ff.fastfood_project(select_subspace(fastfood, k), vectors[k])
+      for k in range(K)])  # Unrolled, like lift_subspaces: O(L) memory each.
+
+
 def lift_subspaces(fastfood: ff.FastfoodParams,
                    sigma: jax.Array) -> jax.Array:
   """``sum_k A^(k) sigma_k``: intrinsic coordinates of all K subspaces -> R^D.
@@ -250,7 +286,7 @@ def intrinsic_projection(d: int,
       raise ValueError(f'intrinsic_projection: input has {spec.size} entries '
                        f'but the subspaces were drawn for D={fastfood.D}.')
     K = _num_subspaces(fastfood)
-    k = jax.random.randint(key, (), 0, K, dtype=jnp.int32)
+    k = sample_subspace(key, K)
     coords = ff.fastfood_project(select_subspace(fastfood, k),
                                  spec.ravel(x, jnp.float32))
     return base.Encoded(coords, {'subspace': k}, 32.0 * fastfood.d,
