@@ -168,30 +168,16 @@ def compressed_sgd(
     work = local_delta.make_work(clients, hparams)
     positions = (local_delta.client_positions(index, work) if index
                  else np.zeros((0,), np.int32))
-    if download_accounting == 'changed':
-      counts = np.asarray(local_delta.changed_counts(
-          state.last_changed, state.last_round[positions]))
+    download = local_delta.download_bits(
+        download_accounting, D, state.last_changed,
+        state.last_round[positions])
     result = round_engine({'params': state.params}, work)
     total, _ = local_delta.finite_total(result, work, nonfinite, name)
     if total > 0:
       state = server_update(state, result.weighted_sum, np.float32(total))
-    diagnostics = {}
-    for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
-      down = (float(local_delta.FLOAT_BITS * D)
-              if download_accounting == 'dense'
-              else float(local_delta.FLOAT_BITS * int(counts[i])))
-      diagnostics[w.client_id] = {
-          'upload_bits': cache['upload_bits'],
-          'download_bits': down,
-          'num_examples': float(len(w.batches) * hparams.batch_size),
-          'delta_l2_norm': float(diag['delta_l2_norm']),
-          'finite': bool(diag['finite']),
-      }
-    last_round = state.last_round
-    if index:
-      last_round = last_round.at[positions].set(round_num)
-    state = state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
-                          last_round=last_round)
-    return state, diagnostics
+    return local_delta.finish_round(
+        state, work, result, upload_bits=cache['upload_bits'],
+        download=download, batch_size=hparams.batch_size, index=index,
+        positions=positions, round_num=round_num)
 
   return fedjax.FederatedAlgorithm(init, apply)

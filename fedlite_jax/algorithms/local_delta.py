@@ -209,3 +209,50 @@ def mark_changed(last_changed: jax.Array, old_flat: jax.Array,
   """``last_changed`` with ``round_num`` where ``new_flat != old_flat``."""
   return jnp.where(new_flat != old_flat, round_num.astype(jnp.int32),
                    last_changed)
+
+
+def download_bits(accounting: str, num_params: int, last_changed: jax.Array,
+                  last_round: jax.Array) -> np.ndarray:
+  """Download bits per client of a round, float64 ``[W]`` (bits).
+
+  Args:
+    accounting: ``'dense'`` (32 bits x all ``num_params`` parameters) or
+      ``'changed'`` (32 bits x the weights changed since the client last
+      participated: FetchSGD / CommEfficient's accounting).
+    num_params: D.
+    last_changed: ``int32[D]``, the round each weight last changed.
+    last_round: ``int32[W]``, each client's last participation (-1: never).
+  """
+  if accounting == 'dense':
+    return np.full((len(last_round),), float(FLOAT_BITS * num_params))
+  return FLOAT_BITS * np.asarray(changed_counts(last_changed, last_round),
+                                 np.float64)
+
+
+def finish_round(state: Any, work: Sequence[ClientWork],
+                 result: RoundResult, *, upload_bits: float,
+                 download: np.ndarray, batch_size: int,
+                 index: Mapping[bytes, int], positions: np.ndarray,
+                 round_num: int) -> tuple[Any, dict[bytes, dict[str, Any]]]:
+  """Per-client diagnostics and the round/participation bookkeeping.
+
+  Returns ``state`` with ``round = round_num + 1`` and the participants'
+  ``last_round = round_num``, and ``{client_id: {'upload_bits',
+  'download_bits', 'num_examples', 'delta_l2_norm', 'finite'}}`` (bits,
+  examples = local steps x ``batch_size``).
+  """
+  diagnostics = {}
+  for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
+    diagnostics[w.client_id] = {
+        'upload_bits': float(upload_bits),
+        'download_bits': float(download[i]),
+        'num_examples': float(len(w.batches) * batch_size),
+        'delta_l2_norm': float(diag['delta_l2_norm']),
+        'finite': bool(diag['finite']),
+    }
+  last_round = state.last_round
+  if index:
+    last_round = last_round.at[positions].set(round_num)
+  state = state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
+                        last_round=last_round)
+  return state, diagnostics
