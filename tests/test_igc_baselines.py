@@ -198,6 +198,15 @@ def test_changed_counts_hand_computed():
   counts = local_delta.changed_counts(jnp.asarray(last),
                                       jnp.asarray([-1, 0, 1, 2, 3]))
   np.testing.assert_array_equal(np.asarray(counts), [4, 4, 3, 1, 0])
+  # The same in bits, and dense accounting: 32 x D for every client, also
+  # when no participation history is kept (no client ids: W = 0 rows).
+  np.testing.assert_array_equal(
+      local_delta.download_bits('changed', 6, 5, jnp.asarray(last),
+                                jnp.asarray([-1, 0, 1, 2, 3])),
+      [128, 128, 96, 32, 0])
+  np.testing.assert_array_equal(
+      local_delta.download_bits('dense', 6, 3, jnp.asarray(last),
+                                jnp.zeros((0,), jnp.int32)), [192] * 3)
 
 
 @pytest.mark.parametrize('method', ['topk', 'fetchsgd'])

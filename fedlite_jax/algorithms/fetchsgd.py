@@ -211,7 +211,7 @@ def fetchsgd(
     positions = (local_delta.client_positions(index, work) if index
                  else np.zeros((0,), np.int32))
     download = local_delta.download_bits(
-        download_accounting, D, state.last_changed,
+        download_accounting, D, len(work), state.last_changed,
         state.last_round[positions])
     result = round_engine({'params': state.params}, work)
     total, _ = local_delta.finite_total(result, work, nonfinite, 'fetchsgd')

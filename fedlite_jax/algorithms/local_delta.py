@@ -211,8 +211,9 @@ def mark_changed(last_changed: jax.Array, old_flat: jax.Array,
                    last_changed)
 
 
-def download_bits(accounting: str, num_params: int, last_changed: jax.Array,
-                  last_round: jax.Array) -> np.ndarray:
+def download_bits(accounting: str, num_params: int, num_clients: int,
+                  last_changed: jax.Array, last_round: jax.Array
+                  ) -> np.ndarray:
   """Download bits per client of a round, float64 ``[W]`` (bits).
 
   Args:
@@ -220,11 +221,13 @@ def download_bits(accounting: str, num_params: int, last_changed: jax.Array,
       ``'changed'`` (32 bits x the weights changed since the client last
       participated: FetchSGD / CommEfficient's accounting).
     num_params: D.
+    num_clients: W, the clients of the round.
     last_changed: ``int32[D]``, the round each weight last changed.
-    last_round: ``int32[W]``, each client's last participation (-1: never).
+    last_round: ``int32[W]``, each client's last participation (-1: never);
+      only read for ``'changed'``.
   """
   if accounting == 'dense':
-    return np.full((len(last_round),), float(FLOAT_BITS * num_params))
+    return np.full((num_clients,), float(FLOAT_BITS * num_params))
   return FLOAT_BITS * np.asarray(changed_counts(last_changed, last_round),
                                  np.float64)
 
