@@ -7,7 +7,7 @@ second for each execution path and the ratio against FedJAX. Compile time is
 excluded by ``--warmup`` rounds on other cohorts; the timed rounds are then
 interleaved (ours, FedJAX, ours, ...) so that machine noise hits both alike.
 
-  FEDLITE_DATA_DIR=../shared/data python benchmarks/bench_fedavg.py
+  FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_fedavg.py
   python benchmarks/bench_fedavg.py --engines=loop:1,loop:4,vmap --rounds=5
 
 Without FEDLITE_DATA_DIR it uses the embedded MNIST task.

@@ -23,8 +23,8 @@ that machine noise hits every variant alike; compile time is excluded
 (``--warmup`` rounds on other cohorts). The machines here are shared: compare
 the ratios, not the absolute times (``ENGINEERING_NOTES.md``).
 
-  FEDLITE_DATA_DIR=../shared/data python benchmarks/bench_lm_round.py
-  FEDLITE_DATA_DIR=../shared/data python benchmarks/bench_lm_round.py --smoke
+  FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_lm_round.py
+  FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_lm_round.py --smoke
 
 ``--smoke`` (the test suite): ``transformer_tiny``, 2 clients, 1 timed round,
 a few steps; it checks the plumbing, not the numbers.

@@ -17,7 +17,7 @@ same clients, batches and keys, in one process: rounds/second and the ratio.
 Timing: warm-up rounds (compilation) excluded, then the median over
 ``--rounds`` timed rounds; the machines are shared, compare ratios.
 
-  FEDLITE_DATA_DIR=../shared/data python benchmarks/bench_scaling.py
+  FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_scaling.py
   python benchmarks/bench_scaling.py --devices=1,2,4 --rounds=3 --smoke
 """
 

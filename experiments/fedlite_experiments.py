@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """FedLite's experiments (Wang et al. 2022, Figures 3-5) at CPU scale.
 
-  python experiments/fedlite_experiments.py --data_dir=../shared/data
+  python experiments/fedlite_experiments.py --data_dir=/path/to/data
 
 Parts (``--parts``, comma-separated, run in this order):
 

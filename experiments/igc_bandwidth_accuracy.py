@@ -2,7 +2,7 @@
 """Bandwidth vs accuracy on FEMNIST-105: intrinsic gradient compression and
 baselines (the shape of Melas-Kyriazi & Wang 2022, Figure 1 / Table 2).
 
-  FEDLITE_DATA_DIR=../shared/data python experiments/igc_bandwidth_accuracy.py
+  FEDLITE_DATA_DIR=/path/to/data python experiments/igc_bandwidth_accuracy.py
 
 Runs, in-process through ``fedlite_jax.experiment.run`` (each run is also a
 flagfile in ``experiments/configs/igc_*.flags`` for

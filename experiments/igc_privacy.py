@@ -9,7 +9,7 @@ single-example gradient, (a) uncompressed (the D numbers), (b) compressed to
 Fastfood seed, so ``A``) at several intrinsic dimensions d, and optionally
 (c) what the server decodes, ``A A^T g``.
 
-  FEDLITE_DATA_DIR=../shared/data python experiments/igc_privacy.py
+  FEDLITE_DATA_DIR=/path/to/data python experiments/igc_privacy.py
 
 Setup (choices the paper leaves open are flags):
 

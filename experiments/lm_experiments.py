@@ -397,7 +397,7 @@ def _report(results: dict[str, dict], out: pathlib.Path, info) -> None:
       f'{any_res["seed"]}, one seed per setting (no error bars: differences '
       'of a few percent are within run-to-run noise).',
       '',
-      'Command: `FEDLITE_DATA_DIR=../shared/data python '
+      'Command: `FEDLITE_DATA_DIR=<data dir> python '
       'experiments/lm_experiments.py` (defaults: '
       f'`--rounds={any_res["rounds"]} --clients_per_round='
       f'{any_res["clients_per_round"]} --seed={any_res["seed"]}`; '
