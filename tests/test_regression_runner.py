@@ -1,0 +1,103 @@
+"""Regression pins: every runner algorithm, 2 rounds on real FEMNIST.
+
+Refactors of the algorithms, transforms and round engines must keep each
+algorithm's PRNG streams, arithmetic and bit accounting: the final test loss
+and the total upload/download bytes of a short run are pinned in
+``tests/golden/runner_femnist_2rounds.json`` (recorded before the refactor).
+Bytes must match exactly; the loss to float rounding (rtol 1e-5).
+
+Re-record (only when a change is meant to alter a number, and say why in the
+commit): ``FEDLITE_DATA_DIR=... python tests/test_regression_runner.py --write [CASE ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+GOLDEN = pathlib.Path(__file__).parent / 'golden' / 'runner_femnist_2rounds.json'
+
+BASE = dict(task='emnist', num_rounds=2, clients_per_round=3,
+            client_batch_size=20, max_examples_per_client=60,
+            eval_num_clients=4, eval_every=1, checkpoint_every=0,
+            progress=False, seed=0)
+
+# name -> (RunConfig overrides, algorithm options)
+CASES = {
+    'fedavg': (dict(algorithm='fedavg'), {}),
+    'fedadam': (dict(algorithm='fedavg', server_optimizer='adam',
+                     server_lr=0.01), {}),
+    'fedprox': (dict(algorithm='fedprox'), {'fedprox_mu': 0.1}),
+    'mime_lite': (dict(algorithm='mime_lite', client_lr=0.05), {}),
+    'sgd_local_steps': (dict(algorithm='sgd'), {'local_steps': 2}),
+    'topk': (dict(algorithm='topk'), {'topk_k': 5000, 'local_steps': 2}),
+    'fetchsgd': (dict(algorithm='fetchsgd'),
+                 {'sketch_cols': 20000, 'topk_k': 5000}),
+    'igc_static': (dict(algorithm='igc_static', client_lr=0.3),
+                   {'intrinsic_dim': 1024}),
+    'igc_k_subspace': (dict(algorithm='igc_k_subspace', client_lr=0.3),
+                       {'intrinsic_dim': 1024, 'num_subspaces': 3}),
+    'igc_time_varying': (dict(algorithm='igc_time_varying', client_lr=0.3),
+                         {'intrinsic_dim': 1024, 'igc_rounds_per_epoch': 1}),
+    'igc_k_subspace_time_varying': (
+        dict(algorithm='igc_k_subspace_time_varying', client_lr=0.3),
+        {'intrinsic_dim': 1024, 'num_subspaces': 3,
+         'igc_rounds_per_epoch': 1}),
+    'splitfed': (dict(algorithm='splitfed', client_lr=0.0316), {}),
+    'fedlite': (dict(algorithm='fedlite', client_lr=0.0316),
+                {'num_subvectors': 1152, 'num_groups': 1, 'num_centroids': 2,
+                 'correction_lambda': 5e-5, 'fedlite_kmeans_iters': 5}),
+    'fedavg_up8_down16_pvt40': (
+        dict(algorithm='fedavg'),
+        {'upload_quantizer': 'uniform', 'upload_bits': 8,
+         'download_bits': 16, 'pvt_fraction': 0.4}),
+}
+
+
+def run_case(name: str, data_dir: str, output_dir: str) -> dict:
+  """Runs one case; returns {'loss', 'upload_bytes', 'download_bytes'}."""
+  from fedlite_jax.experiment import RunConfig  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.experiment import run  # pylint: disable=g-import-not-at-top
+  overrides, options = CASES[name]
+  summary = run(RunConfig(**{**BASE, **overrides}, data_dir=data_dir,
+                          output_dir=output_dir, options=options))
+  comm = summary['communication']
+  return {'loss': float(summary['final_eval']['loss']),
+          'upload_bytes': float(comm['total_upload_bytes']),
+          'download_bytes': float(comm['total_download_bytes'])}
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_runner_matches_recorded_baseline(name, data_dir, tmp_path):
+  if not (data_dir / 'femnist105').is_dir():
+    pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
+  golden = json.loads(GOLDEN.read_text())[name]
+  got = run_case(name, str(data_dir), str(tmp_path / name))
+  assert got['upload_bytes'] == golden['upload_bytes']
+  assert got['download_bytes'] == golden['download_bytes']
+  assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
+
+
+def _write(names: list[str]) -> None:
+  """Records ``names`` (all cases if empty), keeping the other records."""
+  import os  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import fedlite_jax  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  data_dir = os.environ['FEDLITE_DATA_DIR']
+  out = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in names or sorted(CASES):
+      out[name] = run_case(name, data_dir, os.path.join(tmp, name))
+      print(name, out[name], flush=True)
+  GOLDEN.parent.mkdir(exist_ok=True)
+  GOLDEN.write_text(json.dumps(out, indent=2, sort_keys=True) + '\n')
+
+
+if __name__ == '__main__':
+  if sys.argv[1:2] == ['--write']:
+    _write(sys.argv[2:])
+  else:
+    sys.exit(f'usage: {sys.argv[0]} --write [CASE ...]')
