@@ -15,7 +15,7 @@ and the ratios ``jax / c`` (the issue's goal: <= 2 for n >= 2**20),
 ``np_bfly / jax`` (and ``scipy_mm / jax``), then Fastfood
 ``A^T g`` and ``A s`` at the EMNIST-CNN size (D = 1,206,590, d = 16,384,
 L = 2**21) against a NumPy implementation of the same operator. Also the
-minor page faults per JAX call (the allocator trap of ENGINEERING_NOTES.md:
+minor page faults per JAX call (the allocator trap of docs/DESIGN_NOTES.md:
 XLA:CPU buffers >= 32 MiB are fresh mmaps; run with
 ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1`` or a
 preloaded tcmalloc to remove them; measured here, the glibc tunables also need
@@ -24,8 +24,8 @@ after each call and refaulted).
 
 Timing: ``block_until_ready``, warm-up calls, median of ``--repeats`` runs;
 the implementations compared at one size are called round-robin (jax, c,
-jax, c, ...) so that load from other processes hits them alike. The machines
-are shared and noisy: compare ratios from one run. Each size also prints a
+jax, c, ...) so that load from other processes hits them alike. On a shared,
+noisy machine compare ratios from one run. Each size also prints a
 machine-readable line ``ratio fwht n=2^K jax/c=R np/jax=R``.
 
 Usage::

@@ -20,8 +20,8 @@ and reports each round's time and its overhead in percent over FedAvg
 batch) for the full model vs the PVT step over several sampled masks (gated
 and masked-full), as ratios. Rounds and steps are interleaved round-robin so
 that machine noise hits every variant alike; compile time is excluded
-(``--warmup`` rounds on other cohorts). The machines here are shared: compare
-the ratios, not the absolute times (``ENGINEERING_NOTES.md``).
+(``--warmup`` rounds on other cohorts). On a shared machine compare the
+ratios, not the absolute times (docs/DESIGN_NOTES.md).
 
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_lm_round.py
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_lm_round.py --smoke

@@ -46,8 +46,8 @@ through the EMNIST CNN's client part at its seeded initialization (eval mode).
 
 Timing: one warm-up (compilation) call per method, then ``--repeats`` rounds
 in which the methods run one after the other (interleaved, so machine noise
-hits them alike); median and minimum per client are printed. The machines
-are shared: compare the ratios of one run. faiss is imported lazily; without
+hits them alike); median and minimum per client are printed. On a shared
+machine compare the ratios of one run. faiss is imported lazily; without
 it its columns are skipped with a message. JAX uses every core the process
 may use (XLA:CPU's thread pool); for a strictly single-core comparison, run
 under ``taskset -c 0`` (the header prints the usable CPUs). The lines

@@ -17,7 +17,7 @@ Table 1, 21,031,936 parameters with 4,096 ids; ``*_tree`` / FedJAX's
 ``*_pytree``, per-leaf ranges). Other bit widths (``--sweep_bits``) are timed
 for the hash generator only, fewer calls.
 
-Memory-bandwidth estimate (the project ENGINEERING_NOTES: the
+Memory-bandwidth estimate (docs/DESIGN_NOTES.md: the
 limit for 20M floats is a few ms). Measured in the same process: a NumPy
 ``copyto`` of ``--size`` float32 and an XLA ``x + 1`` with the input buffer
 donated; both move 8 bytes per value (read + write), and the faster one

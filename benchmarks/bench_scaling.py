@@ -15,7 +15,7 @@ FedJAX's ``jit`` backend and with ``fedlite_jax.rounds.VmapBackend`` on the
 same clients, batches and keys, in one process: rounds/second and the ratio.
 
 Timing: warm-up rounds (compilation) excluded, then the median over
-``--rounds`` timed rounds; the machines are shared, compare ratios.
+``--rounds`` timed rounds; on a shared machine compare ratios.
 
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_scaling.py
   python benchmarks/bench_scaling.py --devices=1,2,4 --rounds=3 --smoke

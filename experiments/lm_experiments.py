@@ -655,7 +655,7 @@ def _grid_section(results: dict[str, dict], out: pathlib.Path,
         f'{sum(r["wall_seconds"] for r in new):.0f}'
         ' s wall in all (training + 6 evaluations each, s / round counts '
         f'training only). Machine: {m["platform"]}, {m["cpus"]} CPU cores '
-        f'shared with other sessions, JAX {m["jax"]} on {m["backend"]}; '
+        f'shared with other jobs, JAX {m["jax"]} on {m["backend"]}; '
         'load at the start of each run in the table (1/5/15-min averages, '
         'running/total tasks, last pid). fedlite_jax imported from '
         f'`{code.get("fedlite_jax", "?")}` at repository HEAD '

@@ -1,6 +1,6 @@
 """Makes FedJAX 0.0.17 run on current JAX (>= 0.6) and NumPy 2.
 
-FedJAX's last release predates JAX 0.6; the project ENGINEERING_NOTES
+FedJAX's last release predates JAX 0.6; docs/DESIGN_NOTES.md
 lists each break. Every fix here is the smallest one and is guarded so that it
 is a no-op where the old name still exists. ``fedlite_jax/__init__.py`` calls
 :func:`apply` before anything imports ``fedjax``.

@@ -1,38 +1,113 @@
 """Shared pytest setup.
 
-Tests read the real federated data in ``../shared/data`` (beside the clone)
-through ``FEDLITE_DATA_DIR``; a user may point it elsewhere. Nothing in the
-library hard-codes that path.
+Most tests need no files: they use the embedded MNIST digits or synthetic
+arrays. Tests on real federated data take the ``data_dir`` fixture, which
+reads ``$FEDLITE_DATA_DIR`` and SKIPS (with a reason that says how to get the
+data) unless that folder holds every file of :data:`DATA_LAYOUT`. Nothing in
+the library hard-codes a data path.
+
+The project's CI keeps the data in ``shared/data`` next to the checkout; that
+folder is used when ``FEDLITE_DATA_DIR`` is unset and it exists.
 """
+
+from __future__ import annotations
 
 import os
 import pathlib
+from typing import Mapping, Sequence
 
 import pytest
 
 import fedlite_jax  # noqa: F401  (applies the FedJAX compatibility fixes)
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
-_DEFAULT_SHARED_DATA = _REPO.parent / 'shared' / 'data'
+_CI_DATA = _REPO.parent / 'shared' / 'data'
+DATA_DIR_ENV = 'FEDLITE_DATA_DIR'
 
-if 'FEDLITE_DATA_DIR' not in os.environ and _DEFAULT_SHARED_DATA.is_dir():
-  os.environ['FEDLITE_DATA_DIR'] = str(_DEFAULT_SHARED_DATA)
+# What the real-data tests read, relative to $FEDLITE_DATA_DIR: subfolder ->
+# (files, where they come from). Counts asserted by the tests are those of
+# these exact datasets (105 FEMNIST writers; 715 Shakespeare clients).
+DATA_LAYOUT: Mapping[str, tuple[tuple[str, ...], str]] = {
+    'femnist105': (
+        ('federated_emnist_train.sqlite', 'federated_emnist_test.sqlite'),
+        'a 105-writer FEMNIST subset (LEAF writers; 14,708 train / 1,685 '
+        'test examples, counts the tests check) in FedJAX SQLite format, the '
+        'format fedjax.datasets.emnist.load_data() caches in ~/.cache/fedjax'),
+    'shakespeare': (
+        ('shakespeare_train.sqlite', 'shakespeare_test.sqlite'),
+        'FedJAX\'s Shakespeare: fedjax.datasets.shakespeare.load_data() '
+        'downloads these files into ~/.cache/fedjax'),
+    'tff_shakespeare_h5': (
+        ('shakespeare_train.h5', 'shakespeare_test.h5'),
+        'the same Shakespeare in TFF\'s legacy HDF5 layout, as older TFF '
+        'releases\' tff.simulation.datasets.shakespeare.load_data() '
+        'extracted it into ~/.keras/datasets'),
+}
+
+if DATA_DIR_ENV not in os.environ and _CI_DATA.is_dir():
+  os.environ[DATA_DIR_ENV] = str(_CI_DATA)
 
 # Read once, at import: tests that monkeypatch the variable away must not
 # change what the session-scoped fixture below returns.
-_DATA_DIR = os.environ.get('FEDLITE_DATA_DIR') or (
-    str(_DEFAULT_SHARED_DATA) if _DEFAULT_SHARED_DATA.is_dir() else None)
+_DATA_DIR = os.environ.get(DATA_DIR_ENV) or None
+
+
+def missing_data_files(
+    root: str | os.PathLike[str] | None,
+    layout: Mapping[str, tuple[tuple[str, ...], str]] = DATA_LAYOUT,
+) -> list[str]:
+  """The files of ``layout`` that ``root`` lacks, as 'subfolder/file' strings.
+
+  Args:
+    root: the data folder, or None (then every file is missing).
+    layout: subfolder -> (file names, description).
+
+  Returns:
+    Missing paths relative to ``root``, in ``layout`` order; [] if complete.
+  """
+  missing = []
+  for sub, (names, _) in layout.items():
+    for name in names:
+      if root is None or not (pathlib.Path(root) / sub / name).is_file():
+        missing.append(f'{sub}/{name}')
+  return missing
+
+
+def data_skip_reason(
+    root: str | os.PathLike[str] | None,
+    missing: Sequence[str],
+    layout: Mapping[str, tuple[tuple[str, ...], str]] = DATA_LAYOUT,
+) -> str:
+  """One-line skip reason: what is missing and how to provide the data.
+
+  Args:
+    root: the data folder that was checked (None: $FEDLITE_DATA_DIR unset).
+    missing: the missing files (from :func:`missing_data_files`).
+    layout: subfolder -> (file names, description).
+
+  Returns:
+    Text naming ``$FEDLITE_DATA_DIR``, each subfolder with its files and
+    source, and what was missing.
+  """
+  where = (f'${DATA_DIR_ENV} is not set' if root is None else
+           f'${DATA_DIR_ENV}={root} lacks {", ".join(missing)}')
+  parts = [f'{sub}/ ({", ".join(names)}: {about})'
+           for sub, (names, about) in layout.items()]
+  return (f'needs the real federated data ({where}). Set {DATA_DIR_ENV} to a '
+          f'folder holding {"; ".join(parts)}. See README.md, "Data".')
 
 
 @pytest.fixture(scope='session')
 def data_dir() -> pathlib.Path:
-  """The directory with femnist105/, shakespeare/, tff_shakespeare_h5/."""
-  path = _DATA_DIR
-  if not path or not pathlib.Path(path).is_dir():
-    raise RuntimeError(
-        'Tests need the real federated data: set FEDLITE_DATA_DIR to the '
-        'directory holding femnist105/ and shakespeare/ (CI: ../shared/data).')
-  return pathlib.Path(path)
+  """$FEDLITE_DATA_DIR with femnist105/, shakespeare/, tff_shakespeare_h5/.
+
+  Skips the requesting test when the variable is unset or a file of
+  :data:`DATA_LAYOUT` is missing.
+  """
+  missing = missing_data_files(_DATA_DIR)
+  if missing:
+    pytest.skip(data_skip_reason(_DATA_DIR, missing))
+  return pathlib.Path(_DATA_DIR)
 
 
 @pytest.fixture(scope='session')

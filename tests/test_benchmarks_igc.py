@@ -13,8 +13,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _BENCH = _REPO / 'benchmarks'
 _HAVE_CC = shutil.which('gcc') is not None or shutil.which('cc') is not None
@@ -54,10 +52,7 @@ def test_bench_fastfood_smoke():
     assert re.search(r'peak_mib=[\d.]+ bytes_per_L=[\d.]+', line), line
 
 
-def test_bench_igc_round_smoke():
-  data_dir = os.environ.get('FEDLITE_DATA_DIR')
-  if not data_dir or not (pathlib.Path(data_dir) / 'femnist105').is_dir():
-    pytest.skip('FEMNIST-105 not available (set FEDLITE_DATA_DIR).')
+def test_bench_igc_round_smoke(data_dir):  # skips without the data
   out = _run('bench_igc_round.py', f'--data_dir={data_dir}')
   lines = [l for l in out.splitlines() if l.startswith('ratio igc_round ')]
   assert len(lines) == 1, out

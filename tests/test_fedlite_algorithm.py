@@ -122,7 +122,7 @@ def test_femnist_upload_ratios_through_the_algorithm(femnist):
 
 def test_so_tag_ratio_through_the_algorithm():
   # FedLite's SO Tag model (5,000 -> 2,000 -> 1,000) on synthetic bag-of-words
-  # clients (StackOverflow is not on these machines): 247x at B = 100,
+  # clients (no StackOverflow files needed): 247x at B = 100,
   # q = 125, L = 10; multi-hot labels cost 1 bit per tag.
   split_model = models.create_stackoverflow_tag_model()
   rng = np.random.RandomState(0)

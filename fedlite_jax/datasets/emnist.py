@@ -4,7 +4,7 @@ Sources (see :mod:`fedlite_jax.datasets.locate` for the search order):
 
 * FedJAX SQLite ``federated_emnist_{train,test}.sqlite`` /
   ``federated_emnist_digitsonly_{train,test}.sqlite`` (FedJAX's download
-  names; e.g. the shared ``femnist105/`` subset);
+  names; e.g. in a ``femnist105/`` subfolder of the data directory);
 * TFF SQLite ``emnist_all.sqlite`` (splits 'all_train', 'all_test',
   'digits_only_train', 'digits_only_test');
 * TFF legacy HDF5 ``fed_emnist_{train,test}.h5`` /

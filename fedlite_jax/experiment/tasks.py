@@ -14,7 +14,7 @@ rates is a sensible one:
 * ``stackoverflow_tag``: FedLite's split dense model (5,000 -> 2,000 ->
   1,000), 10 clients/round, batch 100 (FedLite C.2); client SGD 10^-0.5 and
   server Adagrad 10^-0.5 (FedLite's AdaGrad 10^-0.5 step size). Not
-  validated here: StackOverflow is not on these machines.
+  validated on StackOverflow itself yet.
 * ``shakespeare``: word-level next-word prediction through the StackOverflow
   pipeline and LSTM (a stand-in for StackOverflow NWP); settings chosen on
   this data (see README).

@@ -16,7 +16,7 @@ transpose. The leading axis is always the one contracted and the result axis
 is appended last, so after all contractions the axes are back in their
 original order without an explicit ``moveaxis``. A radix-2 butterfly instead
 costs one full memory pass per level (XLA does not fuse across levels; see
-docs/ENGINEERING_NOTES.md, "FWHT"). Measured on XLA:CPU (2 shared cores,
+docs/DESIGN_NOTES.md, "FWHT"). Measured on XLA:CPU (2 shared cores,
 allocator page faults removed, benchmarks/bench_fwht.py): 2-3x faster than
 the butterfly once the data leaves the cache (n = 2**24: 110-143 vs 322-417
 ms) and 1.1-1.3x in cache (n <= 2**21). Contractions use

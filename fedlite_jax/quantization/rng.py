@@ -3,7 +3,7 @@
 Stochastic quantization needs one uniform number per quantized value. On
 XLA:CPU, ``jax.random.uniform`` (threefry2x32) dominates the cost: about 100 ms
 of a 120 ms quantization of 20M float32 values
-(the project ENGINEERING_NOTES, "RNG"). This module offers two
+(docs/DESIGN_NOTES.md, "Random numbers"). This module offers two
 generators, selected by name:
 
 * ``'threefry'``: ``jax.random.uniform(key, shape, dtype)``, JAX's own

@@ -14,7 +14,7 @@ such as PVT divide per variable by the weight of the clients that trained it.
 * :class:`LoopEngine`: a Python loop over clients calling jitted blocks of
   ``steps_per_call`` unrolled steps. On XLA:CPU a ``while`` loop (scan) or a
   vmap around a convolutional training step is 3-13x slower than per-step
-  jitted calls (ENGINEERING_NOTES.md, jax-ml/jax#12868), so this is the CPU
+  jitted calls (docs/DESIGN_NOTES.md, jax-ml/jax#12868), so this is the CPU
   default. ``benchmarks/bench_fedavg.py`` measures both.
 
 Masked steps use ``jnp.where(mask, new_state, state)``: the state after a
