@@ -62,3 +62,43 @@ def test_bad_bits_are_rejected():
   with pytest.raises(ValueError, match='num_params'):
     CommLedger(0)
   assert math.isnan(CommLedger(3).summary()['upload_compression'])
+
+
+def test_skipped_clients_are_counted_per_round_and_in_total():
+  ledger = CommLedger(10)
+  full = {'upload_bits': 320.0, 'download_bits': 320.0}
+  skipped = {'upload_bits': 0.0, 'download_bits': 320.0, 'skipped': True}
+  assert ledger.record_round(0, {b'a': full, b'b': full})[
+      'skipped_clients'] == 0
+  assert ledger.record_round(1, {b'a': full, b'b': skipped,
+                                 b'c': dict(skipped)})['skipped_clients'] == 2
+  assert ledger.skipped_clients(0) == 0 and ledger.skipped_clients(1) == 2
+  with pytest.raises(KeyError, match='Round 2 was not recorded'):
+    ledger.skipped_clients(2)
+  s = ledger.summary()
+  assert s['skipped_client_rounds'] == 2 and s['client_rounds'] == 5
+  # A skipped client sends nothing, uncompressed or not: the baseline
+  # uploads of the 3 kept client-rounds only, the downloads of all 5.
+  assert s['baseline_upload_bytes'] == 3 * 40
+  assert s['baseline_download_bytes'] == 5 * 40
+  assert s['upload_compression'] == s['download_compression'] == 1.0
+  again = CommLedger.from_state_dict(ledger.state_dict())
+  assert again.summary() == s
+
+
+def test_checkpoints_from_before_skip_counting_restore(tmp_path):
+  from fedlite_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  old = CommLedger(10)
+  old.record_round(0, {b'a': {'upload_bits': 3.0, 'download_bits': 4.0}})
+  legacy = old.legacy_state_dict()
+  assert set(legacy) == set(old.state_dict()) - {'skipped_client_rounds'}
+  checkpoint.save_checkpoint(tmp_path, 1, {'ledger': legacy}, {})
+  path = checkpoint.latest_checkpoint(tmp_path)
+  with pytest.raises(checkpoint.CheckpointError, match='state structure'):
+    checkpoint.restore_checkpoint(
+        path, {'ledger': CommLedger(10).state_dict()}, {})
+  _, restored = checkpoint.restore_checkpoint(
+      path, {'ledger': CommLedger(10).legacy_state_dict()}, {})
+  ledger = CommLedger.from_state_dict(restored['ledger'])
+  assert ledger.skipped_client_rounds == 0
+  assert ledger.summary()['total_upload_bytes'] == 3.0 / 8

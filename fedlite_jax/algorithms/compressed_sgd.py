@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import local_delta
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
 
@@ -91,22 +92,23 @@ def compressed_sgd(
     download_accounting: ``'dense'`` (``32 D``) or ``'changed'`` (needs
       ``client_ids``).
     client_ids: the training clients' ids.
-    nonfinite: ``'raise'`` or ``'skip'``.
+    nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
     name: algorithm name in error messages.
     engine, steps_per_call, step_bucket: round engine settings.
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; diagnostics per client:
-    ``upload_bits``, ``download_bits``, ``num_examples``, ``delta_l2_norm``.
+    ``upload_bits``, ``download_bits``, ``num_examples``, ``delta_l2_norm``,
+    ``finite``, ``skipped``.
 
   Raises:
     ValueError: bad settings; a stateful upload transform (at ``init``).
-    FloatingPointError: non-finite updates with ``nonfinite='raise'``.
+    FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
+      every update non-finite (``'skip'``), or a non-finite server state.
   """
   local_delta.check_choice(download_accounting, local_delta.DOWNLOAD_ACCOUNTING,
                            'download_accounting')
-  local_delta.check_choice(nonfinite, local_delta.NONFINITE_POLICIES,
-                           'nonfinite')
+  nonfinite_lib.check_policy(nonfinite)
   index = local_delta.client_id_index(client_ids)
   if download_accounting == 'changed' and not index:
     raise ValueError("download_accounting='changed' needs the training "
@@ -150,8 +152,9 @@ def compressed_sgd(
     last_changed = local_delta.mark_changed(
         state.last_changed, spec.ravel(state.params), spec.ravel(params),
         state.round)
-    return state.replace(params=params, opt_state=opt_state,
-                         last_changed=last_changed)
+    new_state = state.replace(params=params, opt_state=opt_state,
+                              last_changed=last_changed)
+    return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> CompressedSGDState:
     spec = prepare(params)
@@ -172,12 +175,14 @@ def compressed_sgd(
         download_accounting, D, len(work), state.last_changed,
         state.last_round[positions])
     result = round_engine({'params': state.params}, work)
-    total, _ = local_delta.finite_total(result, work, nonfinite, name)
-    if total > 0:
-      state = server_update(state, result.weighted_sum, np.float32(total))
+    total, skipped = local_delta.skip_nonfinite(result, work, nonfinite,
+                                                name, round_num)
+    state, finite = server_update(state, result.weighted_sum,
+                                  np.float32(total))
+    nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     return local_delta.finish_round(
         state, work, result, upload_bits=cache['upload_bits'],
         download=download, batch_size=hparams.batch_size, index=index,
-        positions=positions, round_num=round_num)
+        positions=positions, round_num=round_num, skipped=skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)

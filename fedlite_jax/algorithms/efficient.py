@@ -77,6 +77,7 @@ import optax
 
 from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import batching
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import pvt as pvt_lib
 from fedlite_jax.rounds import ClientProgram
 from fedlite_jax.rounds import ClientWork
@@ -194,13 +195,6 @@ def _encode_decode(transform: Optional[tx.CommTransform], state: Any,
   return decoded
 
 
-def _finite(tree: PyTree) -> jax.Array:
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.bool_(True)
-  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
 def _float_count(tree: PyTree) -> int:
   return int(sum(np.size(x) for x in jax.tree.leaves(tree)
                  if jnp.issubdtype(jnp.result_type(x), jnp.floating)))
@@ -276,7 +270,8 @@ def _train_program(grad_fn: GradFn, optimizer: optax.GradientTransformation,
 
   shared input: ``{'params': Q(w)}`` (+ ``'opt_state'`` for MimeLite);
   client input: ``{'rng': key}``. Output: ``{'delta': delta * m, 'mask':
-  float32[num_leaves]}``.
+  float32[num_leaves]}``, all zeros when not finite
+  (:func:`nonfinite.guarded`: the client then adds no weight either).
   """
 
   client_grad = _client_grad(grad_fn, setup_ref, skip_frozen)
@@ -333,12 +328,10 @@ def _train_program(grad_fn: GradFn, optimizer: optax.GradientTransformation,
     else:
       mask = jnp.ones((num,), bool)
     sq = sum(jnp.vdot(x, x) for x in jax.tree.leaves(delta))
-    finite = _finite(sent)
     output = {'delta': sent, 'mask': mask.astype(jnp.float32)}
-    return output, {'delta_l2_norm': jnp.sqrt(sq), 'finite': finite,
-                    'mask': mask}
+    return output, {'delta_l2_norm': jnp.sqrt(sq), 'mask': mask}
 
-  return ClientProgram(init, step, final)
+  return nonfinite_lib.guarded(ClientProgram(init, step, final))
 
 
 def _grad_program(grad_fn: GradFn, setup_ref: dict,
@@ -346,7 +339,8 @@ def _grad_program(grad_fn: GradFn, setup_ref: dict,
                   skip_frozen: bool = True) -> ClientProgram:
   """MimeLite's full-batch gradient at the received model (FedJAX's
   ``mime.create_grads_for_each_client``): sums ``num * grad`` over padded
-  batches; output ``{'grads': num * Q_up(mean grad) * m, 'num': num * m}``."""
+  batches; output ``{'grads': num * Q_up(mean grad) * m, 'num': num * m}``,
+  all zeros when not finite (:func:`nonfinite.guarded`)."""
   client_grad = _client_grad(grad_fn, setup_ref, skip_frozen)
 
   def init(shared, client_input):
@@ -388,10 +382,9 @@ def _grad_program(grad_fn: GradFn, setup_ref: dict,
       weights = state['mask'].astype(jnp.float32) * num
     else:
       weights = jnp.full((n_leaves,), num, jnp.float32)
-    finite = _finite(sent)
-    return {'grads': sent, 'num': weights}, {'finite': finite}
+    return {'grads': sent, 'num': weights}, {}
 
-  return ClientProgram(init, step, final)
+  return nonfinite_lib.guarded(ClientProgram(init, step, final))
 
 
 def _per_leaf_mean(sums: PyTree, weights: jax.Array) -> PyTree:
@@ -402,14 +395,6 @@ def _per_leaf_mean(sums: PyTree, weights: jax.Array) -> PyTree:
     out.append(jnp.where(w > 0, x / jnp.where(w > 0, w, 1.0),
                          jnp.zeros_like(x)))
   return jax.tree.unflatten(treedef, out)
-
-
-def _raise_nonfinite(name: str, diagnostics: dict) -> None:
-  bad = [cid for cid, d in diagnostics.items() if not d['finite']]
-  raise FloatingPointError(
-      f'{name}: non-finite update or server model; clients with non-finite '
-      f'updates: {bad or "none (server optimizer diverged)"}. Lower the '
-      'client/server learning rate or add gradient clipping.')
 
 
 def _work(clients, hparams) -> list[ClientWork]:
@@ -464,6 +449,7 @@ def efficient_federated_averaging(
     engine: str = 'auto',
     steps_per_call: int = 1,
     step_bucket: str | int = 'pow2',
+    nonfinite: str = 'raise',
 ) -> fedjax.FederatedAlgorithm:
   """FedAvg / FedAdam / FedProx with download+upload compression and PVT.
 
@@ -483,22 +469,26 @@ def efficient_federated_averaging(
     name: name in error messages (default 'fedavg' or 'fedprox').
     engine, steps_per_call, step_bucket: round engine settings
       (:mod:`fedlite_jax.rounds`).
+    nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`; a skipped
+      client uploads 0 bits and adds no weight to any variable).
 
   Returns:
     ``FederatedAlgorithm(init, apply)`` over :class:`EfficientState`;
     per-client diagnostics ``num_examples``, ``delta_l2_norm``,
     ``upload_bits``, ``download_bits``, ``pvt_trained_fraction`` (trained
     share of the parameters), ``pvt_mask`` (bool per variable,
-    ``jax.tree.leaves`` order), ``finite``.
+    ``jax.tree.leaves`` order), ``finite``, ``skipped``.
 
   Raises:
-    ValueError: ``fedprox_mu < 0``, a bad PVT fraction or transform (at
-      ``init``/first ``apply``).
-    FloatingPointError: from ``apply``, for a non-finite client update or
-      server model (names the clients).
+    ValueError: ``fedprox_mu < 0``, an unknown ``nonfinite`` policy, a bad
+      PVT fraction or transform (at ``init``/first ``apply``).
+    FloatingPointError: from ``apply``: a non-finite client update
+      (``'raise'``), every update non-finite (``'skip'``), or a non-finite
+      server state (names the clients).
   """
   if not fedprox_mu >= 0:
     raise ValueError(f'fedprox_mu must be >= 0, got {fedprox_mu!r}.')
+  nonfinite_lib.check_policy(nonfinite)
   name = name or ('fedprox' if fedprox_mu else 'fedavg')
   setup_ref: dict[str, _Setup] = {}
   program = _train_program(grad_fn, client_optimizer, setup_ref,
@@ -521,7 +511,8 @@ def efficient_federated_averaging(
     updates, opt_state = server_optimizer.update(mean_delta, state.opt_state,
                                                  state.params)
     params = optax.apply_updates(state.params, updates)
-    return EfficientState(params, opt_state, state.round + 1), _finite(params)
+    new_state = EfficientState(params, opt_state, state.round + 1)
+    return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> EfficientState:
     setup(params)
@@ -534,12 +525,15 @@ def efficient_federated_averaging(
     sent = download(state.params, state.round)
     work = _work(clients, client_batch_hparams)
     result = round_engine({'params': sent}, work)
+    round_num = int(state.round)
+    skipped = nonfinite_lib.resolve(
+        [w.client_id for w in work], [d['finite'] for d in result.diagnostics],
+        nonfinite, name, round_num)
     new_state, finite = server_update(state, result.weighted_sum['delta'],
                                       result.weighted_sum['mask'])
+    nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     diagnostics = _client_diagnostics(work, result, s, s.download_bits, 1)
-    if not bool(finite) or not all(d['finite'] for d in diagnostics.values()):
-      _raise_nonfinite(name, diagnostics)
-    return new_state, diagnostics
+    return new_state, nonfinite_lib.mark_skipped(diagnostics, skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)
 
@@ -557,6 +551,7 @@ def efficient_mime_lite(
     engine: str = 'auto',
     steps_per_call: int = 1,
     step_bucket: str | int = 'pow2',
+    nonfinite: str = 'raise',
 ) -> fedjax.FederatedAlgorithm:
   """MimeLite (Karimireddy et al. 2020) with compression and PVT.
 
@@ -580,21 +575,25 @@ def efficient_mime_lite(
       transform also encodes the client's mean gradient (upload = 2 x the
       delta's bits), and the download adds 32 bits per float of the
       optimizer state (sent uncompressed).
-    seed, name, engine, steps_per_call, step_bucket: as
-      :func:`efficient_federated_averaging`.
+    seed, name, engine, steps_per_call, step_bucket, nonfinite: as
+      :func:`efficient_federated_averaging`. A client is non-finite when its
+      delta or its gradient is; a skipped client is left out of both
+      averages.
 
   Returns:
     ``FederatedAlgorithm`` over :class:`EfficientState` (``opt_state`` is the
     base optimizer's); diagnostics as :func:`efficient_federated_averaging`.
 
   Raises:
-    ValueError: ``grads_batch_size < 1`` or bad compression settings.
-    FloatingPointError: a non-finite client update or server model.
+    ValueError: ``grads_batch_size < 1``, an unknown ``nonfinite`` policy or
+      bad compression settings.
+    FloatingPointError: as :func:`efficient_federated_averaging`.
   """
   if isinstance(grads_batch_size, bool) or not isinstance(
       grads_batch_size, (int, np.integer)) or grads_batch_size < 1:
     raise ValueError(f'grads_batch_size must be an integer >= 1, got '
                      f'{grads_batch_size!r}.')
+  nonfinite_lib.check_policy(nonfinite)
   setup_ref: dict[str, _Setup] = {}
   train_engine = make_engine(
       engine, _train_program(grad_fn, base_optimizer, setup_ref,
@@ -623,7 +622,8 @@ def efficient_mime_lite(
     params = jax.tree.map(lambda p, q: p - lr * q, state.params, mean_delta)
     _, opt_state = base_optimizer.update(server_grads, state.opt_state,
                                          state.params)
-    return EfficientState(params, opt_state, state.round + 1), _finite(params)
+    new_state = EfficientState(params, opt_state, state.round + 1)
+    return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> EfficientState:
     setup(params)
@@ -639,15 +639,34 @@ def efficient_mime_lite(
     grad_work = [ClientWork(cid, list(cds.padded_batch(grads_hparams)),
                             {'rng': rng}, 1.0) for cid, cds, rng in clients]
     grads = grads_engine({'params': sent}, grad_work)
+    round_num = int(state.round)
+    train_ok = [bool(d['finite']) for d in train.diagnostics]
+    grads_ok = [bool(d['finite']) for d in grads.diagnostics]
+    skipped = nonfinite_lib.resolve(
+        [w.client_id for w in work],
+        [a and b for a, b in zip(train_ok, grads_ok)], nonfinite, name,
+        round_num)
+    train_sum, grads_sum = train.weighted_sum, grads.weighted_sum
+    # Each pass zeroed its own non-finite outputs; a client skipped for the
+    # other pass only is still in this pass's sum: recompute the pass
+    # without the skipped clients (rare; same per-client results).
+    drop = set(skipped)
+    if any(ok for w, ok in zip(work, train_ok) if w.client_id in drop):
+      train_sum = train_engine(
+          {'params': sent, 'opt_state': state.opt_state},
+          [w for w in work if w.client_id not in drop]).weighted_sum
+    if any(ok for w, ok in zip(grad_work, grads_ok) if w.client_id in drop):
+      grads_sum = grads_engine(
+          {'params': sent},
+          [w for w in grad_work if w.client_id not in drop]).weighted_sum
     new_state, finite = server_update(
-        state, train.weighted_sum['delta'], train.weighted_sum['mask'],
-        grads.weighted_sum['grads'], grads.weighted_sum['num'])
+        state, train_sum['delta'], train_sum['mask'], grads_sum['grads'],
+        grads_sum['num'])
+    nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     down = s.download_bits + FLOAT_BITS * _float_count(state.opt_state)
     diagnostics = _client_diagnostics(work, train, s, down, 2)
-    for w, g in zip(grad_work, grads.diagnostics):
-      diagnostics[w.client_id]['finite'] &= bool(g['finite'])
-    if not bool(finite) or not all(d['finite'] for d in diagnostics.values()):
-      _raise_nonfinite(name, diagnostics)
-    return new_state, diagnostics
+    for cid, ok in zip([w.client_id for w in work], grads_ok):
+      diagnostics[cid]['finite'] &= ok
+    return new_state, nonfinite_lib.mark_skipped(diagnostics, skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)

@@ -14,6 +14,9 @@ but the clients of a round run through a round engine
 step blocks on CPU. ``tests/test_fedavg.py`` checks equality with FedJAX's.
 
 Communication: uncompressed, 32 bits per parameter each way per client.
+
+Non-finite updates: the shared policy of
+:mod:`fedlite_jax.algorithms.nonfinite` (``nonfinite='raise'`` or ``'skip'``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import batching
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.rounds import ClientProgram
 from fedlite_jax.rounds import ClientWork
 from fedlite_jax.rounds import make_engine
@@ -96,6 +100,8 @@ def federated_averaging(
     engine: str = 'auto',
     steps_per_call: int = 1,
     step_bucket: str | int = 'pow2',
+    nonfinite: str = 'raise',
+    name: str = 'fedavg',
 ) -> fedjax.FederatedAlgorithm:
   """Builds FedAvg / FedAdam as a ``fedjax.FederatedAlgorithm``.
 
@@ -110,20 +116,26 @@ def federated_averaging(
     engine: 'auto', 'loop' or 'vmap' (see ``fedlite_jax.rounds``).
     steps_per_call: loop engine: local steps per jitted call.
     step_bucket: vmap engine: step padding policy.
+    nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
+    name: algorithm name in messages.
 
   Returns:
     ``FederatedAlgorithm(init, apply)``. ``apply(state, clients)`` takes
     FedJAX's ``[(client_id, ClientDataset, PRNGKey)]`` and returns
     ``(state, {client_id: diagnostics})`` where the diagnostics hold
     ``num_examples``, ``delta_l2_norm``, ``upload_bits`` and
-    ``download_bits`` (32 x number of parameters each).
+    ``download_bits`` (32 x number of parameters each; upload 0 for a
+    skipped client), ``finite`` and ``skipped``.
 
   Raises:
-    FloatingPointError: from ``apply`` if the aggregated update is not finite
-      (names the clients whose deltas are not finite).
+    ValueError: an unknown ``nonfinite`` policy.
+    FloatingPointError: from ``apply``: a non-finite client delta
+      (``'raise'``), every delta non-finite (``'skip'``), or a non-finite
+      server state (names the clients).
   """
+  nonfinite_lib.check_policy(nonfinite)
   round_engine = make_engine(
-      engine, client_program(grad_fn, client_optimizer),
+      engine, nonfinite_lib.guarded(client_program(grad_fn, client_optimizer)),
       steps_per_call=steps_per_call, step_bucket=step_bucket)
 
   @jax.jit
@@ -132,9 +144,8 @@ def federated_averaging(
     updates, opt_state = server_optimizer.update(mean_delta, state.opt_state,
                                                  state.params)
     params = optax.apply_updates(state.params, updates)
-    finite = jnp.all(jnp.asarray(
-        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
-    return ServerState(params, opt_state), finite
+    new_state = ServerState(params, opt_state)
+    return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> ServerState:
     return ServerState(params, server_optimizer.init(params))
@@ -146,8 +157,13 @@ def federated_averaging(
                    rng, float(len(cds))) for cid, cds, rng in clients
     ]
     result = round_engine(state.params, work)
+    ids = [w.client_id for w in work]
+    skipped = nonfinite_lib.resolve(
+        ids, [d['finite'] for d in result.diagnostics], nonfinite, name)
+    total = nonfinite_lib.kept_weight([w.weight for w in work], ids, skipped)
     new_state, finite = server_update(state, result.weighted_sum,
-                                      np.float32(result.total_weight))
+                                      np.float32(total))
+    nonfinite_lib.check_server_state(finite, name, skipped)
     bits = float(FLOAT_BITS * num_params(state.params))
     diagnostics = {}
     for w, diag in zip(work, result.diagnostics):
@@ -156,14 +172,8 @@ def federated_averaging(
           'delta_l2_norm': float(diag['delta_l2_norm']),
           'upload_bits': bits,
           'download_bits': bits,
+          'finite': bool(diag['finite']),
       }
-    if not bool(finite):
-      bad = [cid for cid, d in diagnostics.items()
-             if not np.isfinite(d['delta_l2_norm'])]
-      raise FloatingPointError(
-          f'FedAvg produced a non-finite server model; clients with '
-          f'non-finite updates: {bad or "none (server optimizer diverged)"}. '
-          'Lower the client/server learning rate or add gradient clipping.')
-    return new_state, diagnostics
+    return new_state, nonfinite_lib.mark_skipped(diagnostics, skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)

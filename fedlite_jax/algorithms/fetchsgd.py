@@ -42,6 +42,7 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import local_delta
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
 from fedlite_jax.transforms import sketch as sketch_lib
@@ -135,16 +136,19 @@ def fetchsgd(
     seed: sketch hash seed in ``[0, 2**32)`` (shared by clients and server).
     download_accounting: ``'changed'`` (needs ``client_ids``) or ``'dense'``.
     client_ids: the training clients' ids.
-    nonfinite: ``'raise'`` or ``'skip'``.
+    nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
     engine, steps_per_call, step_bucket: round engine settings.
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; per-client diagnostics
-    ``upload_bits``, ``download_bits``, ``num_examples``, ``delta_l2_norm``.
+    ``upload_bits``, ``download_bits``, ``num_examples``, ``delta_l2_norm``,
+    ``finite``, ``skipped``.
 
   Raises:
     ValueError: bad settings; k > D (at ``init``).
-    FloatingPointError: non-finite updates with ``nonfinite='raise'``.
+    FloatingPointError: from ``apply``: a non-finite sketch (``'raise'``),
+      every sketch non-finite (``'skip'``), or a non-finite server state
+      (model, momentum or error accumulator).
   """
   rows = local_delta.check_positive_int(rows, 'sketch_rows')
   cols = local_delta.check_positive_int(cols, 'sketch_cols')
@@ -155,8 +159,7 @@ def fetchsgd(
     raise ValueError(f'server_lr must be > 0; got {server_lr}.')
   local_delta.check_choice(download_accounting, local_delta.DOWNLOAD_ACCOUNTING,
                            'download_accounting')
-  local_delta.check_choice(nonfinite, local_delta.NONFINITE_POLICIES,
-                           'nonfinite')
+  nonfinite_lib.check_policy(nonfinite)
   index = local_delta.client_id_index(client_ids)
   if download_accounting == 'changed' and not index:
     raise ValueError("download_accounting='changed' needs the training "
@@ -192,8 +195,9 @@ def fetchsgd(
     new = old - server_lr * delta
     last_changed = local_delta.mark_changed(state.last_changed, old, new,
                                             state.round)
-    return state.replace(params=spec.unravel(new), momentum=v, error=e,
-                         last_changed=last_changed)
+    new_state = state.replace(params=spec.unravel(new), momentum=v, error=e,
+                              last_changed=last_changed)
+    return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> FetchSGDState:
     spec = spec_of(params)
@@ -214,12 +218,14 @@ def fetchsgd(
         download_accounting, D, len(work), state.last_changed,
         state.last_round[positions])
     result = round_engine({'params': state.params}, work)
-    total, _ = local_delta.finite_total(result, work, nonfinite, 'fetchsgd')
-    if total > 0:
-      state = server_update(state, result.weighted_sum, np.float32(total))
+    total, skipped = local_delta.skip_nonfinite(result, work, nonfinite,
+                                                'fetchsgd', round_num)
+    state, finite = server_update(state, result.weighted_sum,
+                                  np.float32(total))
+    nonfinite_lib.check_server_state(finite, 'fetchsgd', skipped, round_num)
     return local_delta.finish_round(
         state, work, result, upload_bits=upload_bits, download=download,
         batch_size=hparams.batch_size, index=index, positions=positions,
-        round_num=round_num)
+        round_num=round_num, skipped=skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)

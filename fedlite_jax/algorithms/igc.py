@@ -65,6 +65,7 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import local_delta
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
@@ -255,7 +256,8 @@ def intrinsic_gradient_compression(
       replace ``32 d``.
     download_accounting: ``'table1'`` or ``'exact'`` (needs ``client_ids``).
     client_ids: the training clients' ids (for per-client participation).
-    nonfinite: ``'raise'`` or ``'skip'`` (see :mod:`local_delta`).
+    nonfinite: ``'raise'`` or ``'skip'`` (see :mod:`nonfinite`; a skipped
+      client uploads 0 bits).
     engine, steps_per_call, step_bucket: round engine settings.
     project_on_server: a faster SIMULATION of the same algorithm: the
       projection is linear, so ``sum_i w_i A^(k_i)T delta_i`` (what the
@@ -269,21 +271,21 @@ def intrinsic_gradient_compression(
   Returns:
     ``FederatedAlgorithm(init, apply)``; ``apply`` returns per-client
     diagnostics with ``upload_bits``, ``download_bits``, ``subspace``,
-    ``epoch``, ``delta_l2_norm``, ``num_examples``.
+    ``epoch``, ``delta_l2_norm``, ``num_examples``, ``finite``,
+    ``skipped``.
 
   Raises:
     ValueError / TypeError: bad sizes or choices (here), including
       ``project_on_server`` with an ``upload_transform``; d > D (at
       ``init``).
-    FloatingPointError: from ``apply`` on non-finite updates with
-      ``nonfinite='raise'``.
+    FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
+      every update non-finite (``'skip'``), or a non-finite server state.
   """
   d = local_delta.check_positive_int(intrinsic_dim, 'intrinsic_dim (d)')
   K = local_delta.check_positive_int(num_subspaces, 'num_subspaces (K)')
   local_delta.check_choice(download_accounting, IGC_DOWNLOAD_ACCOUNTING,
                            'download_accounting')
-  local_delta.check_choice(nonfinite, local_delta.NONFINITE_POLICIES,
-                           'nonfinite')
+  nonfinite_lib.check_policy(nonfinite)
   if time_varying:
     if rounds_per_epoch is None:
       raise ValueError('time_varying=True needs rounds_per_epoch (one epoch '
@@ -374,7 +376,8 @@ def intrinsic_gradient_compression(
     sigma = optax.apply_updates(state.sigma, updates)
     flat = spec.ravel(state.base) + tx.lift_subspaces(fastfood, sigma)
     params = spec.unravel(flat)
-    return state.replace(params=params, sigma=sigma, opt_state=opt_state)
+    new_state = state.replace(params=params, sigma=sigma, opt_state=opt_state)
+    return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> IGCState:
     spec_of(params)
@@ -399,12 +402,14 @@ def intrinsic_gradient_compression(
     work = local_delta.make_work(clients, hparams)
     result = round_engine({'params': state.params, 'fastfood': fastfood},
                           work)
-    total, _ = local_delta.finite_total(result, work, nonfinite, name)
-    if total > 0:
-      weighted_sum = result.weighted_sum
-      if project_on_server:
-        weighted_sum = project_sums(fastfood, weighted_sum)
-      state = server_update(state, fastfood, weighted_sum, np.float32(total))
+    total, skipped = local_delta.skip_nonfinite(result, work, nonfinite,
+                                                name, round_num)
+    weighted_sum = result.weighted_sum
+    if project_on_server:
+      weighted_sum = project_sums(fastfood, weighted_sum)
+    state, finite = server_update(state, fastfood, weighted_sum,
+                                  np.float32(total))
+    nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     last_epoch = np.asarray(state.last_epoch)
     positions = (local_delta.client_positions(index, work) if index
                  else np.zeros((0,), np.int32))
@@ -428,6 +433,6 @@ def intrinsic_gradient_compression(
       last_epoch[positions] = epoch
     state = state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
                           last_epoch=jnp.asarray(last_epoch))
-    return state, diagnostics
+    return state, nonfinite_lib.mark_skipped(diagnostics, skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)

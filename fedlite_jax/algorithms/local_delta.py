@@ -16,11 +16,9 @@ Weights. Every client of a round gets weight 1 (the paper's ``1/W``
 average); all clients process the same number of examples
 (``local_steps * batch_size``), so this equals example weighting.
 
-Non-finite updates (``nonfinite``): ``'raise'`` (default) raises
-``FloatingPointError`` naming the clients; ``'skip'`` drops those clients
-from the round's average (their output is zeroed inside the compiled
-program, so a NaN never reaches the server sum) and logs a warning. A round
-where every client is skipped leaves the model unchanged.
+Non-finite updates (``nonfinite``): the shared policy of
+:mod:`fedlite_jax.algorithms.nonfinite` (``'raise'``, default, or ``'skip'``;
+a skipped client uploads 0 bits and is left out of the round's average).
 
 Download accounting of sparse methods (``'changed'``, FetchSGD / CommEfficient
 ``fed_aggregator.py``): a client downloads the weights that changed since it
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from absl import logging
 import fedjax
 import jax
 import jax.numpy as jnp
@@ -44,6 +41,7 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import batching
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.rounds import ClientProgram
 from fedlite_jax.rounds import ClientWork
 from fedlite_jax.rounds import RoundResult
@@ -53,7 +51,7 @@ Params = Any
 GradFn = Callable[[Params, dict, jax.Array], Params]
 Compress = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
 
-NONFINITE_POLICIES = ('raise', 'skip')
+NONFINITE_POLICIES = nonfinite_lib.POLICIES
 DOWNLOAD_ACCOUNTING = ('changed', 'dense')
 FLOAT_BITS = 32
 
@@ -101,8 +99,9 @@ def delta_client_program(grad_fn: GradFn,
   shared input: a dict with at least ``'params'`` (the server model); client
   input: a dict with at least ``'rng'`` (the client's key). ``step`` splits
   the key as FedAvg / FedJAX do. ``final`` computes ``delta = server -
-  client`` and returns ``compress``'s output, zeroed when not finite, and
-  diagnostics ``{..., 'finite', 'delta_l2_norm'}``.
+  client`` and returns ``compress``'s output, zeroed when not finite
+  (:func:`nonfinite.guarded`), and diagnostics ``{..., 'finite',
+  'delta_l2_norm'}``.
   """
 
   def init(shared, client_input):
@@ -121,14 +120,10 @@ def delta_client_program(grad_fn: GradFn,
   def final(shared, state):
     delta = jax.tree.map(lambda a, b: a - b, shared['params'], state['params'])
     output, diag = compress(shared, state['input'], delta)
-    finite = jnp.all(jnp.asarray(
-        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(output)]))
-    output = jax.tree.map(lambda o: jnp.where(finite, o, jnp.zeros_like(o)),
-                          output)
     sq = sum(jnp.vdot(x, x) for x in jax.tree.leaves(delta))
-    return output, {**diag, 'finite': finite, 'delta_l2_norm': jnp.sqrt(sq)}
+    return output, {**diag, 'delta_l2_norm': jnp.sqrt(sq)}
 
-  return ClientProgram(init, step, final)
+  return nonfinite_lib.guarded(ClientProgram(init, step, final))
 
 
 def make_work(clients: Sequence[tuple[bytes, fedjax.ClientDataset, jax.Array]],
@@ -140,28 +135,23 @@ def make_work(clients: Sequence[tuple[bytes, fedjax.ClientDataset, jax.Array]],
                      {'rng': rng}, 1.0) for cid, cds, rng in clients]
 
 
-def finite_total(result: RoundResult, work: Sequence[ClientWork],
-                 nonfinite: str, algorithm: str) -> tuple[float, list[bytes]]:
-  """The total weight of the clients with finite updates, and those skipped.
+def skip_nonfinite(result: RoundResult, work: Sequence[ClientWork],
+                   nonfinite: str, algorithm: str, round_num: int
+                   ) -> tuple[float, list[bytes]]:
+  """Applies the non-finite policy (:func:`nonfinite.resolve`) to a round.
+
+  Returns:
+    ``(total weight of the kept clients, skipped client ids)``.
 
   Raises:
-    FloatingPointError: with ``nonfinite='raise'`` and any non-finite update
-      (names the clients).
+    FloatingPointError: as :func:`nonfinite.resolve`.
   """
-  bad = [w.client_id for w, d in zip(work, result.diagnostics)
-         if not bool(d['finite'])]
-  if bad and nonfinite == 'raise':
-    raise FloatingPointError(
-        f'{algorithm}: non-finite client updates from {bad}; lower the '
-        'learning rate, add clipping, or pass nonfinite_updates=skip to drop '
-        'such clients from the round.')
-  if bad:
-    logging.warning('%s: skipping %d client(s) with non-finite updates: %s',
-                    algorithm, len(bad), bad)
-  total = result.total_weight - sum(
-      w.weight for w, d in zip(work, result.diagnostics)
-      if not bool(d['finite']))
-  return float(total), bad
+  ids = [w.client_id for w in work]
+  skipped = nonfinite_lib.resolve(ids, [d['finite'] for d in
+                                        result.diagnostics],
+                                  nonfinite, algorithm, round_num)
+  return nonfinite_lib.kept_weight([w.weight for w in work], ids,
+                                   skipped), skipped
 
 
 def client_id_index(client_ids: Optional[Sequence[bytes]]) -> dict[bytes, int]:
@@ -236,13 +226,15 @@ def finish_round(state: Any, work: Sequence[ClientWork],
                  result: RoundResult, *, upload_bits: float,
                  download: np.ndarray, batch_size: int,
                  index: Mapping[bytes, int], positions: np.ndarray,
-                 round_num: int) -> tuple[Any, dict[bytes, dict[str, Any]]]:
+                 round_num: int, skipped: Sequence[bytes] = ()
+                 ) -> tuple[Any, dict[bytes, dict[str, Any]]]:
   """Per-client diagnostics and the round/participation bookkeeping.
 
   Returns ``state`` with ``round = round_num + 1`` and the participants'
-  ``last_round = round_num``, and ``{client_id: {'upload_bits',
-  'download_bits', 'num_examples', 'delta_l2_norm', 'finite'}}`` (bits,
-  examples = local steps x ``batch_size``).
+  ``last_round = round_num`` (skipped clients included: they downloaded the
+  model), and ``{client_id: {'upload_bits', 'download_bits',
+  'num_examples', 'delta_l2_norm', 'finite', 'skipped'}}`` (bits, examples
+  = local steps x ``batch_size``; upload 0 for the ``skipped`` clients).
   """
   diagnostics = {}
   for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
@@ -258,4 +250,4 @@ def finish_round(state: Any, work: Sequence[ClientWork],
     last_round = last_round.at[positions].set(round_num)
   state = state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
                         last_round=last_round)
-  return state, diagnostics
+  return state, nonfinite_lib.mark_skipped(diagnostics, skipped)

@@ -127,6 +127,26 @@ class IterationBits:
     return out
 
 
+def skipped_client_bits(bits: IterationBits) -> dict[str, float]:
+  """Diagnostics entries of a client skipped for a non-finite update.
+
+  It downloaded the client-side model at the start of the iteration, then
+  sent nothing (no activations, labels or client gradient) and received no
+  activation gradient: every :data:`BIT_KEYS` entry is 0 except
+  ``client_model_download_bits`` and ``download_bits`` (equal to it). The
+  ``paper_*`` entries, which only feed upload ratios, are 0 as well.
+
+  Args:
+    bits: the client's bits had it taken part (:func:`iteration_bits`).
+
+  Returns:
+    ``{key: bits}`` keyed as :data:`BIT_KEYS`.
+  """
+  zeros = {f.name: 0.0 for f in dataclasses.fields(bits)}
+  zeros['client_model_download_bits'] = bits.client_model_download_bits
+  return dataclasses.replace(bits, **zeros).diagnostics()
+
+
 def _positive_int(name: str, value: object) -> int:
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')

@@ -74,6 +74,15 @@ The program is compiled once per cohort size and batch shape.
 
 Communication per client per iteration: see
 :mod:`fedlite_jax.algorithms.split_accounting`.
+
+Non-finite clients (:mod:`fedlite_jax.algorithms.nonfinite`): a client
+whose activations, batch loss or returned gradient ``G_i`` is NaN/Inf
+raises (``nonfinite='raise'``) or is dropped (``'skip'``): the iteration is
+recomputed with that client's slot holding a zero-weight copy of a kept
+client (``p_i = 0``, as the padding of a device mesh), so the result equals
+the iteration without it; it downloaded the client-side model but sent
+nothing and received no gradient
+(:func:`split_accounting.skipped_client_bits`).
 """
 
 from __future__ import annotations
@@ -90,6 +99,7 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import batching
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.fedlite import pq
 from fedlite_jax.models import split as split_lib
@@ -305,6 +315,7 @@ def split_learning(
     client_weighting: ClientWeighting = 'uniform',
     vector_mask_fn: VectorMaskFn = loss_vector_mask,
     client_execution: ClientExecution = 'auto',
+    nonfinite: str = 'raise',
 ) -> fedjax.FederatedAlgorithm:
   """Builds SplitFed (``quantizer=None``) or FedLite as a FedJAX algorithm.
 
@@ -327,6 +338,7 @@ def split_learning(
     client_execution: how the clients' forward/backward passes are laid out
       in the one compiled program: ``'vmap'``, ``'unroll'`` or ``'auto'``
       (:func:`resolve_client_execution`). Same result to float tolerance.
+    nonfinite: ``'raise'`` or ``'skip'`` (module docstring).
 
   Returns:
     ``fedjax.FederatedAlgorithm(init, apply)``; ``init(params)`` takes the
@@ -336,9 +348,10 @@ def split_learning(
     Diagnostics (floats): ``num_examples`` (``B``), ``loss`` (the client's
     mean training loss on its batch before the update), for FedLite
     ``quantization_error`` (mean squared error per vector) and
-    ``relative_quantization_error`` (``||Z - Z~||_F^2 / ||Z||_F^2``), and the
+    ``relative_quantization_error`` (``||Z - Z~||_F^2 / ||Z||_F^2``), the
     bit counts of :data:`split_accounting.BIT_KEYS` (``upload_bits``,
-    ``download_bits``, ``activation_bits``, ...).
+    ``download_bits``, ``activation_bits``, ...), and the booleans
+    ``finite`` and ``skipped``.
 
   Raises:
     ValueError: for ``batch_size < 1``, an unknown ``client_weighting``, a
@@ -346,9 +359,10 @@ def split_learning(
       or (from ``apply``) a quantizer
       that does not fit the activations (``q`` not dividing ``d``, ``L``
       larger than the subvectors of a group, ...), a client without data or
-      clients with different batch keys.
-    FloatingPointError: from ``apply`` when activations or the updated model
-      are not finite (names the clients).
+      clients with different batch keys, an unknown ``nonfinite`` policy.
+    FloatingPointError: from ``apply``: a non-finite client (``'raise'``),
+      every client non-finite (``'skip'``), or a non-finite server state
+      (names the clients).
   """
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or \
       batch_size < 1:
@@ -359,6 +373,7 @@ def split_learning(
   if label_bits != AUTO_LABEL_BITS and not label_bits >= 0:
     raise ValueError(f'label_bits must be >= 0 or -1 (auto), got '
                      f'{label_bits!r}.')
+  nonfinite_lib.check_policy(nonfinite)
   if quantizer is not None:
     # q | d and R | q are known now; L <= N q / R is checked on the first
     # batch, when N (B, or B T for sequences) is known.
@@ -426,8 +441,10 @@ def split_learning(
       cotangent = cotangent + scale * mask[..., None] * (z - z_up)
     (g_client,) = client_vjp(cotangent)
     diag['loss'] = client_loss
-    diag['activations_finite'] = jnp.all(
-        jnp.isfinite(z.reshape(num_clients, -1)), axis=1)
+    diag['finite'] = (
+        jnp.all(jnp.isfinite(z.reshape(num_clients, -1)), axis=1) &
+        jnp.isfinite(client_loss) &
+        jnp.all(jnp.isfinite(cotangent.reshape(num_clients, -1)), axis=1))
     return split_model.merge_params(g_client, g_server), diag
 
   @jax.jit
@@ -441,9 +458,8 @@ def split_learning(
                                                    ws)
     params = split_model.merge_params(optax.apply_updates(wc, uc),
                                       optax.apply_updates(ws, us))
-    finite = jnp.all(jnp.asarray(
-        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
-    return SplitState(params, client_opt_state, server_opt_state), diag, finite
+    new_state = SplitState(params, client_opt_state, server_opt_state)
+    return new_state, diag, nonfinite_lib.all_finite(new_state)
 
   bits_cache: dict[Any, split_accounting.IterationBits] = {}
 
@@ -501,36 +517,44 @@ def split_learning(
         raise ValueError(f'{name}: client {cid!r} has no examples.')
       batches.append(client_batch(cds, batch_size, rng))
       weights.append(1.0 if client_weighting == 'uniform' else float(len(cds)))
-    bits = bits_for(state, batches[0]).diagnostics()
+    bits = bits_for(state, batches[0])
     rngs = [np.asarray(rng) for _, _, rng in clients]
     if mesh is not None:
-      # Zero-weight copies of the first client pad the cohort to a multiple
-      # of the device count (p_i = 0: no effect on the update or the loss).
-      extra = mesh.padded_size(len(clients)) - len(clients)
-      batches = batches + [batches[0]] * extra
-      rngs = rngs + [rngs[0]] * extra
-      weights = weights + [0.0] * extra
-    args = (_stack(batches), np.stack(rngs), np.asarray(weights, np.float32))
-    if mesh is not None:
-      args = jax.device_put(args, mesh.client_sharding)
       state = jax.device_put(state, mesh.replicated)
-    new_state, diag, finite = iteration(state, *args)
+
+    def run(keep: Sequence[bool]):
+      # Slots not kept, and the padding to a multiple of the device count,
+      # hold zero-weight copies of the first kept client (p_i = 0: no
+      # effect on the update or the loss).
+      fill = list(keep).index(True)
+      extra = 0 if mesh is None else (mesh.padded_size(len(clients)) -
+                                      len(clients))
+      slots = [i if k else fill for i, k in enumerate(keep)] + [fill] * extra
+      w = [weights[i] if k else 0.0 for i, k in enumerate(keep)]
+      args = (_stack([batches[i] for i in slots]),
+              np.stack([rngs[i] for i in slots]),
+              np.asarray(w + [0.0] * extra, np.float32))
+      if mesh is not None:
+        args = jax.device_put(args, mesh.client_sharding)
+      return iteration(state, *args)
+
+    ids = [cid for cid, _, _ in clients]
+    new_state, diag, finite = run([True] * len(clients))
     diag = jax.device_get(diag)
+    skipped = nonfinite_lib.resolve(ids, diag['finite'][:len(clients)],
+                                    nonfinite, name)
+    if skipped:
+      new_state, _, finite = run([cid not in skipped for cid in ids])
+    nonfinite_lib.check_server_state(finite, name, skipped)
     out = {}
-    for i, (cid, _, _) in enumerate(clients):
+    for i, cid in enumerate(ids):
       d = {'num_examples': float(batch_size)}
-      d.update({k: float(v[i]) for k, v in diag.items()
-                if k != 'activations_finite'})
-      d.update(bits)
+      d.update({k: float(v[i]) for k, v in diag.items() if k != 'finite'})
+      d.update(bits.diagnostics() if cid not in skipped else
+               split_accounting.skipped_client_bits(bits))
+      d['finite'] = bool(diag['finite'][i])
       out[cid] = d
-    bad = [cid for i, (cid, _, _) in enumerate(clients)
-           if not diag['activations_finite'][i]]
-    if bad or not bool(finite):
-      raise FloatingPointError(
-          f'{name} produced non-finite values; clients with non-finite '
-          f'activations: {bad or "none (the update diverged)"}. Lower the '
-          'client/server learning rates (or lambda).')
-    return new_state, out
+    return new_state, nonfinite_lib.mark_skipped(out, skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)
 

@@ -14,6 +14,14 @@ The last is the harmonic mean used by Melas-Kyriazi & Wang (Intrinsic
 Gradient Compression, Table 2); it equals (baseline up + down) / (up + down)
 because the FedAvg baseline is symmetric.
 
+Skipped clients (``--nonfinite_updates=skip``, see
+:mod:`fedlite_jax.algorithms.nonfinite`): a client whose diagnostics carry
+``skipped=True`` sent nothing (its ``upload_bits`` are 0) but received the
+model. The ledger counts such client-rounds (``skipped_client_rounds``, per
+round in :meth:`CommLedger.record_round`'s result), and the FedAvg baseline
+charges no upload for them either (an uncompressed client that is skipped
+sends nothing too), so the upload ratio compares the same messages.
+
 Per-client rows can be streamed to a CSV file (round, client_id, upload_bits,
 download_bits) for analysis; totals live in the ledger's state, which is part
 of every checkpoint.
@@ -53,11 +61,14 @@ class CommLedger:
     upload_bits / download_bits: totals so far (bits, float64).
     baseline_upload_bits / baseline_download_bits: uncompressed FedAvg totals
       over the same client-rounds (bits).
-    client_rounds: number of (client, round) participations recorded.
+    client_rounds: number of (client, round) participations recorded
+      (skipped clients included).
     rounds: number of rounds recorded.
     extra_bits: running sums of algorithm-specific per-client diagnostics
       (e.g. FedLite's ``activation_bits``); its keys are fixed when the
       ledger is created, missing entries in a client's diagnostics count 0.
+    skipped_client_rounds: (client, round) participations whose update was
+      skipped as non-finite (diagnostics ``skipped``).
   """
   num_params: int
   upload_bits: float = 0.0
@@ -67,11 +78,17 @@ class CommLedger:
   client_rounds: int = 0
   rounds: int = 0
   extra_bits: dict[str, float] = dataclasses.field(default_factory=dict)
+  skipped_client_rounds: int = 0
+
+  #: :meth:`state_dict` keys that checkpoints written before skip counting
+  #: lack (:meth:`legacy_state_dict`; :meth:`from_state_dict` defaults them).
+  ADDED_STATE_KEYS = ('skipped_client_rounds',)
 
   def __post_init__(self):
     if self.num_params <= 0:
       raise ValueError(f'num_params must be > 0, got {self.num_params}.')
     self._csv: Optional[TextIO] = None
+    self._skipped_by_round: dict[int, int] = {}
 
   @property
   def baseline_bits_per_client(self) -> float:
@@ -91,15 +108,18 @@ class CommLedger:
     Args:
       round_num: the round index (0-based).
       client_bits: ``{client_id: {'upload_bits': u, 'download_bits': d}}``
-        (other keys ignored), e.g. an algorithm's client diagnostics.
+        and optionally ``'skipped': bool`` (other keys ignored), e.g. an
+        algorithm's client diagnostics.
 
     Returns:
-      This round's totals: upload_bits, download_bits, num_clients.
+      This round's totals: upload_bits, download_bits, num_clients,
+      skipped_clients.
 
     Raises:
       ValueError: for a missing, negative or non-finite bit count.
     """
     round_up = round_down = 0.0
+    skipped = 0
     for cid, d in client_bits.items():
       try:
         up, down = float(d['upload_bits']), float(d['download_bits'])
@@ -115,6 +135,7 @@ class CommLedger:
               'finite number >= 0.')
       round_up += up
       round_down += down
+      skipped += int(bool(d.get('skipped', False)))
       for key in self.extra_bits:
         self.extra_bits[key] += float(d.get(key, 0.0))
       if self._csv is not None:
@@ -123,22 +144,40 @@ class CommLedger:
     n = len(client_bits)
     self.upload_bits += round_up
     self.download_bits += round_down
-    self.baseline_upload_bits += n * self.baseline_bits_per_client
+    self.baseline_upload_bits += (n - skipped) * self.baseline_bits_per_client
     self.baseline_download_bits += n * self.baseline_bits_per_client
     self.client_rounds += n
+    self.skipped_client_rounds += skipped
+    self._skipped_by_round[int(round_num)] = skipped
     self.rounds += 1
     if self._csv is not None:
       self._csv.flush()
     return {'upload_bits': round_up, 'download_bits': round_down,
-            'num_clients': n}
+            'num_clients': n, 'skipped_clients': skipped}
+
+  def skipped_clients(self, round_num: int) -> int:
+    """Clients skipped in ``round_num``, a round this object recorded.
+
+    Only rounds recorded since the ledger was created or restored are kept
+    (the checkpointed state holds the total, ``skipped_client_rounds``).
+
+    Raises:
+      KeyError: ``round_num`` was not recorded by this object.
+    """
+    try:
+      return self._skipped_by_round[int(round_num)]
+    except KeyError:
+      raise KeyError(
+          f'Round {round_num} was not recorded by this ledger (recorded: '
+          f'{sorted(self._skipped_by_round) or "none"}).') from None
 
   def summary(self) -> dict[str, float]:
     """Totals in bytes and ratios against uncompressed FedAvg.
 
     Keys: total_upload_bytes, total_download_bytes, baseline_upload_bytes,
     baseline_download_bytes, upload_compression, download_compression,
-    total_compression, num_params, client_rounds, rounds. Ratios are NaN
-    before the first round.
+    total_compression, num_params, client_rounds, rounds,
+    skipped_client_rounds. Ratios are NaN before the first round.
     """
     def ratio(base, actual):
       if actual > 0:
@@ -161,6 +200,7 @@ class CommLedger:
         'num_params': self.num_params,
         'client_rounds': self.client_rounds,
         'rounds': self.rounds,
+        'skipped_client_rounds': self.skipped_client_rounds,
     }
 
   def state_dict(self) -> dict[str, Any]:
@@ -169,9 +209,15 @@ class CommLedger:
     out['extra_bits'] = dict(self.extra_bits)
     return out
 
+  def legacy_state_dict(self) -> dict[str, Any]:
+    """:meth:`state_dict` without :data:`ADDED_STATE_KEYS`: the layout of
+    checkpoints written before skip counting (a restore template for them)."""
+    return {k: v for k, v in self.state_dict().items()
+            if k not in self.ADDED_STATE_KEYS}
+
   @classmethod
   def from_state_dict(cls, state: Mapping[str, Any]) -> 'CommLedger':
-    """Inverse of :meth:`state_dict`."""
+    """Inverse of :meth:`state_dict` (missing keys take their defaults)."""
     return cls(**{f.name: (dict(state[f.name]) if f.name == 'extra_bits'
                            else state[f.name])
                   for f in dataclasses.fields(cls) if f.name in state})

@@ -25,7 +25,10 @@ def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
       optimizers.server_optimizer(config),
       optimizers.client_batch_hparams(config),
       engine=config.round_engine,
-      steps_per_call=config.steps_per_call)
+      steps_per_call=config.steps_per_call,
+      nonfinite=config.options.get(
+          compression_options.NONFINITE_UPDATES.name,
+          compression_options.NONFINITE_UPDATES.default))
 
 
 registry.register(registry.AlgorithmSpec(
@@ -36,4 +39,6 @@ registry.register(registry.AlgorithmSpec(
     'each way unless the compression flags (--download_bits, '
     '--upload_quantizer, --pvt_fraction) are set.',
     build=algo_lm.build_fedavg,
-    options=algo_lm.COMPRESSION_OPTIONS + (compression_options.LOCAL_STEPS,)))
+    options=algo_lm.COMPRESSION_OPTIONS + (
+        compression_options.LOCAL_STEPS,
+        compression_options.NONFINITE_UPDATES)))

@@ -41,6 +41,7 @@ from fedlite_jax import quantization
 from fedlite_jax import transforms
 from fedlite_jax.algorithms import efficient
 from fedlite_jax.algorithms import fedavg
+from fedlite_jax.experiment import compression_options as common
 from fedlite_jax.experiment import optimizers
 from fedlite_jax.experiment import registry
 from fedlite_jax.experiment.config import ConfigError
@@ -179,14 +180,16 @@ def build_fedavg(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
         optimizers.client_optimizer(config),
         optimizers.server_optimizer(config),
         optimizers.client_batch_hparams(config),
-        engine=config.round_engine, steps_per_call=config.steps_per_call)
+        engine=config.round_engine, steps_per_call=config.steps_per_call,
+        nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
   return efficient.efficient_federated_averaging(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
       optimizers.client_batch_hparams(config),
       compression=compression, seed=config.seed, name='fedavg',
-      engine=config.round_engine, steps_per_call=config.steps_per_call)
+      engine=config.round_engine, steps_per_call=config.steps_per_call,
+      nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
 
 
 def build_fedprox(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
@@ -199,7 +202,8 @@ def build_fedprox(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
       fedprox_mu=float(config.options[FEDPROX_MU.name]),
       compression=compression_from_options(config.options),
       seed=config.seed, name='fedprox',
-      engine=config.round_engine, steps_per_call=config.steps_per_call)
+      engine=config.round_engine, steps_per_call=config.steps_per_call,
+      nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
 
 
 def mime_base_optimizer(config) -> optax.GradientTransformation:
@@ -225,7 +229,8 @@ def build_mime_lite(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
       server_learning_rate=float(config.server_lr),
       compression=compression_from_options(config.options),
       seed=config.seed, name='mime_lite',
-      engine=config.round_engine, steps_per_call=config.steps_per_call)
+      engine=config.round_engine, steps_per_call=config.steps_per_call,
+      nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
 
 
 registry.register(registry.AlgorithmSpec(
@@ -234,7 +239,7 @@ registry.register(registry.AlgorithmSpec(
     'flag (FedAdam-style with --server_optimizer=adam); compression flags '
     '(--download_bits, --upload_quantizer, --pvt_fraction, ...).',
     build=build_fedprox,
-    options=(FEDPROX_MU,) + COMPRESSION_OPTIONS))
+    options=(FEDPROX_MU,) + COMPRESSION_OPTIONS + (common.NONFINITE_UPDATES,)))
 
 registry.register(registry.AlgorithmSpec(
     name='mime_lite',
@@ -243,6 +248,6 @@ registry.register(registry.AlgorithmSpec(
     '+ gradient, downloads model + optimizer statistics.',
     build=build_mime_lite,
     options=(MIME_BASE_OPTIMIZER, MIME_BASE_EPS, MIME_GRADS_BATCH_SIZE)
-    + COMPRESSION_OPTIONS,
+    + COMPRESSION_OPTIONS + (common.NONFINITE_UPDATES,),
     # Its full-batch gradient pass reads every client's data on the host.
     multi_process=False))

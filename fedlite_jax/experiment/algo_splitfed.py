@@ -23,6 +23,7 @@ import fedjax
 
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.algorithms import splitfed
+from fedlite_jax.experiment import compression_options as common
 from fedlite_jax.experiment import optimizers
 from fedlite_jax.experiment import registry
 from fedlite_jax.experiment.config import ConfigError
@@ -97,7 +98,7 @@ CLIENT_EXECUTION = Option(
     choices=('auto', 'vmap', 'unroll'), affects_result=False)
 
 SPLIT_OPTIONS = (SERVER_OPTIMIZER, SERVER_LR, LABEL_BITS, CLIENT_WEIGHTING,
-                 CLIENT_EXECUTION, PHI)
+                 CLIENT_EXECUTION, PHI, common.NONFINITE_UPDATES)
 FEDLITE_OPTIONS = (NUM_SUBVECTORS, NUM_GROUPS, NUM_CENTROIDS,
                    CORRECTION_LAMBDA, LAMBDA_SCALING, KMEANS_ITERS,
                    EMPTY_CLUSTER)
@@ -124,7 +125,8 @@ def _common_kwargs(ctx: registry.BuildContext) -> dict:
       phi=opts['fedlite_phi'],
       label_bits=opts['split_label_bits'],
       client_weighting=opts['split_client_weighting'],
-      client_execution=opts['split_client_execution'])
+      client_execution=opts['split_client_execution'],
+      nonfinite=opts[common.NONFINITE_UPDATES.name])
 
 
 def build_splitfed(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 
 from fedlite_jax.algorithms import local_delta
+from fedlite_jax.algorithms import nonfinite
 from fedlite_jax.experiment import registry
 
 Option = registry.Option
@@ -28,10 +29,16 @@ LOCAL_STEPS = Option(
 
 NONFINITE_UPDATES = Option(
     'nonfinite_updates', 'raise',
-    'What to do with a client whose update is NaN/Inf: raise (stop the run '
-    'with an error naming the clients) or skip (drop it from the round and '
-    'log a warning).',
-    choices=local_delta.NONFINITE_POLICIES)
+    'What to do with a client whose update is NaN/Inf (every algorithm): '
+    'raise = stop the run with an error naming the clients, before the bad '
+    'round is evaluated or checkpointed; skip = drop the client from its '
+    'round (it uploads 0 bits; its download is still counted; summary '
+    'communication.skipped_client_rounds counts them) and log a warning; a '
+    'round whose clients are all skipped still stops the run. A non-finite '
+    'server model stops the run either way. Not part of the checkpoint '
+    'fingerprint: a run stopped by raise can resume from its last '
+    'checkpoint with skip.',
+    choices=nonfinite.POLICIES, affects_result=False)
 
 TOPK_K = Option(
     'topk_k', 12_000,
