@@ -18,9 +18,11 @@ compiled round program) and applies its optimizer to the mean decoded update
   accounting: 32 bits per weight changed since the client last
   participated, see :mod:`local_delta`) or ``'dense'`` (``32 D``).
 
-Client-side transform state (e.g. Top-K error feedback) is not supported: a
-federated client participates rarely and keeps nothing between rounds here
-(FetchSGD moves error feedback to the server instead).
+Client-side transform state that changes (e.g. Top-K error feedback) is not
+supported: a federated client participates rarely and keeps nothing between
+rounds here (FetchSGD moves error feedback to the server instead). A
+read-only state built by ``init`` (the intrinsic projection's matrices) is
+fine.
 """
 
 from __future__ import annotations
@@ -87,8 +89,11 @@ def compressed_sgd(
     server_optimizer: applied to the mean decoded delta.
     batch_size: examples per local step.
     local_steps: local steps per round (>= 1).
-    upload: stateless :class:`~fedlite_jax.transforms.CommTransform` of the
-      delta pytree (None: uncompressed, 32 bits per float32).
+    upload: :class:`~fedlite_jax.transforms.CommTransform` of the delta
+      pytree, stateless or with a read-only state (e.g. ``chain(top_k(k),
+      uniform_quantization(8))``, ``intrinsic_projection(d)``; see
+      :func:`fedlite_jax.transforms.init_read_only`); None: uncompressed,
+      32 bits per float32.
     download_accounting: ``'dense'`` (``32 D``) or ``'changed'`` (needs
       ``client_ids``).
     client_ids: the training clients' ids.
@@ -102,7 +107,8 @@ def compressed_sgd(
     ``finite``, ``skipped``.
 
   Raises:
-    ValueError: bad settings; a stateful upload transform (at ``init``).
+    ValueError: bad settings; an upload transform that updates its state,
+      e.g. ``top_k(k, error_feedback=True)`` (at ``init``).
     FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
       every update non-finite (``'skip'``), or a non-finite server state.
   """
@@ -133,10 +139,8 @@ def compressed_sgd(
     if cache.get('spec') != spec:
       example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                              params)
-      state = transform.init(example)
-      if jax.tree.leaves(state):
-        raise ValueError(f'{name}: the upload transform must be stateless '
-                         '(clients keep no state between participations).')
+      state = tx.init_read_only(transform, example,
+                                f'{name}: the upload transform')
       cache['upload_state'] = state
       cache['upload_bits'] = tx.message_bits(transform, example, state)
       cache['spec'] = spec

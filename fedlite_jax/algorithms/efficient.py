@@ -23,12 +23,13 @@ Sources:
 Each algorithm here is the uncompressed one composed with three optional
 pieces (:class:`Compression`):
 
-  * ``download``: a stateless :class:`fedlite_jax.transforms.CommTransform`
-    applied ONCE per round to the server model (the broadcast); clients
+  * ``download``: a :class:`fedlite_jax.transforms.CommTransform` (stateless
+    or with a read-only state, see :class:`Compression`) applied ONCE per
+    round to the server model (the broadcast); clients
     start from the decoded model ``Q(w)``, compute ``delta = Q(w) - w_client``
     and FedProx's proximal term is centred at ``Q(w)``; the server keeps full
     precision and applies the mean delta to ``w``.
-  * ``upload``: a stateless CommTransform applied by every client to its
+  * ``upload``: such a CommTransform applied by every client to its
     delta (MimeLite: also to its mean full-batch gradient).
   * ``pvt_fraction`` < 1: per client per round a fresh PVT mask (frozen
     variables get zero gradients and zero updates; by default their
@@ -53,8 +54,9 @@ Bits per client per round (diagnostics ``upload_bits`` / ``download_bits``):
   download = the download transform's message size for the whole model (32
   bits per parameter uncompressed); MimeLite adds 32 bits per float of the
   optimizer statistics it sends. Upload = the upload transform's message
-  size for the model (any stateless transform or ``transforms.chain``, e.g.
-  top-k then 8-bit values); under PVT, the sum over the TRAINED variables
+  size for the model (any such transform or ``transforms.chain``, e.g.
+  top-k then 8-bit values, or the intrinsic projection then 8-bit values);
+  under PVT, the sum over the TRAINED variables
   of its per-variable message size (e.g. uniform b-bit: ``b * size + 64``
   per variable). MimeLite uploads the delta and the gradient, so twice
   that. Sizes come from the transforms' static bit counts
@@ -106,12 +108,20 @@ class Compression:
   """Communication settings of an efficient algorithm.
 
   Attributes:
-    download: stateless CommTransform for the server model sent to clients
-      (e.g. ``transforms.uniform_quantization(16)``); None = 32-bit floats.
-    upload: stateless CommTransform for client deltas (e.g.
-      ``transforms.uniform_quantization(8)``, ``transforms.terngrad()``);
-      None = 32-bit floats. With ``pvt_fraction < 1`` its size must be a sum
-      over variables (true for the quantizers and identity).
+    download: CommTransform for the server model sent to clients (e.g.
+      ``transforms.uniform_quantization(16)``); None = 32-bit floats.
+    upload: CommTransform for client deltas (e.g.
+      ``transforms.uniform_quantization(8)``, ``transforms.terngrad()``,
+      ``transforms.chain(transforms.intrinsic_projection(4096),
+      transforms.uniform_quantization(8))``); None = 32-bit floats. With
+      ``pvt_fraction < 1`` its size must be a sum over variables (true for
+      the quantizers and identity).
+
+  Both transforms must be stateless or have a read-only state (built by
+  ``init`` from a seed, returned untouched by ``encode``/``decode``, e.g.
+  ``intrinsic_projection``'s Fastfood matrices): clients keep nothing
+  between participations, so ``top_k(error_feedback=True)`` is refused
+  with a ``ValueError`` (:func:`fedlite_jax.transforms.init_read_only`).
     pvt_fraction: target trainable share of the parameters per client, in
       (0, 1]; 1 = no PVT.
     pvt_freezable: ``(key path, leaf) -> bool``, which variables PVT may
@@ -171,19 +181,26 @@ def leaf_bits(transform: Optional[tx.CommTransform],
 
 def _check_stateless(transform: Optional[tx.CommTransform], example: PyTree,
                      what: str) -> Any:
+  """The transform's state for ``example`` (None for no transform).
+
+  Clients keep nothing between participations, so the state must be
+  read-only (:func:`fedlite_jax.transforms.init_read_only`: ``encode`` /
+  ``decode`` return it untouched): stateless transforms and
+  ``intrinsic_projection`` (Fastfood matrices drawn by ``init`` from its
+  seed, identically on clients and server) pass; ``top_k`` with error
+  feedback raises ``ValueError``.
+  """
   if transform is None:
     return None
-  state = transform.init(_shape_struct(example))
-  if jax.tree.leaves(state):
-    raise ValueError(f'The {what} transform must be stateless (clients keep '
-                     'nothing between participations).')
-  return state
+  return tx.init_read_only(transform, _shape_struct(example),
+                           f'The {what} transform')
 
 
-def _tree_bits(transform: Optional[tx.CommTransform], params: PyTree) -> float:
+def _tree_bits(transform: Optional[tx.CommTransform], params: PyTree,
+               state: Any = None) -> float:
   if transform is None:
     return float(sum(leaf_bits(None, params)))
-  return float(tx.message_bits(transform, _shape_struct(params)))
+  return float(tx.message_bits(transform, _shape_struct(params), state))
 
 
 def _encode_decode(transform: Optional[tx.CommTransform], state: Any,
@@ -209,8 +226,10 @@ class _Setup:
     self.download_state = _check_stateless(compression.download, params,
                                            'download')
     self.upload_state = _check_stateless(compression.upload, params, 'upload')
-    self.download_bits = _tree_bits(compression.download, params)
-    self.full_upload_bits = _tree_bits(compression.upload, params)
+    self.download_bits = _tree_bits(compression.download, params,
+                                    self.download_state)
+    self.full_upload_bits = _tree_bits(compression.upload, params,
+                                       self.upload_state)
     # Per-variable sizes only matter (and are only required to exist, e.g.
     # a top-k with k larger than one variable has none) under PVT.
     self.leaf_upload_bits = None

@@ -4,7 +4,9 @@ Wang (2022), Table 2 / Figure 1.
 * ``sgd``: uncompressed, one local step per round (``--local_steps=s``:
   FedAvg with s local iterations); 32 bits/param each way.
 * ``topk``: local Top-K of the client delta (``--topk_k``,
-  ``--topk_index_bits``).
+  ``--topk_index_bits``), or any upload stages instead
+  (``--upload=top_k:12000,uniform_quantization:8``, see
+  :func:`fedlite_jax.transforms.parse_chain`).
 * ``fetchsgd``: FetchSGD (Rothchild et al. 2020): count sketch
   (``--sketch_rows`` x ``--sketch_cols``), server momentum + error feedback
   + top-k (``--topk_k``). Uses ``--server_lr`` with
@@ -20,6 +22,7 @@ import fedjax
 
 from fedlite_jax.algorithms import compressed_sgd
 from fedlite_jax.algorithms import fetchsgd as fetchsgd_lib
+from fedlite_jax.experiment import algo_lm
 from fedlite_jax.experiment import compression_options as common
 from fedlite_jax.experiment import optimizers
 from fedlite_jax.experiment import registry
@@ -73,17 +76,28 @@ def _build_sgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
       engine=config.round_engine, steps_per_call=config.steps_per_call)
 
 
+def _topk_upload(opts) -> transforms.CommTransform:
+  """``--upload`` stages if given (not with --topk_k/--topk_index_bits)."""
+  algo_lm.check_no_legacy(opts, algo_lm.UPLOAD, (common.TOPK_K,
+                                                  TOPK_INDEX_BITS))
+  upload = algo_lm.stages_from_option(opts, algo_lm.UPLOAD)
+  if upload is None:
+    upload = transforms.top_k(opts['topk_k'], opts['topk_index_bits'])
+  return upload
+
+
 def _build_topk(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   config = ctx.config
   opts = config.options
+  upload = _topk_upload(opts)
   return compressed_sgd.compressed_sgd(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
       batch_size=config.client_batch_size,
       local_steps=common.local_steps(opts),
-      upload=transforms.top_k(opts['topk_k'], opts['topk_index_bits']),
+      upload=upload,
       download_accounting=opts['download_accounting'],
       client_ids=ctx.train_client_ids,
       nonfinite=opts['nonfinite_updates'], name='topk',
@@ -127,7 +141,8 @@ registry.register(registry.AlgorithmSpec(
     description='Local Top-K of the client update (--topk_k); download = '
     'weights changed since last participation.',
     build=_build_topk,
-    options=(common.TOPK_K, TOPK_INDEX_BITS, common.DOWNLOAD_ACCOUNTING,
+    options=(algo_lm.UPLOAD, common.TOPK_K, TOPK_INDEX_BITS,
+             common.DOWNLOAD_ACCOUNTING,
              common.LOCAL_STEPS, common.NONFINITE_UPDATES)))
 
 registry.register(registry.AlgorithmSpec(

@@ -8,6 +8,12 @@ with/without clipping) and PVT. See :mod:`fedlite_jax.algorithms.efficient`.
 Flags (one shared set; the same :class:`registry.Option` objects are listed by
 every algorithm that takes them):
 
+  ``--upload`` / ``--download``: the compression as stages of
+  :func:`fedlite_jax.transforms.parse_chain`, e.g.
+  ``--upload=intrinsic_projection:4096,uniform_quantization:8
+  --download=uniform_quantization:16``; when given they replace the legacy
+  flags below (``--upload_quantizer``/``--upload_bits``/...,
+  ``--download_bits``), which stay as aliases (giving both is an error);
   ``--download_bits`` (32 = uncompressed; 1..31 stochastic uniform
   quantization of the server model), ``--upload_quantizer`` (none, uniform,
   terngrad), ``--upload_bits`` (uniform: 1..32), ``--upload_zero_center``,
@@ -32,7 +38,7 @@ compression flag at its default it builds the unchanged
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import fedjax
 import optax
@@ -104,9 +110,26 @@ MIME_GRADS_BATCH_SIZE = Option(
     "client's data (16 = the client batch; larger batches were slower per "
     'example on XLA:CPU here).', lower_bound=1)
 
-COMPRESSION_OPTIONS = (DOWNLOAD_BITS, UPLOAD_QUANTIZER, UPLOAD_BITS,
-                       UPLOAD_ZERO_CENTER, UPLOAD_CLIP_STD, TERNGRAD_CLIP,
-                       PVT_FRACTION, QUANTIZER_RNG)
+UPLOAD = Option(
+    'upload', '',
+    'Upload compression as comma-separated stages applied left to right, '
+    'named after the fedlite_jax.transforms functions: '
+    + ', '.join(transforms.STAGE_FORMS) + '; e.g. '
+    'intrinsic_projection:4096,uniform_quantization:8 (32 D / (8 * 4096 + '
+    '64) compression) or top_k:12000,uniform_quantization:8. Intrinsic '
+    'projections use subspace seed 0 unless the stage gives one. Empty = '
+    "the algorithm's own upload flags (fedavg/fedprox/mime_lite: "
+    '--upload_quantizer, --upload_bits, ...; topk: --topk_k, '
+    '--topk_index_bits); giving both is an error.')
+DOWNLOAD = Option(
+    'download', '',
+    'Download (server model) compression as stages, same vocabulary as '
+    '--upload, e.g. uniform_quantization:16. Empty = --download_bits; '
+    'giving both is an error.')
+
+COMPRESSION_OPTIONS = (UPLOAD, DOWNLOAD, DOWNLOAD_BITS, UPLOAD_QUANTIZER,
+                       UPLOAD_BITS, UPLOAD_ZERO_CENTER, UPLOAD_CLIP_STD,
+                       TERNGRAD_CLIP, PVT_FRACTION, QUANTIZER_RNG)
 """The compression flags every algorithm of this module accepts."""
 
 
@@ -114,8 +137,58 @@ def _opt(options, option: Option) -> Any:
   return options.get(option.name, option.default)
 
 
+def stages_from_option(options, option: Option, *,
+                       generator: str = 'hash'
+                       ) -> Optional[transforms.CommTransform]:
+  """The transform of a stage-string option (``--upload`` / ``--download``).
+
+  Args:
+    options: mapping of option name -> value.
+    option: :data:`UPLOAD` or :data:`DOWNLOAD`.
+    generator: random generator of quantizer stages (``--quantizer_rng``).
+
+  Returns:
+    :func:`fedlite_jax.transforms.parse_chain` of the value, or None when
+    it is empty (the algorithm's own flags apply).
+
+  Raises:
+    ConfigError: (one line) a bad stage string, naming the flag.
+  """
+  spec = str(_opt(options, option)).strip()
+  if not spec:
+    return None
+  try:
+    return transforms.parse_chain(spec, generator=generator)
+  except ValueError as e:
+    raise ConfigError(f'--{option.name}={spec}: {e}') from None
+
+
+def check_no_legacy(options, option: Option,
+                    legacy: tuple[Option, ...]) -> None:
+  """Refuses a stage option given together with the flags it replaces.
+
+  Raises:
+    ConfigError: if ``option`` is set and any of ``legacy`` is not at its
+      default (naming both).
+  """
+  if not str(_opt(options, option)).strip():
+    return
+  given = [f'--{o.name}={_opt(options, o)}' for o in legacy
+           if _opt(options, o) != o.default]
+  if given:
+    raise ConfigError(
+        f'--{option.name}={_opt(options, option)} replaces '
+        f'{" ".join(given)}: give one or the other.')
+
+
 def compression_from_options(options) -> efficient.Compression:
   """A :class:`efficient.Compression` from resolved option values.
+
+  ``--upload`` / ``--download`` (stage strings,
+  :func:`fedlite_jax.transforms.parse_chain`) take precedence; when empty,
+  the legacy flags apply (``--upload_quantizer=uniform --upload_bits=8`` is
+  the same transform as ``--upload=uniform_quantization:8``, and
+  ``--download_bits=16`` as ``--download=uniform_quantization:16``).
 
   Args:
     options: mapping of option name -> value (missing names take defaults).
@@ -124,7 +197,9 @@ def compression_from_options(options) -> efficient.Compression:
     The compression settings.
 
   Raises:
-    ConfigError: inconsistent or out-of-range values (naming the flag).
+    ConfigError: inconsistent or out-of-range values (naming the flag),
+      including ``--upload`` together with a legacy upload flag or
+      ``--download`` together with ``--download_bits``.
   """
   download_bits = _opt(options, DOWNLOAD_BITS)
   if not 1 <= download_bits <= 32:
@@ -137,6 +212,10 @@ def compression_from_options(options) -> efficient.Compression:
   rng = _opt(options, QUANTIZER_RNG)
   zero_center = _opt(options, UPLOAD_ZERO_CENTER)
   clip = _opt(options, UPLOAD_CLIP_STD)
+  check_no_legacy(options, UPLOAD, (UPLOAD_QUANTIZER, UPLOAD_BITS,
+                                    UPLOAD_ZERO_CENTER, UPLOAD_CLIP_STD,
+                                    TERNGRAD_CLIP))
+  check_no_legacy(options, DOWNLOAD, (DOWNLOAD_BITS,))
   uniform_only = [f'--{o.name}={_opt(options, o)}'
                   for o in (UPLOAD_BITS, UPLOAD_ZERO_CENTER, UPLOAD_CLIP_STD)
                   if _opt(options, o) != o.default]
@@ -147,17 +226,17 @@ def compression_from_options(options) -> efficient.Compression:
   fraction = _opt(options, PVT_FRACTION)
   if not 0.0 < fraction <= 1.0:
     raise ConfigError(f'--pvt_fraction={fraction}: must be in (0, 1].')
-  download = (None if download_bits == 32 else
-              transforms.uniform_quantization(download_bits, generator=rng))
-  if quantizer == 'uniform':
+  download = stages_from_option(options, DOWNLOAD, generator=rng)
+  if download is None and download_bits != 32:
+    download = transforms.uniform_quantization(download_bits, generator=rng)
+  upload = stages_from_option(options, UPLOAD, generator=rng)
+  if upload is None and quantizer == 'uniform':
     upload = transforms.uniform_quantization(
         bits, zero_center=zero_center, clip_std=clip or None, generator=rng)
-  elif quantizer == 'terngrad':
+  elif upload is None and quantizer == 'terngrad':
     upload = transforms.terngrad(
         clip_std=(quantization.DEFAULT_CLIP_STD
                   if _opt(options, TERNGRAD_CLIP) else None), generator=rng)
-  else:
-    upload = None
   return efficient.Compression(download=download, upload=upload,
                                pvt_fraction=float(fraction))
 

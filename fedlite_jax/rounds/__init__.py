@@ -6,9 +6,13 @@ The algorithm code (``fedlite_jax.algorithms``) describes a client update as a
 returns the weighted sum of their outputs. The engines give the same result
 to float tolerance; which is fastest depends on the platform (see
 ``benchmarks/bench_fedavg.py``). ``sharding`` splits a round's clients over
-the devices (and hosts) of a ``jax.sharding.Mesh``.
+the devices (and hosts) of a ``jax.sharding.Mesh``. For FedJAX's own
+``for_each_client`` algorithms, :class:`VmapBackend` runs clients as one
+vmapped program and :class:`CompressedBackend` adds download/upload
+compression with a communication ledger.
 """
 
+from fedlite_jax.rounds.compressed_backend import CompressedBackend
 from fedlite_jax.rounds.engine import ClientProgram
 from fedlite_jax.rounds.engine import ClientWork
 from fedlite_jax.rounds.engine import ENGINE_NAMES

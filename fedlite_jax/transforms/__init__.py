@@ -43,6 +43,18 @@ coordinates::
     msg, _ = t.encode(grads, state, key)    # msg.bits == 8 * 4096 + 64
     approx, _ = t.decode(msg, state)        # pytree like grads
 
+State. Federated clients keep nothing between their (rare) participations,
+so the algorithms accept a transform only if its state is read-only:
+``encode`` and ``decode`` return it untouched (:func:`state_is_read_only`
+checks this on the traced functions; :func:`init_read_only` inits and
+checks). ``intrinsic_projection``'s Fastfood matrices qualify (``init``
+draws them from the seed, identically on both sides);
+``top_k(error_feedback=True)``'s residual does not.
+
+Flags. :func:`parse_chain` (:mod:`fedlite_jax.transforms.stages`) turns a
+stage string such as ``'intrinsic_projection:4096,uniform_quantization:8'``
+into a transform; the runner's ``--upload`` / ``--download`` flags use it.
+
 Writing a new transform (a quantizer, a PVT mask, ...): return
 ``CommTransform(init, encode, decode)``; make ``encode`` return
 ``Encoded(values, side, value_bits, side_bits, spec)`` with bit counts
@@ -69,7 +81,9 @@ from fedlite_jax.transforms.base import CommTransform
 from fedlite_jax.transforms.base import dtype_bits
 from fedlite_jax.transforms.base import Encoded
 from fedlite_jax.transforms.base import identity
+from fedlite_jax.transforms.base import init_read_only
 from fedlite_jax.transforms.base import message_bits
+from fedlite_jax.transforms.base import state_is_read_only
 from fedlite_jax.transforms.base import TreeSpec
 from fedlite_jax.transforms.intrinsic import index_bits
 from fedlite_jax.transforms.intrinsic import intrinsic_projection
@@ -89,6 +103,8 @@ from fedlite_jax.transforms.sketch import sketch_hashes
 from fedlite_jax.transforms.sketch import sketch_message_bits
 from fedlite_jax.transforms.sketch import sketch_vector
 from fedlite_jax.transforms.sketch import unsketch
+from fedlite_jax.transforms.stages import parse_chain
+from fedlite_jax.transforms.stages import STAGE_FORMS
 from fedlite_jax.transforms.topk import scatter
 from fedlite_jax.transforms.topk import top_k
 from fedlite_jax.transforms.topk import topk_abs
@@ -98,12 +114,14 @@ __all__ = [
     'CommTransform',
     'Encoded',
     'IntrinsicState',
+    'STAGE_FORMS',
     'TreeSpec',
     'chain',
     'count_sketch',
     'dtype_bits',
     'identity',
     'index_bits',
+    'init_read_only',
     'intrinsic_projection',
     'intrinsic_state',
     'lift_subspaces',
@@ -112,11 +130,13 @@ __all__ = [
     'make_subspaces',
     'median_rows',
     'message_bits',
+    'parse_chain',
     'scatter',
     'select_subspace',
     'sketch_hashes',
     'sketch_message_bits',
     'sketch_vector',
+    'state_is_read_only',
     'subspace_seed',
     'terngrad',
     'top_k',

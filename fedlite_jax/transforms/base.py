@@ -28,6 +28,8 @@ __all__ = [
     'identity',
     'message_bits',
     'dtype_bits',
+    'init_read_only',
+    'state_is_read_only',
 ]
 
 
@@ -274,3 +276,99 @@ def message_bits(transform: CommTransform, example: PyTree,
       lambda x, s: transform.encode(x, s, jax.random.PRNGKey(0))[0],
       example, state)
   return out.bits
+
+
+def _forwards_state(fn: Callable[..., State], args: tuple,
+                    state: State) -> bool:
+  """True iff ``fn(*args, state)`` returns ``state``'s leaves untouched.
+
+  Traces ``fn`` (``jax.make_jaxpr``, nothing is computed) and checks that
+  every output leaf is the very input variable of the same state leaf.
+  """
+  num_args = len(jax.tree.leaves(args))
+  num_state = len(jax.tree.leaves(state))
+  closed = jax.make_jaxpr(fn)(*args, state)
+  jaxpr = closed.jaxpr
+  state_in = jaxpr.invars[num_args:num_args + num_state]
+  out = jaxpr.outvars
+  if jax.tree.structure(jax.eval_shape(fn, *args, state)) != jax.tree.structure(
+      state) or len(out) != len(state_in):
+    return False
+  return all(o is i for o, i in zip(out, state_in))
+
+
+def state_is_read_only(transform: CommTransform, example: PyTree,
+                       state: State) -> bool:
+  """Whether ``encode`` and ``decode`` return ``state`` unchanged.
+
+  A transform whose state is read-only (the intrinsic projection's Fastfood
+  matrices, drawn by ``init`` from a seed) behaves like a stateless one with
+  a constant: sender and receiver each build the same state with ``init``
+  and nothing has to be kept between messages. A transform that updates its
+  state (``top_k(error_feedback=True)``'s residual) carries memory from one
+  message to the next.
+
+  The check is exact for what it tests and runs nothing: it traces
+  ``encode(x, state, key)`` and ``decode(message, state)`` with
+  ``jax.make_jaxpr`` and requires every returned state leaf to BE the input
+  state leaf (forwarded untouched, not recomputed, even to equal values).
+  An empty state is read-only.
+
+  Args:
+    transform: the transform.
+    example: pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
+      inputs.
+    state: ``transform.init(example)``.
+
+  Returns:
+    True if both ``encode`` and ``decode`` forward the state.
+  """
+  if not jax.tree.leaves(state):
+    return True
+  key = jax.random.PRNGKey(0)
+  encode_state = lambda x, k, s: transform.encode(x, s, k)[1]
+  if not _forwards_state(encode_state, (example, key), state):
+    return False
+  message = jax.eval_shape(lambda x, s: transform.encode(x, s, key)[0],
+                           example, state)
+  decode_state = lambda m, s: transform.decode(m, s)[1]
+  return _forwards_state(decode_state, (message,), state)
+
+
+def init_read_only(transform: CommTransform, example: PyTree,
+                   what: str = 'the transform') -> State:
+  """``transform.init(example)``, refusing a state that encode/decode change.
+
+  Federated clients take part in rare, random rounds and keep nothing in
+  between, so a client-side transform may only have a read-only state (see
+  :func:`state_is_read_only`): e.g. ``chain(intrinsic_projection(d),
+  uniform_quantization(8))`` is accepted (both sides build the same Fastfood
+  matrices from the seed), ``top_k(k, error_feedback=True)`` is refused.
+  ``init`` must be a deterministic function of ``example`` (true for every
+  transform of this package), so that sender and receiver agree.
+
+  Args:
+    transform: the transform.
+    example: pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
+      inputs (only shapes and dtypes are read).
+    what: its name in the error message (e.g. ``'the upload transform'``).
+
+  Returns:
+    The state, to pass to every ``encode`` and ``decode``.
+
+  Raises:
+    ValueError: (one line) if ``encode`` or ``decode`` returns a changed
+      state; also whatever ``transform.init`` raises.
+  """
+  example = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+      example)
+  state = transform.init(example)
+  if not state_is_read_only(transform, example, state):
+    raise ValueError(
+        f'{what} updates its state in encode/decode (per-client memory such '
+        'as top_k(error_feedback=True)\'s residual), but clients keep '
+        'nothing between participations: use a stateless transform or one '
+        'whose state is read-only (built by init, e.g. '
+        'intrinsic_projection).')
+  return state
