@@ -9,15 +9,33 @@ Files in ``output_dir``:
                      seconds per round, and every flag.
   tb/                TensorBoard event files (tensorboardX, no TensorFlow).
   curves.png         test metric vs round and vs cumulative upload bytes.
+  run.json           the run's identity: its fingerprint (the flags that
+                     determine the result), written when the run starts.
+  .lock              the pid of the process running into the directory
+                     (held with ``fcntl.flock`` for the whole run).
+
+A run killed at any moment can be started again with the same command: the
+partial last line of metrics.jsonl / communication.csv (killed mid-write) is
+dropped, rows after the resumed checkpoint are removed, and TensorBoard
+discards the events after it (``purge_step``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import pathlib
-from typing import Any, Iterable, Optional
+import shutil
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+from fedlite_jax.experiment.config import ConfigError
+
+RUN_FILE = 'run.json'
+LOCK_FILE = '.lock'
+_PARTIAL_SUFFIX = '.partial'
 
 
 def _jsonable(x: Any) -> Any:
@@ -30,44 +48,145 @@ def _jsonable(x: Any) -> Any:
   return x
 
 
+def _complete_lines(path: pathlib.Path) -> list[str]:
+  """The newline-terminated lines of ``path`` (a partial last line dropped)."""
+  return path.read_text().split('\n')[:-1]
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+  """Writes ``text`` to ``path`` via a temporary file and ``os.replace``."""
+  tmp = path.with_name(path.name + _PARTIAL_SUFFIX)
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-  """Reads metrics.jsonl (missing file -> [])."""
+  """Reads metrics.jsonl (missing file -> []).
+
+  A last line without its newline (a writer killed mid-line) is ignored.
+  """
   path = pathlib.Path(path)
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line]
+  return [json.loads(line) for line in _complete_lines(path) if line]
 
 
 def truncate_metrics(path: str | os.PathLike, max_round: int) -> list[dict]:
-  """Keeps the rows with ``round <= max_round`` (used when resuming)."""
+  """Keeps the complete rows with ``round <= max_round`` (used when resuming)."""
   rows = [r for r in read_metrics(path) if r['round'] <= max_round]
-  pathlib.Path(path).write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  _write_atomic(pathlib.Path(path), ''.join(json.dumps(r) + '\n' for r in rows))
   return rows
 
 
 def truncate_csv(path: str | os.PathLike, num_rounds: int) -> None:
-  """Keeps the header and the rows of rounds < ``num_rounds``."""
+  """Keeps the header and the complete rows of rounds < ``num_rounds``.
+
+  A file without a complete header line is removed (the ledger writes the
+  header into an empty file).
+  """
   path = pathlib.Path(path)
   if not path.exists():
     return
-  lines = path.read_text().splitlines(keepends=True)
-  kept = lines[:1] + [l for l in lines[1:] if int(l.split(',', 1)[0]) < num_rounds]
-  path.write_text(''.join(kept))
+  lines = _complete_lines(path)
+  if not lines:
+    path.unlink()
+    return
+  kept = lines[:1] + [l for l in lines[1:]
+                      if int(l.split(',', 1)[0]) < num_rounds]
+  _write_atomic(path, ''.join(l + '\n' for l in kept))
+
+
+def clear_results(output_dir: str | os.PathLike) -> None:
+  """Removes a previous run's outputs (metrics, CSV, summary, plot, TensorBoard
+  events, checkpoints, run identity) before a run starts from round 0."""
+  out = pathlib.Path(output_dir)
+  for name in ('metrics.jsonl', 'communication.csv', 'summary.json',
+               'curves.png', RUN_FILE):
+    (out / name).unlink(missing_ok=True)
+  for name in ('tb', 'checkpoints'):
+    shutil.rmtree(out / name, ignore_errors=True)
+  remove_partial_files(out)
+
+
+def remove_partial_files(output_dir: str | os.PathLike) -> None:
+  """Deletes the temporary files of writes killed mid-way (``*.partial``)."""
+  for p in pathlib.Path(output_dir).glob('*' + _PARTIAL_SUFFIX):
+    p.unlink(missing_ok=True)
+
+
+def read_run_identity(output_dir: str | os.PathLike) -> Optional[dict]:
+  """The fingerprint stored in ``run.json``; None if missing or unreadable."""
+  path = pathlib.Path(output_dir) / RUN_FILE
+  try:
+    saved = json.loads(path.read_text())
+    return dict(saved['fingerprint'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def write_run_identity(output_dir: str | os.PathLike,
+                       fingerprint: Mapping[str, Any]) -> None:
+  """Writes ``run.json`` (``{'fingerprint': ...}``) atomically."""
+  _write_atomic(pathlib.Path(output_dir) / RUN_FILE,
+                json.dumps({'fingerprint': dict(fingerprint)}, indent=1,
+                           sort_keys=True, default=str))
+
+
+@contextlib.contextmanager
+def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[pathlib.Path]:
+  """Holds an exclusive ``fcntl.flock`` on ``output_dir/.lock`` meanwhile.
+
+  The holder's pid is written into the file. The kernel releases the lock
+  when the process exits, also when it is killed.
+
+  Yields:
+    The lock file's path.
+
+  Raises:
+    ConfigError: another process holds the lock (names the directory and
+      that process's pid).
+  """
+  path = pathlib.Path(output_dir) / LOCK_FILE
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      holder = path.read_text().strip() or 'unknown'
+      raise ConfigError(
+          f'--output_dir={output_dir} is in use by another run (pid {holder} '
+          f'holds {path}); wait for it to finish or choose another '
+          '--output_dir.') from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f'{os.getpid()}\n'.encode())
+    yield path
+  finally:
+    os.close(fd)
 
 
 class MetricsWriter:
-  """Appends evaluations to metrics.jsonl and TensorBoard."""
+  """Appends evaluations to metrics.jsonl and TensorBoard.
 
-  def __init__(self, output_dir: str | os.PathLike):
+  Args:
+    output_dir: the run's output directory.
+    purge_step: when resuming after round ``r``, ``r + 1``: TensorBoard
+      discards the earlier events of steps >= it (written after the
+      checkpoint by the killed run). None: nothing to discard.
+  """
+
+  def __init__(self, output_dir: str | os.PathLike,
+               purge_step: Optional[int] = None):
     self.dir = pathlib.Path(output_dir)
     self.dir.mkdir(parents=True, exist_ok=True)
     self.path = self.dir / 'metrics.jsonl'
+    self._purge_step = purge_step
     self._tb = None
 
   def _writer(self):
     if self._tb is None:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(str(self.dir / 'tb'))
+      self._tb = SummaryWriter(str(self.dir / 'tb'),
+                               purge_step=self._purge_step)
     return self._tb
 
   def write(self, row: dict[str, Any]) -> None:
@@ -86,8 +205,9 @@ class MetricsWriter:
 
 
 def write_summary(output_dir: str | os.PathLike, summary: dict) -> pathlib.Path:
+  """Writes ``summary.json`` atomically; returns its path."""
   path = pathlib.Path(output_dir) / 'summary.json'
-  path.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True))
+  _write_atomic(path, json.dumps(_jsonable(summary), indent=2, sort_keys=True))
   return path
 
 
@@ -106,7 +226,9 @@ def plot_curves(output_dir: str | os.PathLike, rows: Iterable[dict],
   ax1.plot(rounds, values, marker='.')
   ax1.set_xlabel('round')
   ax1.set_ylabel(f'test {metric}')
-  ax2.plot([r['upload_bytes'] for r in rows], values, marker='.')
+  sent = [r for r in rows if r['upload_bytes'] > 0]  # log axis: no round 0
+  ax2.plot([r['upload_bytes'] for r in sent], [r[metric] for r in sent],
+           marker='.')
   ax2.set_xscale('log')
   ax2.set_xlabel('cumulative upload (bytes)')
   ax2.set_ylabel(f'test {metric}')

@@ -6,10 +6,31 @@ Determinism: the cohort of round r comes from FedJAX's
 the local shuffle derive from it), so the same flags give the same result,
 and a run resumed from a checkpoint ends with exactly the same parameters as
 an uninterrupted one (``tests/test_runner.py``).
+
+Starting and restarting (``tests/test_runner_resume.py``): process 0 holds
+``output_dir/.lock`` for the whole run (a second run into the same directory
+fails at once, naming the holder's pid) and writes ``run.json`` with the
+run's fingerprint. The same command started again after a kill at any moment
+continues from the latest checkpoint, or, when none was written yet and
+``run.json`` holds the same fingerprint, starts over from round 0; either way
+it ends equal to an uninterrupted run. Partial files of a killed write
+(``checkpoints/.tmp_ckpt_*``, a partial last line of metrics.jsonl or
+communication.csv) are removed. Results (evaluations, checkpoints) of a run
+with other flags are replaced only with ``--overwrite``. These decisions are
+taken before any data is loaded.
+
+``--init_checkpoint`` (``tests/test_init_checkpoint.py``): the run starts
+from the parameters of a file of ``init_params.save_params`` or of a runner
+checkpoint (:func:`init_params.load_init_params`) instead of
+``model.init(PRNGKey(seed))``; the file's SHA-256 joins the fingerprint
+(``init_checkpoint_sha256``) and ``summary.json`` (``init_checkpoint``), and
+the starting point is evaluated as a round-0 row of metrics.jsonl. Runs
+without it have no round-0 row (their start is the seed's random init).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import platform
@@ -30,6 +51,7 @@ from fedlite_jax.algorithms import fedavg
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.experiment import config as config_lib
 from fedlite_jax.experiment import evaluation
+from fedlite_jax.experiment import init_params
 from fedlite_jax.experiment import outputs
 from fedlite_jax.experiment import registry
 from fedlite_jax.experiment import tasks
@@ -86,7 +108,9 @@ def run(config: RunConfig) -> dict[str, Any]:
     ``rounds``, ``seconds_per_round``, ``flags`` and more.
 
   Raises:
-    ConfigError: bad settings.
+    ConfigError: bad settings, a missing or unfit ``--init_checkpoint``, an
+      ``output_dir`` in use by another process, or holding results of a run
+      with other flags (without ``--overwrite``).
     FileNotFoundError: missing data (the message names the files).
     checkpoint.CheckpointError: a corrupt or mismatched checkpoint.
     FloatingPointError: the model diverged (non-finite updates).
@@ -112,25 +136,129 @@ def run(config: RunConfig) -> dict[str, Any]:
   # from the shared output directory.
   out = pathlib.Path(config.output_dir)
   writer_process = jax.process_index() == 0
-  if writer_process:
-    out.mkdir(parents=True, exist_ok=True)
-    scratch = out
-  else:
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix='fedlite_process'))
-    for name in ('metrics.jsonl', 'communication.csv'):
-      if (out / name).exists():
-        shutil.copy(out / name, scratch / name)
-  try:
+  with contextlib.ExitStack() as stack:
+    if writer_process:
+      out.mkdir(parents=True, exist_ok=True)
+      stack.enter_context(outputs.lock_output_dir(out))
+      # Leftovers of writes killed mid-way (nobody else writes here now).
+      checkpoint.remove_partial_files(out / 'checkpoints')
+      outputs.remove_partial_files(out)
+      scratch = out
+    else:
+      scratch = pathlib.Path(tempfile.mkdtemp(prefix='fedlite_process'))
+      stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+      for name in ('metrics.jsonl', 'communication.csv'):
+        if (out / name).exists():
+          shutil.copy(out / name, scratch / name)
     return _run(config, task, mesh, out, scratch)
-  finally:
-    if not writer_process:
-      shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _load_init(config: RunConfig, like: Any
+               ) -> Optional[init_params.InitParams]:
+  """The ``--init_checkpoint`` parameters, or None without the flag.
+
+  Raises:
+    ConfigError: missing file, not a parameter file or runner checkpoint,
+      or parameters that do not fit the model (one line naming the flag).
+  """
+  if not config.init_checkpoint:
+    return None
+  try:
+    init = init_params.load_init_params(config.init_checkpoint, like)
+  except (OSError, ValueError) as e:
+    raise ConfigError(str(e)) from None
+  logging.info('Starting from --init_checkpoint=%s (%s%s, sha256 %s).',
+               init.path, init.source,
+               '' if init.round is None else f' after round {init.round}',
+               init.sha256)
+  return init
+
+
+def _init_sha256(config: RunConfig) -> Optional[str]:
+  """SHA-256 of the ``--init_checkpoint`` file; None without the flag.
+
+  Raises:
+    ConfigError: no such file.
+  """
+  if not config.init_checkpoint:
+    return None
+  try:
+    return init_params.file_sha256(config.init_checkpoint)
+  except OSError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
+                out: pathlib.Path, scratch: pathlib.Path
+                ) -> Optional[pathlib.Path]:
+  """Decides where the run starts, before any data is loaded.
+
+  Every process decides alike from the files in ``out``; ``scratch`` is
+  where this process writes (``out`` for process 0). Starting from round 0,
+  the previous results are removed (after all processes decided).
+
+  Returns:
+    The checkpoint to resume from, or None to start from round 0.
+
+  Raises:
+    ConfigError: ``out`` holds results that these flags cannot continue
+      (without ``--overwrite``).
+    checkpoint.CheckpointError: with ``--overwrite``, a corrupt latest
+      checkpoint (else the restore raises it).
+  """
+  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  if latest is not None and config.resume:
+    if not config.overwrite:
+      return latest  # The restore checks it against these flags.
+    diffs = checkpoint.metadata_differences(
+        checkpoint.read_metadata(latest), fingerprint)
+    if not diffs:
+      return latest
+    logging.warning('--overwrite: replacing the results in %s (%s).', out,
+                    '; '.join(diffs))
+  # Results: evaluations or checkpoints (a run killed before its first
+  # evaluation has none worth keeping).
+  if not config.overwrite and (latest is not None or
+                               (out / 'metrics.jsonl').exists()):
+    previous = outputs.read_run_identity(out)
+    if previous is None:
+      reason = 'holds results of another run (metrics.jsonl or checkpoints)'
+    elif diffs := checkpoint.metadata_differences(previous, fingerprint,
+                                                   outputs.RUN_FILE):
+      reason = f'holds results of a run with other flags ({"; ".join(diffs)})'
+    elif not config.resume:
+      reason = 'holds results of this run and --noresume was given'
+    else:
+      reason = None  # Killed before its first checkpoint: start over.
+    if reason is not None:
+      raise ConfigError(
+          f'--output_dir={out} {reason}; pass --overwrite to replace them or '
+          'choose another --output_dir.')
+    logging.info('%s holds no checkpoint of this run yet; starting over from '
+                 'round 0.', out)
+  # Every process has decided before process 0 deletes anything.
+  sharding.barrier('fedlite_run_start')
+  outputs.clear_results(scratch)
+  return None
 
 
 def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
          out: pathlib.Path, scratch: pathlib.Path) -> dict[str, Any]:
   """The body of :func:`run`; ``scratch`` receives this process's writes."""
   ckpt_dir = scratch / 'checkpoints'
+  fingerprint = config.fingerprint()
+  init_sha256 = _init_sha256(config)
+  if init_sha256 is not None:
+    fingerprint['init_checkpoint_sha256'] = init_sha256
+    try:
+      sharding.check_same_across_processes(
+          f'--init_checkpoint={config.init_checkpoint} contents', init_sha256)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  resume_from = _plan_start(config, fingerprint, out, scratch)
+  if jax.process_index() == 0:
+    outputs.write_run_identity(out, fingerprint)
+
   train_fd, test_fd, info = task.load_data(config)
   num_train_clients = train_fd.num_clients()
   if config.clients_per_round > num_train_clients:
@@ -149,6 +277,12 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
   split_model = task.build_model(config, info)
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
+  init = _load_init(config, params)
+  if init is not None:
+    if init.sha256 != init_sha256:
+      raise ConfigError(f'--init_checkpoint={init.path} changed while the '
+                        'run started; start it again.')
+    params = jax.tree.map(jax.numpy.asarray, init.params)
   spec = registry.get(config.algorithm)
   if mesh.multi_process and not spec.multi_process:
     raise ConfigError(
@@ -168,41 +302,35 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
   ledger = CommLedger(fedavg.num_params(params), extra_bits={
       k: 0.0 for k in spec.communication_keys})
 
-  fingerprint = config.fingerprint()
-  start_round = 0
-  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
-  metrics_path = scratch / 'metrics.jsonl'
-  if latest is not None and config.resume:
+  start_round, rows = 0, []
+  if resume_from is not None:
     start_round, restored = checkpoint.restore_checkpoint(
-        latest, {'server': state, 'ledger': ledger.state_dict()}, fingerprint)
+        resume_from, {'server': state, 'ledger': ledger.state_dict()},
+        fingerprint)
     state = restored['server']
     ledger = CommLedger.from_state_dict(restored['ledger'])
-    rows = outputs.truncate_metrics(metrics_path, start_round)
+    rows = outputs.truncate_metrics(scratch / 'metrics.jsonl', start_round)
     outputs.truncate_csv(scratch / 'communication.csv', start_round)
-    logging.info('Resumed from %s at round %d.', latest, start_round)
-  else:
-    if (metrics_path.exists() or latest is not None) and not config.overwrite:
-      raise ConfigError(
-          f'--output_dir={out} holds results of another run (metrics.jsonl or '
-          'checkpoints) that cannot be resumed with these flags; pass '
-          '--overwrite to replace them or choose another --output_dir.')
-    # Every process has decided before process 0 deletes anything.
-    sharding.barrier('fedlite_run_start')
-    for name in ('metrics.jsonl', 'communication.csv', 'summary.json'):
-      (scratch / name).unlink(missing_ok=True)
-    if ckpt_dir.exists():
-      for p in ckpt_dir.iterdir():
-        p.unlink()
-    rows = []
+    logging.info('Resumed from %s at round %d.', resume_from, start_round)
 
   if info.synthetic_partition:
     logging.warning('Task %s uses a SYNTHETIC federated partition: %s',
                     config.task, info.description)
-  writer = outputs.MetricsWriter(scratch)
+  writer = outputs.MetricsWriter(
+      scratch, purge_step=start_round + 1 if start_round else None)
   csv = (scratch / 'communication.csv').open('a')
   ledger.attach_csv(csv)
   batches = evaluation.eval_batches(test_fd, config.eval_batch_size,
                                     config.eval_num_clients, config.seed)
+  if init is not None and start_round == 0:
+    # The starting point: round 0, nothing sent yet.
+    comm = ledger.summary()
+    row = {'round': 0, **evaluation.evaluate(model, spec.eval_params(state),
+                                             batches),
+           'upload_bytes': comm['total_upload_bytes'],
+           'download_bytes': comm['total_download_bytes']}
+    writer.write(row)
+    rows.append(row)
   sampler = fedjax.client_samplers.UniformGetClientSampler(
       train_fd, config.clients_per_round, config.seed, start_round)
   cap = config.max_examples_per_client
@@ -241,9 +369,10 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
         bar.set_postfix({task.metric: f'{metrics.get(task.metric, float("nan")):.4f}'})
       if (config.checkpoint_every and done % config.checkpoint_every == 0) or \
           done == config.num_rounds:
+        csv.flush()  # The CSV rows of the checkpointed rounds are on disk.
         checkpoint.save_checkpoint(
             ckpt_dir, done, {'server': state, 'ledger': ledger.state_dict()},
-            fingerprint)
+            fingerprint, params=spec.eval_params(state))
   finally:
     bar.close()
     writer.close()
@@ -272,6 +401,7 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
                 'num_params': ledger.num_params},
       'machine': _machine(),
       'placement': _placement(mesh),
+      'init_checkpoint': None if init is None else init.describe(),
       'flags': dataclasses.asdict(config),
   }
   outputs.write_summary(scratch, summary)
