@@ -254,6 +254,9 @@ ROWS = [
      '--client_epochs is not used by --algorithm=splitfed'),
     ('coordinator_single_process', EMB + ['--coordinator_address=h:1'],
      '--coordinator_address applies to multi-host runs'),
+    ('steps_per_call_with_vmap', EMB + ['--round_engine=vmap',
+                                        '--steps_per_call=4'],
+     '--steps_per_call applies to --round_engine=loop'),
     # Caught after the data is loaded (the model fixes d and the batch).
     ('centroids_over_subvectors', EMB + [
         '--algorithm=fedlite', '--num_subvectors=4', '--num_groups=2',
@@ -361,6 +364,12 @@ def test_library_resolve_rejects_ignored_settings():
   resolved = config_lib.resolve(config_lib.RunConfig(
       task='emnist', algorithm='topk', options={'topk_k': 3}), defaults)
   assert resolved.options['topk_k'] == 3
+  # Idempotent: the task defaults filled in (server_optimizer for fedlite,
+  # which does not read it) do not count as set.
+  fedlite = config_lib.resolve(config_lib.RunConfig(
+      task='emnist', algorithm='fedlite'), defaults)
+  assert fedlite.server_optimizer == 'sgd'
+  assert config_lib.resolve(fedlite, defaults) == fedlite
 
 
 def test_explicit_data_dir_never_falls_back(data, tmp_path, monkeypatch):
