@@ -16,16 +16,19 @@ This is a script, not a package module: FedJAX's wheel installs a top-level
 ``fedlite_jax.experiment``.
 """
 
+import sqlite3
 import sys
 
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 
 import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 from fedlite_jax import checkpoint
 from fedlite_jax import datasets
 from fedlite_jax.experiment import config as config_lib
+from fedlite_jax.experiment import init_params
 from fedlite_jax.experiment import registry
 from fedlite_jax.experiment import runner
 from fedlite_jax.experiment import tasks
@@ -63,11 +66,14 @@ flags.DEFINE_integer('eval_every', None, 'Evaluate every N rounds.',
 flags.DEFINE_integer('eval_batch_size', _D.eval_batch_size,
                      'Evaluation batch size.', lower_bound=1)
 flags.DEFINE_integer('eval_num_clients', None,
-                     'Test clients to evaluate on (0 = all).', lower_bound=0)
-flags.DEFINE_integer('seed', _D.seed, 'Seed for sampling, init and local '
-                     'shuffles (all keys derive from seed, round, client).')
-flags.DEFINE_string('data_dir', None, 'Data directory (else $FEDLITE_DATA_DIR,'
-                    ' ~/.cache/fedjax, ~/.tff).')
+                     'Test clients to evaluate on (0, or more than the test '
+                     'clients = all of them).', lower_bound=0)
+flags.DEFINE_integer('seed', _D.seed, 'Seed in [0, 2**32 - 1] for sampling, '
+                     'init and local shuffles (all keys derive from seed, '
+                     'round, client).')
+flags.DEFINE_string('data_dir', None, 'Data directory, the only one searched '
+                    'when given (else $FEDLITE_DATA_DIR, ~/.cache/fedjax, '
+                    '~/.tff). Tasks with files only.')
 flags.DEFINE_string('output_dir', None,
                     'Output directory (default runs/<task>_<algorithm>_seed<seed>).')
 flags.DEFINE_integer('checkpoint_every', _D.checkpoint_every,
@@ -131,6 +137,10 @@ flags.DEFINE_string('init_checkpoint', None,
                     'random init (transfer learning).')
 flags.DEFINE_float('dirichlet_alpha', _D.dirichlet_alpha,
                    'embedded_mnist: Dirichlet label-skew concentration.')
+flags.DEFINE_bool('validate_only', False,
+                  'Check the flags (values, paths, and that each applies to '
+                  'the task and algorithm) and exit without loading data or '
+                  'training.')
 
 
 
@@ -145,10 +155,12 @@ def _define_option_flags() -> None:
       flags.DEFINE_bool(opt.name, None, help_text)
     elif kind is int:
       flags.DEFINE_integer(opt.name, None, help_text,
-                           lower_bound=opt.lower_bound)
+                           lower_bound=opt.lower_bound,
+                           upper_bound=opt.upper_bound)
     elif kind is float:
       flags.DEFINE_float(opt.name, None, help_text,
-                         lower_bound=opt.lower_bound)
+                         lower_bound=opt.lower_bound,
+                         upper_bound=opt.upper_bound)
     else:
       flags.DEFINE_string(opt.name, None, help_text)
 
@@ -157,13 +169,42 @@ _define_option_flags()
 FLAGS = flags.FLAGS
 
 
-def _config_from_flags() -> config_lib.RunConfig:
-  names = [f.name for f in config_lib.dataclasses.fields(config_lib.RunConfig)
+_FIELDS = [f.name for f in config_lib.dataclasses.fields(config_lib.RunConfig)
            if f.name != 'options']
+
+
+def _config_from_flags() -> config_lib.RunConfig:
   options = {name: getattr(FLAGS, name) for name in registry.all_options()
              if getattr(FLAGS, name) is not None}
-  return config_lib.RunConfig(**{n: getattr(FLAGS, n) for n in names},
+  return config_lib.RunConfig(**{n: getattr(FLAGS, n) for n in _FIELDS},
                               options=options)
+
+
+def checked_config() -> config_lib.RunConfig:
+  """The flags as a RunConfig, validated before any data is loaded.
+
+  Beyond :func:`config_lib.resolve`: every flag given on the command line or
+  in a flagfile (absl's ``FLAGS[name].present``) must apply to the task and
+  algorithm, and ``--init_checkpoint`` must be a parameter file.
+
+  Raises:
+    ConfigError: naming the first bad flag.
+  """
+  config = _config_from_flags()
+  resolved = config_lib.resolve(config, tasks.get_task(config.task).defaults)
+  config_lib.check_explicit(resolved, [
+      n for n in _FIELDS + list(registry.all_options()) if FLAGS[n].present])
+  if config.init_checkpoint is not None:
+    flag = f'--init_checkpoint={config.init_checkpoint}'
+    try:
+      init_params.read_metadata(config.init_checkpoint)
+    except (ValueError, KeyError) as e:
+      message = str(e)
+      if not message.startswith(flag):
+        message = (f'{flag}: not a parameter file of init_params.save_params '
+                   f'({type(e).__name__}: {e}).')
+      raise config_lib.ConfigError(message) from None
+  return config
 
 
 def _human_bytes(n: float) -> str:
@@ -178,10 +219,32 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   try:
-    summary = runner.run(_config_from_flags())
+    config = checked_config()
+    if FLAGS.validate_only:
+      print(f'flags OK: --task={config.task} --algorithm={config.algorithm}')
+      return
+    summary = runner.run(config)
   except (config_lib.ConfigError, datasets.DatasetNotFoundError,
-          checkpoint.CheckpointError, FloatingPointError) as e:
+          datasets.DatasetFormatError, checkpoint.CheckpointError,
+          FloatingPointError, OSError) as e:
+    # OSError: an output or data path that fails after the checks (disk
+    # full, permissions changed); its message names the file.
     sys.stderr.write(f'run_experiment.py: error: {e}\n')
+    sys.exit(2)
+  except sqlite3.DatabaseError as e:
+    sys.stderr.write(f'run_experiment.py: error: reading the data failed: '
+                     f'{e} (a dataset or cache file is corrupt; see --data_dir '
+                     'and $FEDLITE_CACHE_DIR).\n')
+    sys.exit(2)
+  except (MemoryError, jax.errors.JaxRuntimeError) as e:
+    if not isinstance(e, MemoryError) and 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    first = str(e).strip().splitlines()[0] if str(e).strip() else 'MemoryError'
+    sys.stderr.write(
+        f'run_experiment.py: error: out of memory ({first}); lower the sizes '
+        'the flags set (e.g. --client_batch_size, --eval_batch_size, '
+        '--clients_per_round, --sketch_cols, --num_subspaces, '
+        '--intrinsic_dim).\n')
     sys.exit(2)
   final = summary['final_eval']
   comm = summary['communication']

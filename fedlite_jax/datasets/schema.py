@@ -14,6 +14,8 @@ from typing import Mapping
 
 import numpy as np
 
+from fedlite_jax.datasets.errors import DatasetFormatError
+
 KINDS = ('bytes', 'float', 'int64')
 
 
@@ -59,12 +61,13 @@ def _bytes_array(values: np.ndarray, name: str, where: str) -> np.ndarray:
     flat = [v.encode('utf-8') if isinstance(v, str) else v
             for v in values.reshape(-1).tolist()]
     if not all(isinstance(v, bytes) for v in flat):
-      raise ValueError(f'{where}: feature {name!r} holds non-bytes objects.')
+      raise DatasetFormatError(
+          f'{where}: feature {name!r} holds non-bytes objects.')
   elif values.dtype.kind == 'U':
     flat = [v.encode('utf-8') for v in values.reshape(-1).tolist()]
   else:
-    raise ValueError(f'{where}: feature {name!r} should hold bytes, got dtype '
-                     f'{values.dtype}.')
+    raise DatasetFormatError(f'{where}: feature {name!r} should hold bytes, '
+                             f'got dtype {values.dtype}.')
   out = np.empty(len(flat), dtype=object)
   out[:] = flat
   return out.reshape(values.shape)
@@ -87,34 +90,37 @@ def conform(examples: Mapping[str, np.ndarray],
     object arrays of ``bytes``.
 
   Raises:
-    ValueError: a feature is missing, has the wrong per-example shape, the
-      features disagree on N, or numeric values do not fit ``spec.dtype``.
+    DatasetFormatError (a ValueError): a feature is missing, has the wrong
+      per-example shape, the features disagree on N, or numeric values do
+      not fit ``spec.dtype``; the message starts with ``where``.
   """
   out = {}
   num = None
   for name, spec in specs.items():
     if name not in examples:
-      raise ValueError(f'{where}: feature {name!r} is missing (found '
-                       f'{sorted(examples)}).')
+      raise DatasetFormatError(f'{where}: feature {name!r} is missing (found '
+                               f'{sorted(examples)}).')
     values = np.asarray(examples[name])
     if tuple(values.shape[1:]) != spec.shape:
-      raise ValueError(f'{where}: feature {name!r} has per-example shape '
-                       f'{tuple(values.shape[1:])}, expected {spec.shape}.')
+      raise DatasetFormatError(
+          f'{where}: feature {name!r} has per-example shape '
+          f'{tuple(values.shape[1:])}, expected {spec.shape}.')
     if num is None:
       num = values.shape[0]
     elif values.shape[0] != num:
-      raise ValueError(f'{where}: feature {name!r} has {values.shape[0]} '
-                       f'examples, other features have {num}.')
+      raise DatasetFormatError(
+          f'{where}: feature {name!r} has {values.shape[0]} examples, other '
+          f'features have {num}.')
     if spec.kind == 'bytes':
       values = _bytes_array(values, name, where)
     else:
       if values.dtype.kind not in 'biuf':
-        raise ValueError(f'{where}: feature {name!r} should be numeric, got '
-                         f'dtype {values.dtype}.')
+        raise DatasetFormatError(f'{where}: feature {name!r} should be '
+                                 f'numeric, got dtype {values.dtype}.')
       converted = values.astype(spec.dtype)
       if spec.kind == 'int64' and not np.array_equal(converted, values):
-        raise ValueError(f'{where}: feature {name!r} has values that do not '
-                         f'fit {spec.dtype}.')
+        raise DatasetFormatError(f'{where}: feature {name!r} has values '
+                                 f'that do not fit {spec.dtype}.')
       values = converted
     out[name] = values
   return out

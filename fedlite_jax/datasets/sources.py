@@ -16,7 +16,11 @@ schema, whatever the on-disk format:
   hours for StackOverflow) logged with absl.
 * Nothing found: if ``allow_download`` and the download host is reachable,
   FedJAX's own ``load_split`` (``fedjax.datasets.downloads.maybe_download``
-  into ``~/.cache/fedjax``); otherwise :class:`DatasetNotFoundError`.
+  into the explicit ``data_dir``, else ``~/.cache/fedjax``); otherwise
+  :class:`DatasetNotFoundError`.
+* A file that is there but corrupt, truncated, or of another format or
+  schema: :class:`~fedlite_jax.datasets.errors.DatasetFormatError`, one line
+  naming the file.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from typing import Callable, Mapping, Sequence
 
 from absl import logging
 import fedjax
+from fedjax.core import sqlite_federated_data
 
 from fedlite_jax.datasets import cache
 from fedlite_jax.datasets import errors
 from fedlite_jax.datasets import locate
 from fedlite_jax.datasets import schema
+from fedlite_jax.datasets import sqlite_header
 from fedlite_jax.datasets import tff_hdf5
 from fedlite_jax.datasets import tff_sqlite
 
@@ -90,21 +96,71 @@ def network_reachable(host: str = DOWNLOAD_HOST, port: int = 443,
     return False
 
 
-def check_fedjax_sqlite(path: str) -> None:
-  """Raises ValueError unless ``path`` has FedJAX's ``federated_data`` table."""
+_FEDJAX_COLUMNS = ('client_id', 'data', 'num_examples')
+
+
+def check_fedjax_sqlite(path: str,
+                        specs: Mapping[str, schema.FeatureSpec] | None = None
+                        ) -> None:
+  """Checks that ``path`` is a FedJAX SQLite federated dataset.
+
+  Cheap checks before ``fedjax.SQLiteFederatedData.new``, so a bad file fails
+  here with its name rather than mid-training: the SQLite header
+  (:func:`sqlite_header.check_sqlite_file`), the ``federated_data`` table
+  with FedJAX's columns (client_id, data, num_examples), and the first client's examples
+  (zlib-compressed msgpack, FedJAX's encoding), which must match ``specs``.
+
+  Args:
+    path: the file.
+    specs: the raw features the dataset must have (see :mod:`schema`), or
+      None to skip the feature check.
+
+  Raises:
+    DatasetFormatError (a ValueError): naming the file and what is wrong.
+  """
+  sqlite_header.check_sqlite_file(path)
   try:
     connection = sqlite3.connect(path)
     try:
-      row = connection.execute(
-          "SELECT name FROM sqlite_master WHERE type = 'table' AND "
-          "name = 'federated_data';").fetchone()
+      columns = {r[1] for r in connection.execute(
+          'PRAGMA table_info(federated_data);')}
+      row = None
+      if set(_FEDJAX_COLUMNS) <= columns:
+        row = connection.execute(
+            'SELECT client_id, data FROM federated_data ORDER BY rowid '
+            'LIMIT 1;').fetchone()
     finally:
       connection.close()
   except sqlite3.DatabaseError as e:
-    raise ValueError(f'{path} is not an SQLite database: {e}') from e
+    raise errors.DatasetFormatError(
+        f'{path} is not a readable SQLite database: {e}.') from e
+  if not columns:
+    raise errors.DatasetFormatError(
+        f'{path} has no federated_data table; not a FedJAX SQLite federated '
+        'dataset.')
+  missing = [c for c in _FEDJAX_COLUMNS if c not in columns]
+  if missing:
+    raise errors.DatasetFormatError(
+        f'{path}: table federated_data lacks the column(s) '
+        f'{", ".join(missing)} of FedJAX\'s format (client_id, data, '
+        f'num_examples); it has {", ".join(sorted(columns))}.')
   if row is None:
-    raise ValueError(f'{path} has no federated_data table; not a FedJAX '
-                     'SQLite federated dataset.')
+    raise errors.DatasetFormatError(f'{path} holds no clients (table '
+                                    'federated_data is empty).')
+  client_id, blob = row
+  where = f'{path}, client {client_id!r}'
+  try:
+    examples = sqlite_federated_data.decompress_and_deserialize(blob)
+  except Exception as e:  # pylint: disable=broad-except
+    raise errors.DatasetFormatError(
+        f'{where}: data is not FedJAX\'s zlib-compressed msgpack examples '
+        f'({type(e).__name__}: {e}).') from e
+  if not isinstance(examples, Mapping):
+    raise errors.DatasetFormatError(
+        f'{where}: data decodes to a {type(examples).__name__}, not a dict of '
+        'feature arrays.')
+  if specs is not None:
+    schema.conform(examples, specs, where=where)
 
 
 def _convert(source: DatasetSource, found: locate.Found, split: str,
@@ -139,12 +195,13 @@ def open_found(source: DatasetSource, found: locate.Found,
 
   Raises:
     DatasetNotFoundError: a TFF SQLite file lacks a needed split.
-    ValueError: a file is not in the format its name promises.
+    DatasetFormatError (a ValueError): a file is corrupt, truncated, or not
+      in the format or schema its name promises (one line naming the file).
   """
   splits, cached = {}, {}
   for split, path in found.paths.items():
     if found.format == locate.FEDJAX_SQLITE:
-      check_fedjax_sqlite(path)
+      check_fedjax_sqlite(path, source.specs)
       opened_path = path
     else:
       opened_path = cached[split] = _convert(source, found, split,
@@ -153,14 +210,14 @@ def open_found(source: DatasetSource, found: locate.Found,
   return Opened(splits, found.format, dict(found.paths), cached, found.origin)
 
 
-def _download(source: DatasetSource, splits: Sequence[str],
-              message: str) -> Opened:
-  """Downloads with FedJAX's own loader, or raises DatasetNotFoundError."""
+def _download(source: DatasetSource, splits: Sequence[str], message: str,
+              target: str) -> Opened:
+  """Downloads with FedJAX's own loader into ``target``, or raises
+  DatasetNotFoundError."""
   if not network_reachable():
     raise errors.DatasetNotFoundError(
         f'{message}\nDownload: allowed, but {DOWNLOAD_HOST} is not reachable '
         'from this machine; copy the files by hand instead.')
-  target = locate.fedjax_cache_dir()
   opened, paths = {}, {}
   for split in splits:
     logging.warning('fedlite_jax.datasets: downloading %s %s split with '
@@ -177,9 +234,19 @@ def _download(source: DatasetSource, splits: Sequence[str],
 
 def not_found_message(source: DatasetSource, splits: Sequence[str],
                       data_dir: str | os.PathLike[str] | None) -> str:
-  """The text of :class:`DatasetNotFoundError` for ``source``."""
+  """The text of :class:`DatasetNotFoundError` for ``source``.
+
+  The first line says what is missing and, for an explicit ``data_dir``,
+  where; the next lines list the expected files and searched directories.
+  """
+  where = ''
+  if data_dir is not None:
+    data_dir = os.fspath(data_dir)
+    state = ('' if os.path.isdir(data_dir) else ', which is not a directory'
+             if os.path.exists(data_dir) else ', which does not exist')
+    where = f' in data_dir {data_dir}{state}'
   return (f'Could not find the {source.files.name!r} federated dataset '
-          f'(splits {", ".join(splits)}).\n'
+          f'(splits {", ".join(splits)}){where}.\n'
           f'{locate.describe_search(source.files, splits, data_dir)}\n'
           f'Put the files in one of these directories (e.g. the directory '
           f'named by ${locate.DATA_DIR_ENV} or the data_dir argument), next '
@@ -198,9 +265,11 @@ def open_splits(source: DatasetSource,
   Args:
     source: the dataset.
     splits: e.g. ('train', 'test').
-    data_dir: explicit data directory (searched before ``$FEDLITE_DATA_DIR``).
+    data_dir: explicit data directory: then the only place searched (with
+      its known subfolders), and where a download goes.
     allow_download: whether FedJAX may download the files when none are found
-      (only if ``source.download`` exists and the host is reachable).
+      (only if ``source.download`` exists and the host is reachable), into
+      ``data_dir`` if given, else FedJAX's cache ``~/.cache/fedjax``.
     cache_directory: where converted files go (see :func:`cache.cache_dir`).
     allow_missing: return None instead of raising when nothing is found and
       nothing is downloaded (used to try a fallback source).
@@ -212,6 +281,8 @@ def open_splits(source: DatasetSource,
     DatasetNotFoundError: nothing found (and no download allowed, possible, or
       successful); the message names the expected files and searched
       directories.
+    DatasetFormatError (a ValueError): a found file is corrupt, truncated,
+      or not in its promised format or schema.
   """
   found = locate.find(source.files, splits, data_dir)
   if found is not None:
@@ -224,11 +295,13 @@ def open_splits(source: DatasetSource,
   if allow_missing:
     return None
   message = not_found_message(source, splits, data_dir)
+  target = (locate.fedjax_cache_dir() if data_dir is None else
+            os.path.expanduser(os.fspath(data_dir)))
   if allow_download and source.download is not None:
-    return _download(source, splits, message)
+    return _download(source, splits, message, target)
   if source.download is None:
     message += '\nDownload: FedJAX hosts no copy of this dataset.'
   else:
     message += ('\nDownload: not attempted (pass allow_download=True to let '
-                f'FedJAX download its copy into {locate.fedjax_cache_dir()}).')
+                f'FedJAX download its copy into {target}).')
   raise errors.DatasetNotFoundError(message)

@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from fedlite_jax.datasets import schema
+from fedlite_jax.datasets.errors import DatasetFormatError
 
 
 def iter_clients(
@@ -32,13 +33,17 @@ def iter_clients(
     group's members (sorted by name, as ``HDF5ClientData.client_ids``).
 
   Raises:
-    ValueError: no ``/examples`` group, or a client does not match ``specs``.
-    OSError: not an HDF5 file.
+    DatasetFormatError (a ValueError): not an HDF5 file, no ``/examples``
+      group, or a client does not match ``specs`` (names the file).
   """
-  with h5py.File(path, 'r') as f:
+  try:
+    f = h5py.File(path, 'r')
+  except OSError as e:
+    raise DatasetFormatError(f'{path} is not a readable HDF5 file: {e}.') from e
+  with f:
     if 'examples' not in f:
-      raise ValueError(f'{path} has no /examples group; not a TFF HDF5 '
-                       'federated dataset.')
+      raise DatasetFormatError(f'{path} has no /examples group; not a TFF '
+                               'HDF5 federated dataset.')
     group = f['examples']
     for client_id in group:
       client = group[client_id]

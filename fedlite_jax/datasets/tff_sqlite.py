@@ -26,6 +26,7 @@ import numpy as np
 
 from fedlite_jax.datasets import errors
 from fedlite_jax.datasets import schema
+from fedlite_jax.datasets import sqlite_header
 from fedlite_jax.datasets import tf_example
 
 
@@ -33,9 +34,10 @@ def split_names(path: str) -> list[str]:
   """The ``split_name`` values present in a TFF SQLite file, sorted.
 
   Raises:
-    ValueError: the file is not a TFF SQLite dataset (no ``client_metadata``
-      table, or not an SQLite database).
+    DatasetFormatError (a ValueError): the file is not a TFF SQLite dataset
+      (not an SQLite database, truncated, or no ``client_metadata`` table).
   """
+  sqlite_header.check_sqlite_file(path)
   try:
     connection = sqlite3.connect(path)
     try:
@@ -44,8 +46,9 @@ def split_names(path: str) -> list[str]:
     finally:
       connection.close()
   except sqlite3.DatabaseError as e:
-    raise ValueError(f'{path} is not a TFF SQLite dataset (expected tables '
-                     f'examples and client_metadata): {e}') from e
+    raise errors.DatasetFormatError(
+        f'{path} is not a TFF SQLite dataset (expected tables examples and '
+        f'client_metadata): {e}.') from e
   return sorted(r[0] for r in rows)
 
 
@@ -65,7 +68,8 @@ def iter_clients(
 
   Raises:
     DatasetNotFoundError: the file has no split ``split_name``.
-    ValueError: not a TFF SQLite file, or an example does not match ``specs``.
+    DatasetFormatError (a ValueError): not a TFF SQLite file, or an example
+      does not match ``specs``.
   """
   available = split_names(path)
   if split_name not in available:
@@ -73,9 +77,18 @@ def iter_clients(
         f'{path} has no split_name {split_name!r}; it has {available}.')
 
   def parse(serialized: list[bytes]) -> dict[str, np.ndarray]:
-    return tf_example.parse_examples(serialized, specs)
+    try:
+      return tf_example.parse_examples(serialized, specs)
+    except ValueError as e:  # Includes tf_example.DecodeError.
+      raise errors.DatasetFormatError(
+          f'{path}, split {split_name!r}: {e}') from e
 
   clients = sqlite_federated_data.TFFSQLiteClientsIterator(
       path, parse, split_name)
-  for client_id, dataset in clients:
-    yield client_id.encode('utf-8'), dataset.raw_examples
+  try:
+    for client_id, dataset in clients:
+      yield client_id.encode('utf-8'), dataset.raw_examples
+  except sqlite3.DatabaseError as e:
+    raise errors.DatasetFormatError(
+        f'{path} is not a readable TFF SQLite dataset (tables examples and '
+        f'client_metadata): {e}.') from e

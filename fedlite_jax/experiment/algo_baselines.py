@@ -47,7 +47,7 @@ SKETCH_MOMENTUM = Option(
 SKETCH_SEED = Option(
     'sketch_seed', -1,
     'FetchSGD hash seed in [0, 2**32); -1 derives it from --seed.',
-    lower_bound=-1)
+    lower_bound=-1, upper_bound=2**32 - 1)
 
 
 def _check_common(ctx: registry.BuildContext) -> None:

@@ -39,7 +39,7 @@ SCALE = Option(
 SEED = Option(
     'igc_seed', -1,
     'Base Fastfood seed in [0, 2**32); -1 derives it from --seed.',
-    lower_bound=-1)
+    lower_bound=-1, upper_bound=2**32 - 1)
 ROUNDS_PER_EPOCH = Option(
     'igc_rounds_per_epoch', 0,
     'Time-varying: rounds per epoch (new subspaces each epoch); 0 = one '

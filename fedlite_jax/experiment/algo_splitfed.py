@@ -97,6 +97,13 @@ CLIENT_EXECUTION = Option(
     'iteration: vmap, unroll, or auto (unroll on CPU, vmap elsewhere).',
     choices=('auto', 'vmap', 'unroll'), affects_result=False)
 
+#: FedAvg-style flags these algorithms do not read: no averaged-delta server
+#: optimizer (see --split_server_optimizer), one batch per client per round,
+#: their own compiled iteration instead of a round engine.
+IGNORED_FIELDS = ('server_optimizer', 'server_lr', 'server_beta1',
+                  'server_beta2', 'server_eps', 'client_epochs',
+                  'round_engine', 'steps_per_call')
+
 SPLIT_OPTIONS = (SERVER_OPTIMIZER, SERVER_LR, LABEL_BITS, CLIENT_WEIGHTING,
                  CLIENT_EXECUTION, PHI, common.NONFINITE_UPDATES)
 FEDLITE_OPTIONS = (NUM_SUBVECTORS, NUM_GROUPS, NUM_CENTROIDS,
@@ -155,7 +162,7 @@ def quantizer_from_options(ctx: registry.BuildContext
     raise ConfigError(f'--num_subvectors={q}: must divide the cut size d={d} '
                       f'of task {ctx.config.task!r}.')
   try:
-    return splitfed.QuantizerConfig(
+    quantizer = splitfed.QuantizerConfig(
         num_subvectors=q,
         num_groups=opts['num_groups'],
         num_centroids=opts['num_centroids'],
@@ -165,6 +172,19 @@ def quantizer_from_options(ctx: registry.BuildContext
         empty_cluster=opts['fedlite_empty_cluster'])
   except ValueError as e:
     raise ConfigError(f'fedlite: {e}') from None
+  # At most B x L activation vectors per client (L tokens for sequence
+  # models), so a group never has more than B L q / R subvectors for k-means.
+  batch = ctx.config.client_batch_size
+  length = getattr(getattr(ctx.info, 'dataset', None), 'sequence_length',
+                   None) or 1
+  points = batch * length * (q // quantizer.num_groups)
+  if quantizer.num_centroids > points:
+    raise ConfigError(
+        f'--num_centroids={quantizer.num_centroids}: must be at most the '
+        f'subvectors per group, --client_batch_size x vectors per example x '
+        f'--num_subvectors / --num_groups = {batch} x {length} x {q} / '
+        f'{quantizer.num_groups} = {points}.')
+  return quantizer
 
 
 def build_fedlite(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
@@ -186,7 +206,8 @@ def _spec(**kwargs) -> registry.AlgorithmSpec:
   # reads every client's batch itself (several devices of one process work).
   kwargs['communication_keys'] = split_accounting.BIT_KEYS
   kwargs['communication_summary'] = split_accounting.communication_summary
-  return registry.AlgorithmSpec(multi_process=False, **kwargs)
+  return registry.AlgorithmSpec(multi_process=False,
+                                ignored_fields=IGNORED_FIELDS, **kwargs)
 
 
 registry.register(_spec(

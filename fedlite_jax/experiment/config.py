@@ -3,18 +3,57 @@
 Fields left as ``None`` take the task's defaults (``tasks.TASKS[...]``);
 :func:`resolve` fills and validates them, raising :class:`ConfigError` with a
 one-line message that names the bad value and what is allowed.
+
+Settings that the run would ignore are errors, not silently dropped:
+:data:`TASK_FIELDS` says which tasks read each task-specific field, each
+algorithm's options belong to it (``registry.AlgorithmSpec.options``), and
+:func:`check_explicit` rejects the rest (the binary passes the flags given
+on its command line or in a flagfile; :func:`resolve` the fields that differ
+from their defaults and the options given).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+import math
+import numbers
+import os
+from typing import Any, Iterable, Mapping, Optional
 
 from fedlite_jax.models import lm
 
 CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
 SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
 TOKENIZERS = ('word', 'sentencepiece')
+
+#: Largest ``--seed``: numpy's ``RandomState`` (FedJAX's client sampler, the
+#: evaluation sample) takes seeds in [0, 2**32 - 1], and ``jax.random.PRNGKey``
+#: would silently wrap larger ones (2**32 gives the key of 0).
+MAX_SEED = 2**32 - 1
+#: embedded_mnist: 5,000 digits, each client needs >= 2 (one train, one test).
+EMBEDDED_MNIST_MAX_CLIENTS = 2500
+
+#: Tasks by the data they read (names of ``tasks.TASKS``).
+TEXT_TASKS = ('shakespeare', 'stackoverflow_nwp')
+FILE_TASKS = ('emnist', 'emnist_digits', 'shakespeare', 'stackoverflow_nwp',
+              'stackoverflow_tag')
+
+#: Task-specific RunConfig fields -> the tasks that read them. Setting one
+#: explicitly for another task is an error (:func:`check_explicit`).
+#: stackoverflow_tag uses its own fixed vocabularies (5,000 words, 1,000
+#: tags), not --vocab_size.
+TASK_FIELDS: Mapping[str, tuple[str, ...]] = {
+    'num_clients': ('embedded_mnist',),
+    'dirichlet_alpha': ('embedded_mnist',),
+    'data_dir': FILE_TASKS,
+    'allow_download': FILE_TASKS,
+    'sequence_length': TEXT_TASKS,
+    'vocab_size': TEXT_TASKS,
+    'tokenizer': TEXT_TASKS,
+    'sp_vocab_size': TEXT_TASKS,
+    'model': TEXT_TASKS,
+    'lm_loss_reduction': TEXT_TASKS,
+}
 
 
 class ConfigError(ValueError):
@@ -41,7 +80,7 @@ class RunConfig:
   server_eps: Optional[float] = None
   eval_every: Optional[int] = None          # rounds
   eval_batch_size: int = 256
-  eval_num_clients: Optional[int] = None    # test clients (0 = all)
+  eval_num_clients: Optional[int] = None    # test clients (0 or > all = all)
   seed: int = 0
   data_dir: Optional[str] = None
   output_dir: Optional[str] = None
@@ -57,7 +96,7 @@ class RunConfig:
   process_id: int = 0                       # multi-host: this process
   distributed_timeout: int = 60             # seconds to reach coordinator
   progress: bool = True
-  # Task-specific.
+  # Task-specific (see TASK_FIELDS).
   sequence_length: int = 20
   vocab_size: int = 10000
   num_clients: int = 50                     # embedded task: clients
@@ -90,17 +129,71 @@ class RunConfig:
     return out
 
 
+def _is_finite(value: Any) -> bool:
+  """False for float NaN / +-inf (ints are finite; None is checked apart)."""
+  return not isinstance(value, float) or math.isfinite(value)
+
+
 def _positive(name: str, value: Any) -> None:
-  if value is None or value <= 0:
-    raise ConfigError(f'--{name}={value}: must be a positive number.')
+  if value is None or not _is_finite(value) or value <= 0:
+    raise ConfigError(f'--{name}={value}: must be a finite number > 0.')
+
+
+def _check_path(name: str, value: Optional[str]) -> None:
+  if value is not None and not str(value).strip():
+    raise ConfigError(f'--{name}={value!r}: empty path; give a path or omit '
+                      'the flag.')
+
+
+def check_output_dir(path: str) -> None:
+  """Checks that ``path`` is, or can be created as, a writable directory.
+
+  Raises:
+    ConfigError: the path (or one of its parents) is a file, or the nearest
+      existing directory is not writable.
+  """
+  _check_path('output_dir', path)
+  target = os.path.abspath(path)
+  probe = target
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    what = 'it' if probe == target else f'its parent {probe}'
+    raise ConfigError(f'--output_dir={path}: {what} is a file, not a '
+                      'directory.')
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise ConfigError(f'--output_dir={path}: {probe} is not writable.')
+
+
+def _explicit_fields(config: RunConfig,
+                     task_defaults: Mapping[str, Any]) -> list[str]:
+  """Fields set to neither RunConfig's nor the task's default, and the
+  options given (so resolving a resolved config finds none set)."""
+  defaults = RunConfig()
+  names = []
+  for f in dataclasses.fields(RunConfig):
+    value = getattr(config, f.name)
+    if f.name == 'options' or value == getattr(defaults, f.name):
+      continue
+    if f.name in task_defaults and value == task_defaults[f.name]:
+      continue
+    names.append(f.name)
+  return names + list(config.options)
 
 
 def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   """Fills ``None`` fields from the task defaults and validates everything.
 
+  Besides value checks (numbers finite and in range, paths usable, choices
+  known), settings that this task or algorithm would ignore are rejected
+  (:func:`check_explicit` with the fields that differ from RunConfig's and
+  the task's defaults, and the options given). Resolving a resolved config
+  gives it back unchanged.
+
   Raises:
     ConfigError: naming the first bad value and what is allowed.
   """
+  explicit = _explicit_fields(config, task_defaults)
   filled = {k: (task_defaults[k] if v is None and k in task_defaults else v)
             for k, v in dataclasses.asdict(config).items()}
   from fedlite_jax.experiment import registry  # pylint: disable=g-import-not-at-top
@@ -119,8 +212,18 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   for name in ('checkpoint_every', 'client_clip_norm', 'eval_num_clients',
                'max_examples_per_client'):
     value = getattr(config, name)
-    if value is not None and value < 0:
-      raise ConfigError(f'--{name}={value}: must be >= 0.')
+    if value is not None and (not _is_finite(value) or value < 0):
+      raise ConfigError(f'--{name}={value}: must be a finite number >= 0.')
+  if isinstance(config.seed, bool) or \
+      not isinstance(config.seed, numbers.Integral) or \
+      not 0 <= config.seed <= MAX_SEED:
+    raise ConfigError(f'--seed={config.seed}: must be an integer in [0, '
+                      f'2**32 - 1 = {MAX_SEED}] (numpy RandomState seeds).')
+  if config.task == 'embedded_mnist' and \
+      config.num_clients > EMBEDDED_MNIST_MAX_CLIENTS:
+    raise ConfigError(f'--num_clients={config.num_clients}: embedded_mnist '
+                      f'has at most {EMBEDDED_MNIST_MAX_CLIENTS} clients (each '
+                      'needs 2 of its 5,000 digits).')
   if config.client_optimizer not in CLIENT_OPTIMIZERS:
     raise ConfigError(f'--client_optimizer={config.client_optimizer!r}: '
                       f'allowed values are {", ".join(CLIENT_OPTIMIZERS)}.')
@@ -141,8 +244,10 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.num_processes > 1 and not config.coordinator_address:
     raise ConfigError(f'--num_processes={config.num_processes} needs '
                       '--coordinator_address=host:port (process 0).')
-  if not 0 <= config.server_beta1 < 1 or not 0 <= config.server_beta2 < 1:
-    raise ConfigError('--server_beta1/--server_beta2 must be in [0, 1).')
+  for name in ('server_beta1', 'server_beta2'):
+    value = getattr(config, name)
+    if not (_is_finite(value) and 0 <= value < 1):
+      raise ConfigError(f'--{name}={value}: must be in [0, 1).')
   if config.tokenizer not in TOKENIZERS:
     raise ConfigError(f'--tokenizer={config.tokenizer!r}: allowed values are '
                       f'{", ".join(TOKENIZERS)}.')
@@ -155,19 +260,97 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.lm_loss_reduction not in lm.LOSS_REDUCTIONS:
     raise ConfigError(f'--lm_loss_reduction={config.lm_loss_reduction!r}: '
                       f'allowed values are {", ".join(lm.LOSS_REDUCTIONS)}.')
-  if config.server_eps is not None and config.server_eps <= 0:
-    raise ConfigError(f'--server_eps={config.server_eps}: must be > 0.')
+  if config.server_eps is not None and (
+      not _is_finite(config.server_eps) or config.server_eps <= 0):
+    raise ConfigError(f'--server_eps={config.server_eps}: must be a finite '
+                      'number > 0.')
+  for name in ('data_dir', 'init_checkpoint', 'coordinator_address'):
+    _check_path(name, getattr(config, name))
+  if config.output_dir is not None:
+    check_output_dir(config.output_dir)
+  if config.init_checkpoint is not None and \
+      not os.path.isfile(config.init_checkpoint):
+    raise ConfigError(f'--init_checkpoint={config.init_checkpoint}: no such '
+                      'file.')
+  check_explicit(config, explicit)
   return config
+
+
+def _not_applicable(name: str, config: RunConfig) -> Optional[str]:
+  """Why run-level setting ``name`` has no effect on ``config``, or None."""
+  tasks = TASK_FIELDS.get(name)
+  if tasks is not None and config.task not in tasks:
+    return f'applies to --task={", ".join(tasks)}, not {config.task}'
+  if name == 'vocab_size' and config.tokenizer != 'word':
+    return ('sets the word vocabulary (--tokenizer=word); with '
+            '--tokenizer=sentencepiece use --sp_vocab_size')
+  if name == 'sp_vocab_size' and config.tokenizer != 'sentencepiece':
+    return f'applies to --tokenizer=sentencepiece, not {config.tokenizer}'
+  if name == 'lm_loss_reduction' and config.model is None and \
+      config.tokenizer == 'word':
+    return ('applies to the --model presets (and --tokenizer=sentencepiece), '
+            "not the task's default model; set --model")
+  if name in ('server_beta1', 'server_beta2') and \
+      config.server_optimizer not in ('adam', 'yogi'):
+    return ('applies to --server_optimizer=adam or yogi, not '
+            f'{config.server_optimizer}')
+  if name == 'server_eps' and config.server_optimizer == 'sgd':
+    return 'applies to --server_optimizer=adam, adagrad or yogi, not sgd'
+  if name == 'steps_per_call' and config.round_engine == 'vmap':
+    return 'applies to --round_engine=loop (or auto on CPU), not vmap'
+  if name in ('coordinator_address', 'distributed_timeout') and \
+      config.num_processes == 1:
+    return 'applies to multi-host runs (--num_processes > 1)'
+  return None
+
+
+def check_explicit(config: RunConfig, names: Iterable[str]) -> None:
+  """Rejects explicitly set settings that ``config``'s run would ignore.
+
+  Args:
+    config: the resolved configuration.
+    names: the flags set explicitly (field and option names, no ``--``):
+      the binary passes absl's ``FLAGS[name].present`` ones (command line
+      and flagfiles).
+
+  Raises:
+    ConfigError: naming the first such setting and the tasks, algorithms or
+      settings it belongs to; an unknown option name.
+  """
+  from fedlite_jax.experiment import registry  # pylint: disable=g-import-not-at-top
+  specs = registry.algorithms()
+  spec = specs[config.algorithm]
+  own = {o.name for o in spec.options}
+  known = registry.all_options()
+  fields = {f.name for f in dataclasses.fields(RunConfig)}
+  for name in names:
+    if name in known:
+      if name not in own:
+        users = [s.name for s in specs.values()
+                 if name in {o.name for o in s.options}]
+        raise ConfigError(
+            f'--{name} is an option of --algorithm={", ".join(users)}, not '
+            f'of {config.algorithm}; remove it or change --algorithm.')
+      continue
+    if name not in fields:
+      raise ConfigError(f'--{name}: no such setting or algorithm option.')
+    if name in spec.ignored_fields:
+      raise ConfigError(f'--{name} is not used by --algorithm='
+                        f'{config.algorithm}; remove it.')
+    reason = _not_applicable(name, config)
+    if reason is not None:
+      raise ConfigError(f'--{name} {reason}; remove it.')
 
 
 def _resolve_options(spec, given: dict[str, Any],
                      task_defaults: Mapping[str, Any]) -> dict[str, Any]:
   """The algorithm's options: given values, else task defaults, else defaults.
 
-  Options of other algorithms are dropped (the binary passes all flags).
+  Given options of other algorithms are rejected by :func:`check_explicit`.
 
   Raises:
-    ConfigError: a value of the wrong type, outside its choices or bounds.
+    ConfigError: a value of the wrong type, not finite, outside its choices
+      or bounds.
   """
   out = {}
   for opt in spec.options:
@@ -182,7 +365,11 @@ def _resolve_options(spec, given: dict[str, Any],
     if opt.choices is not None and value not in opt.choices:
       raise ConfigError(f'--{opt.name}={value!r}: allowed values are '
                         f'{", ".join(map(str, opt.choices))}.')
+    if not _is_finite(value):
+      raise ConfigError(f'--{opt.name}={value}: must be a finite number.')
     if opt.lower_bound is not None and value < opt.lower_bound:
       raise ConfigError(f'--{opt.name}={value}: must be >= {opt.lower_bound}.')
+    if opt.upper_bound is not None and value > opt.upper_bound:
+      raise ConfigError(f'--{opt.name}={value}: must be <= {opt.upper_bound}.')
     out[opt.name] = value
   return out

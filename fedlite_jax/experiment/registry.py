@@ -34,6 +34,9 @@ class Option:
     lower_bound: inclusive lower bound for numbers, else None.
     affects_result: False for options that do not change the trained result
       (excluded from checkpoint fingerprints).
+    upper_bound: inclusive upper bound for numbers, else None.
+
+  Float options must be finite (NaN and +-inf are rejected).
   """
   name: str
   default: Any
@@ -41,6 +44,7 @@ class Option:
   choices: Optional[Sequence[str]] = None
   lower_bound: Optional[float] = None
   affects_result: bool = True
+  upper_bound: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,8 @@ class AlgorithmSpec:
     multi_process: runs with ``--num_processes > 1`` (its clients go
       through a round engine, so each process loads only its own clients'
       data). Several devices of one process work for every algorithm.
+    ignored_fields: RunConfig fields (flags) the algorithm does not read;
+      setting one explicitly is an error naming the algorithm.
   """
   name: str
   description: str
@@ -89,6 +95,7 @@ class AlgorithmSpec:
   communication_summary: Optional[
       Callable[[Mapping[str, float]], dict[str, float]]] = None
   multi_process: bool = True
+  ignored_fields: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}

@@ -1,0 +1,385 @@
+"""Every bad input to ``experiments/run_experiment.py`` gets one clear error.
+
+Each row of :data:`ROWS` runs the binary as a user would and checks that it
+exits non-zero, prints no traceback, and names the bad flag or file. Most rows
+fail at validation, before any data is loaded. Data rows use a tiny FEMNIST
+copy in FedJAX's format written here (and corrupt variants of it), so they
+need no downloaded data; ``$FEDLITE_DATA_DIR`` points at the good copy, so an
+explicit ``--data_dir`` that silently fell back to it would train and fail
+the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import fedjax
+import numpy as np
+import pytest
+
+from fedlite_jax import datasets
+from fedlite_jax.experiment import config as config_lib
+from fedlite_jax.experiment import registry
+from fedlite_jax.experiment import tasks
+
+BASE = ['--num_rounds=1', '--progress=false']
+EMB = ['--num_clients=5', '--clients_per_round=2',
+       '--max_examples_per_client=10']
+EMNIST = ['--task=emnist', '--clients_per_round=2']
+SPLITS = ('train', 'test')
+
+
+def _emnist_file(path: pathlib.Path, num_clients: int, seed: int) -> None:
+  """A FedJAX-format EMNIST split: client ids like FedJAX's, 3 examples."""
+  rng = np.random.default_rng(seed)
+  with fedjax.SQLiteFederatedDataBuilder(str(path)) as builder:
+    builder.add_many([
+        (f'{i:016x}:f{i:04d}_00'.encode(),
+         {'pixels': rng.random((3, 28, 28), dtype=np.float32),
+          'label': rng.integers(0, 62, 3).astype(np.int32)})
+        for i in range(num_clients)])
+
+
+def _both(directory: pathlib.Path, write) -> pathlib.Path:
+  directory.mkdir(parents=True)
+  for split in SPLITS:
+    write(directory / f'federated_emnist_{split}.sqlite')
+  return directory
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory) -> pathlib.Path:
+  """Good and bad FEMNIST directories, and a plain file."""
+  root = tmp_path_factory.mktemp('bad_inputs')
+  good = _both(root / 'good', lambda p: _emnist_file(p, 24, 0))
+  (root / 'empty').mkdir()
+  (root / 'afile').write_bytes(np.random.default_rng(1).bytes(4096))
+
+  _both(root / 'random',
+        lambda p: p.write_bytes(np.random.default_rng(2).bytes(50_000)))
+
+  def truncated(p):
+    whole = (good / p.name).read_bytes()
+    p.write_bytes(whole[:len(whole) // 2])
+  _both(root / 'truncated', truncated)
+
+  def sql(*statements):
+    def write(p):
+      connection = sqlite3.connect(p)
+      for statement, args in statements:
+        connection.execute(statement, args)
+      connection.commit()
+      connection.close()
+    return write
+
+  _both(root / 'no_table', sql(('CREATE TABLE other (a)', ())))
+  _both(root / 'wrong_columns',
+        sql(('CREATE TABLE federated_data (a, b)', ()),
+            ('INSERT INTO federated_data VALUES (1, 2)', ())))
+  _both(root / 'no_clients',
+        sql(('CREATE TABLE federated_data (client_id BLOB, data BLOB, '
+             'num_examples INTEGER)', ())))
+  _both(root / 'garbage_blob',
+        sql(('CREATE TABLE federated_data (client_id BLOB, data BLOB, '
+             'num_examples INTEGER)', ()),
+            ('INSERT INTO federated_data VALUES (?, ?, 3)',
+             (b'f0000_00', b'not zlib at all'))))
+
+  def other_features(p):
+    with fedjax.SQLiteFederatedDataBuilder(str(p)) as builder:
+      builder.add_many([(b'f0000_00', {'snippets': np.array(
+          [b'to be', b'or not'], dtype=object)})])
+  _both(root / 'wrong_features', other_features)
+
+  tff = root / 'tff_random'
+  tff.mkdir()
+  (tff / 'emnist_all.sqlite').write_bytes(b'\0' * 5000)
+  h5 = root / 'h5_random'
+  h5.mkdir()
+  for split in SPLITS:
+    (h5 / f'fed_emnist_{split}.h5').write_bytes(
+        np.random.default_rng(3).bytes(5000))
+  return root
+
+
+def _env(repo_root, tmp_path, **extra):
+  """This checkout first on the path; empty caches under ``tmp_path``."""
+  env = dict(os.environ, HOME=str(tmp_path / 'home'),
+             FEDLITE_CACHE_DIR=str(tmp_path / 'cache'), **extra)
+  env['PYTHONPATH'] = os.pathsep.join(
+      [str(repo_root)] + [p for p in [os.environ.get('PYTHONPATH')] if p])
+  return env
+
+
+def _run(repo_root, args, env_extra, tmp_path):
+  env = _env(repo_root, tmp_path, **env_extra)
+  return subprocess.run(
+      [sys.executable, str(repo_root / 'experiments' / 'run_experiment.py'),
+       *args], capture_output=True, text=True, env=env, timeout=900,
+      cwd=tmp_path)
+
+
+# (id, flags, text the error must contain). {data}: the fixture's directory;
+# {tmp}: this row's own directory. Every row gets BASE and, unless it sets
+# one, --output_dir={tmp}/out.
+ROWS = [
+    # Non-finite numbers: `value <= 0` is False for NaN.
+    ('client_lr_nan', EMB + ['--client_lr=nan'], '--client_lr=nan'),
+    ('client_lr_inf', EMB + ['--client_lr=inf'], '--client_lr=inf'),
+    ('server_lr_nan', EMB + ['--server_lr=nan'], '--server_lr=nan'),
+    ('clip_nan', EMB + ['--client_clip_norm=nan'], '--client_clip_norm=nan'),
+    ('clip_inf', EMB + ['--client_clip_norm=inf'], '--client_clip_norm=inf'),
+    ('beta1_nan', EMB + ['--server_optimizer=adam', '--server_beta1=nan'],
+     '--server_beta1=nan'),
+    ('beta2_inf', EMB + ['--server_optimizer=adam', '--server_beta2=inf'],
+     '--server_beta2=inf'),
+    ('server_eps_nan', EMB + ['--server_optimizer=adam', '--server_eps=nan'],
+     '--server_eps=nan'),
+    ('alpha_nan', EMB + ['--dirichlet_alpha=nan'], '--dirichlet_alpha=nan'),
+    ('alpha_inf', EMB + ['--dirichlet_alpha=inf'], '--dirichlet_alpha=inf'),
+    ('fedprox_mu_nan', EMB + ['--algorithm=fedprox', '--fedprox_mu=nan'],
+     '--fedprox_mu=nan'),
+    ('lambda_inf', EMB + ['--algorithm=fedlite', '--correction_lambda=inf'],
+     '--correction_lambda=inf'),
+    ('phi_inf', EMB + ['--algorithm=fedlite', '--fedlite_phi=inf'],
+     '--fedlite_phi=inf'),
+    ('sketch_momentum_nan', EMB + ['--algorithm=fetchsgd',
+                                   '--sketch_momentum=nan'],
+     '--sketch_momentum=nan'),
+    ('upload_clip_std_nan', EMB + ['--upload_quantizer=uniform',
+                                   '--upload_clip_std=nan'],
+     '--upload_clip_std=nan'),
+    ('mime_eps_inf', EMB + ['--algorithm=mime_lite', '--mime_base_eps=inf'],
+     '--mime_base_eps=inf'),
+    ('split_server_lr_nan', EMB + ['--algorithm=splitfed',
+                                   '--split_server_lr=nan'],
+     '--split_server_lr=nan'),
+    ('pvt_fraction_nan', EMB + ['--pvt_fraction=nan'], '--pvt_fraction=nan'),
+    # Seeds outside numpy's RandomState range (PRNGKey would wrap them).
+    ('seed_negative', EMB + ['--seed=-1'], '--seed=-1'),
+    ('seed_2_32', EMB + ['--seed=4294967296'], '--seed=4294967296'),
+    ('seed_2_63', EMB + ['--seed=9223372036854775808'], '--seed='),
+    ('igc_seed_2_32', EMB + ['--algorithm=igc_static',
+                             '--igc_seed=4294967296'], '--igc_seed'),
+    ('sketch_seed_big', EMB + ['--algorithm=fetchsgd',
+                               '--sketch_seed=99999999999'], '--sketch_seed'),
+    ('num_clients_too_many', ['--num_clients=100000'], '--num_clients=100000'),
+    # Output and checkpoint paths.
+    ('output_dir_empty', EMB + ['--output_dir='], '--output_dir'),
+    ('output_dir_is_file', EMB + ['--output_dir={data}/afile'],
+     '--output_dir'),
+    ('output_dir_under_file', EMB + ['--output_dir={data}/afile/run'],
+     '--output_dir'),
+    ('init_checkpoint_missing', EMB + ['--init_checkpoint={tmp}/none.msgpack'],
+     '--init_checkpoint'),
+    ('init_checkpoint_garbage', EMB + ['--init_checkpoint={data}/afile'],
+     '--init_checkpoint'),
+    ('init_checkpoint_empty', EMB + ['--init_checkpoint='],
+     '--init_checkpoint'),
+    # An explicit --data_dir wins (never $FEDLITE_DATA_DIR) and must hold
+    # the data.
+    ('data_dir_empty_string', EMNIST + ['--data_dir='], '--data_dir'),
+    ('data_dir_missing', EMNIST + ['--data_dir={tmp}/nowhere'],
+     'data_dir {tmp}/nowhere, which does not exist'),
+    ('data_dir_without_data', EMNIST + ['--data_dir={data}/empty'],
+     'data_dir {data}/empty'),
+    ('data_dir_is_file', EMNIST + ['--data_dir={data}/afile'],
+     'which is not a directory'),
+    # Bad data files: one line naming the file.
+    ('sqlite_random_bytes', EMNIST + ['--data_dir={data}/random'],
+     'random/federated_emnist_train.sqlite is not an SQLite database'),
+    ('sqlite_truncated', EMNIST + ['--data_dir={data}/truncated'],
+     'truncated/federated_emnist_train.sqlite is truncated'),
+    ('sqlite_no_table', EMNIST + ['--data_dir={data}/no_table'],
+     'no_table/federated_emnist_train.sqlite has no federated_data table'),
+    ('sqlite_wrong_columns', EMNIST + ['--data_dir={data}/wrong_columns'],
+     'wrong_columns/federated_emnist_train.sqlite: table federated_data '
+     'lacks'),
+    ('sqlite_no_clients', EMNIST + ['--data_dir={data}/no_clients'],
+     'no_clients/federated_emnist_train.sqlite holds no clients'),
+    ('sqlite_garbage_blob', EMNIST + ['--data_dir={data}/garbage_blob'],
+     'garbage_blob/federated_emnist_train.sqlite, client'),
+    ('sqlite_wrong_features', EMNIST + ['--data_dir={data}/wrong_features'],
+     "feature 'pixels' is missing"),
+    ('tff_sqlite_zeros', EMNIST + ['--data_dir={data}/tff_random'],
+     'tff_random/emnist_all.sqlite is not an SQLite database'),
+    ('tff_hdf5_random', EMNIST + ['--data_dir={data}/h5_random'],
+     'h5_random/fed_emnist_train.h5 is not a readable HDF5 file'),
+    # Options of another algorithm, fields of another task or setting.
+    ('topk_k_with_fedavg', EMB + ['--topk_k=5'],
+     '--topk_k is an option of --algorithm=topk, fetchsgd'),
+    ('intrinsic_dim_with_fedavg', EMB + ['--intrinsic_dim=64'],
+     '--intrinsic_dim is an option of'),
+    ('num_subvectors_with_splitfed', EMB + ['--algorithm=splitfed',
+                                            '--num_subvectors=8'],
+     '--num_subvectors is an option of --algorithm=fedlite'),
+    ('alpha_with_emnist', EMNIST + ['--dirichlet_alpha=0.3'],
+     '--dirichlet_alpha applies to --task=embedded_mnist'),
+    ('num_clients_with_emnist', EMNIST + ['--num_clients=7'],
+     '--num_clients applies to --task=embedded_mnist'),
+    ('tokenizer_with_emnist', EMNIST + ['--tokenizer=word'],
+     '--tokenizer applies to --task=shakespeare, stackoverflow_nwp'),
+    ('model_with_emnist', EMNIST + ['--model=lstm_tiny'],
+     '--model applies to --task=shakespeare, stackoverflow_nwp'),
+    ('vocab_size_with_so_tag', ['--task=stackoverflow_tag',
+                                '--vocab_size=100'],
+     '--vocab_size applies to --task=shakespeare, stackoverflow_nwp'),
+    ('data_dir_with_embedded', EMB + ['--data_dir={data}/good'],
+     '--data_dir applies to --task=emnist'),
+    ('sp_vocab_with_word', ['--task=shakespeare', '--sp_vocab_size=100'],
+     '--sp_vocab_size applies to --tokenizer=sentencepiece'),
+    ('vocab_with_sentencepiece', ['--task=shakespeare',
+                                  '--tokenizer=sentencepiece',
+                                  '--vocab_size=100'],
+     '--vocab_size sets the word vocabulary'),
+    ('loss_reduction_without_model', ['--task=shakespeare',
+                                      '--lm_loss_reduction=token_mean'],
+     '--lm_loss_reduction applies to the --model presets'),
+    ('beta1_with_sgd_server', EMB + ['--server_beta1=0.5'],
+     '--server_beta1 applies to --server_optimizer=adam or yogi'),
+    ('eps_with_sgd_server', EMB + ['--server_eps=0.001'],
+     '--server_eps applies to --server_optimizer=adam, adagrad or yogi'),
+    ('server_lr_with_fedlite', EMB + ['--algorithm=fedlite',
+                                      '--server_lr=1.0'],
+     '--server_lr is not used by --algorithm=fedlite'),
+    ('client_epochs_with_splitfed', EMB + ['--algorithm=splitfed',
+                                           '--client_epochs=2'],
+     '--client_epochs is not used by --algorithm=splitfed'),
+    ('coordinator_single_process', EMB + ['--coordinator_address=h:1'],
+     '--coordinator_address applies to multi-host runs'),
+    ('steps_per_call_with_vmap', EMB + ['--round_engine=vmap',
+                                        '--steps_per_call=4'],
+     '--steps_per_call applies to --round_engine=loop'),
+    # Caught after the data is loaded (the model fixes d and the batch).
+    ('centroids_over_subvectors', EMB + [
+        '--algorithm=fedlite', '--num_subvectors=4', '--num_groups=2',
+        '--client_batch_size=5', '--num_centroids=11'],
+     '--num_centroids=11: must be at most the subvectors per group'),
+    # absl's own parsing errors.
+    ('float_not_a_number', EMB + ['--client_lr=abc'], '--client_lr=abc'),
+    ('unknown_task', ['--task=bogus'], '--task'),
+    ('flagfile_missing', ['--flagfile={tmp}/none.flags'], 'none.flags'),
+]
+
+
+@pytest.mark.parametrize('args,expected', [
+    pytest.param(args, expected, id=name) for name, args, expected in ROWS])
+def test_bad_input_one_clear_error(repo_root, data, tmp_path, args, expected):
+  fill = lambda s: s.format(data=data, tmp=tmp_path)
+  args = [fill(a) for a in args]
+  if not any(a.startswith('--output_dir=') for a in args):
+    args.append(f'--output_dir={tmp_path}/out')
+  proc = _run(repo_root, BASE + args,
+              {'FEDLITE_DATA_DIR': str(data / 'good')}, tmp_path)
+  assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert 'Traceback' not in proc.stderr, proc.stderr[-4000:]
+  assert fill(expected) in proc.stderr, proc.stderr[-4000:]
+  assert not (tmp_path / 'out' / 'metrics.jsonl').exists()
+
+
+def test_rows_cover_many_bad_inputs():
+  assert len({name for name, _, _ in ROWS}) == len(ROWS) >= 40
+
+
+def test_good_tiny_data_trains(repo_root, data, tmp_path):
+  """The fixture's good copy trains: the data rows fail for their reason."""
+  proc = _run(repo_root, BASE + EMNIST + [f'--data_dir={data}/good',
+                                          '--eval_num_clients=2',
+                                          f'--output_dir={tmp_path}/out'],
+              {}, tmp_path)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert (tmp_path / 'out' / 'summary.json').exists()
+
+
+def test_validate_only_checks_without_training(repo_root, tmp_path):
+  ok = _run(repo_root, ['--validate_only', '--algorithm=fedlite',
+                        f'--output_dir={tmp_path}/out'], {}, tmp_path)
+  assert ok.returncode == 0, ok.stderr[-4000:]
+  assert 'flags OK' in ok.stdout
+  assert not (tmp_path / 'out').exists()
+  bad = _run(repo_root, ['--validate_only', '--topk_k=3'], {}, tmp_path)
+  assert bad.returncode == 2 and '--topk_k' in bad.stderr
+
+
+def test_flagfiles_resolve_for_their_algorithm_and_task(repo_root, tmp_path):
+  """Every experiments/configs/*.flags parses and validates (no training).
+
+  One process parses each flagfile with the binary's flags and runs its
+  checks, so an option of another algorithm or a field of another task in a
+  flagfile fails here.
+  """
+  files = sorted((repo_root / 'experiments' / 'configs').glob('*.flags'))
+  assert len(files) >= 10
+  script = textwrap.dedent(f'''
+      import importlib.util, sys
+      spec = importlib.util.spec_from_file_location(
+          'run_experiment', {str(repo_root / 'experiments' /
+                                  'run_experiment.py')!r})
+      binary = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(binary)
+      for path in sys.argv[1:]:
+        binary.FLAGS.unparse_flags()
+        binary.FLAGS(['run_experiment.py', '--flagfile=' + path])
+        config = binary.checked_config()
+        print('OK', path, config.task, config.algorithm)
+      ''')
+  proc = subprocess.run(
+      [sys.executable, '-c', script, *map(str, files)], capture_output=True,
+      text=True, timeout=900, cwd=tmp_path, env=_env(repo_root, tmp_path))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert proc.stdout.count('OK ') == len(files), proc.stdout
+
+
+def test_task_fields_name_real_tasks_and_fields():
+  fields = {f.name for f in dataclasses.fields(config_lib.RunConfig)}
+  assert set(config_lib.TASK_FIELDS) <= fields
+  for users in config_lib.TASK_FIELDS.values():
+    assert set(users) <= set(tasks.TASKS)
+  assert set(config_lib.FILE_TASKS) | {'embedded_mnist'} == set(tasks.TASKS)
+  for spec in registry.algorithms().values():
+    assert set(spec.ignored_fields) <= fields, spec.name
+
+
+def test_library_resolve_rejects_ignored_settings():
+  defaults = tasks.get_task('emnist').defaults
+  with pytest.raises(config_lib.ConfigError, match='--num_clients applies'):
+    config_lib.resolve(config_lib.RunConfig(task='emnist', num_clients=7),
+                       defaults)
+  with pytest.raises(config_lib.ConfigError, match='--topk_k is an option'):
+    config_lib.resolve(config_lib.RunConfig(task='emnist',
+                                            options={'topk_k': 3}), defaults)
+  with pytest.raises(config_lib.ConfigError, match='--bogus: no such'):
+    config_lib.resolve(config_lib.RunConfig(task='emnist',
+                                            options={'bogus': 3}), defaults)
+  with pytest.raises(config_lib.ConfigError, match='--client_lr=nan'):
+    config_lib.resolve(config_lib.RunConfig(task='emnist',
+                                            client_lr=float('nan')), defaults)
+  resolved = config_lib.resolve(config_lib.RunConfig(
+      task='emnist', algorithm='topk', options={'topk_k': 3}), defaults)
+  assert resolved.options['topk_k'] == 3
+  # Idempotent: the task defaults filled in (server_optimizer for fedlite,
+  # which does not read it) do not count as set.
+  fedlite = config_lib.resolve(config_lib.RunConfig(
+      task='emnist', algorithm='fedlite'), defaults)
+  assert fedlite.server_optimizer == 'sgd'
+  assert config_lib.resolve(fedlite, defaults) == fedlite
+
+
+def test_explicit_data_dir_never_falls_back(data, tmp_path, monkeypatch):
+  monkeypatch.setenv('FEDLITE_DATA_DIR', str(data / 'good'))
+  monkeypatch.setenv('HOME', str(tmp_path))
+  train, _, _ = datasets.load_federated_data('emnist')
+  assert train.num_clients() == 24  # $FEDLITE_DATA_DIR without data_dir.
+  with pytest.raises(datasets.DatasetNotFoundError,
+                     match='only place searched'):
+    datasets.load_federated_data('emnist', str(data / 'empty'))
+  copy = shutil.copytree(data / 'good', tmp_path / 'copy')
+  _, _, info = datasets.load_federated_data('emnist', str(copy))
+  assert info.source == str(copy)
