@@ -28,6 +28,8 @@ import pytest
 from fedlite_jax import datasets
 from fedlite_jax import transforms as T
 from fedlite_jax.algorithms import efficient
+from fedlite_jax.experiment import RunConfig
+from fedlite_jax.experiment import run
 from fedlite_jax.models import emnist
 from fedlite_jax.rounds import CompressedBackend
 from fedlite_jax.rounds import compressed_backend
@@ -36,13 +38,17 @@ IGC_UPLOAD = 'intrinsic_projection:4096,uniform_quantization:8'
 CNN_PARAMS = 1_206_590  # Reddi et al.'s EMNIST CNN, 62 classes.
 
 
-@pytest.fixture(scope='module')
-def femnist_train():
+def _femnist_dir() -> str:
   path = os.environ.get('FEDLITE_DATA_DIR')
   if not path or not (pathlib.Path(path) / 'femnist105').is_dir():
     pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR (set '
                 'FEDLITE_DATA_DIR to the directory holding it)')
-  train, _, _ = datasets.load_federated_data('emnist', path)
+  return path
+
+
+@pytest.fixture(scope='module')
+def femnist_train():
+  train, _, _ = datasets.load_federated_data('emnist', _femnist_dir())
   ids = list(train.client_ids())[:4]
   return [(cid, cds[:60]) for cid, cds in train.get_clients(ids)]
 
@@ -222,11 +228,11 @@ def _sum_clients(backend, seed_inputs):
     return {'x': state['x'], 'count': jnp.int32(3)}
 
   with fedjax.for_each_client_backend(backend):
-    run = fedjax.for_each_client(init, step, final)
+    for_each = fedjax.for_each_client(init, step, final)
   shared = {'x': jnp.linspace(-1.0, 1.0, 50)}
   clients = [(f'c{i}'.encode(), [{'y': jnp.full((50,), 0.1 * i)}],
               {'scale': jnp.float32(s)}) for i, s in enumerate(seed_inputs)]
-  return dict(run(shared, clients))
+  return dict(for_each(shared, clients))
 
 
 def test_user_algorithm_keys_from_seed_round_client():
@@ -255,11 +261,7 @@ def test_refuses_error_feedback_and_reports_no_ledger_before_a_round():
 
 
 def test_runner_upload_flag_igc(tmp_path):
-  path = os.environ.get('FEDLITE_DATA_DIR')
-  if not path or not (pathlib.Path(path) / 'femnist105').is_dir():
-    pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
-  from fedlite_jax.experiment import RunConfig  # pylint: disable=g-import-not-at-top
-  from fedlite_jax.experiment import run  # pylint: disable=g-import-not-at-top
+  path = _femnist_dir()
   base = dict(task='emnist', num_rounds=1, clients_per_round=2,
               client_batch_size=20, max_examples_per_client=40,
               eval_num_clients=2, eval_every=1, checkpoint_every=0,

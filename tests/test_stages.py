@@ -156,7 +156,8 @@ def test_runner_options_upload_download_and_legacy_aliases():
   legacy = algo_lm.compression_from_options(
       {'upload_quantizer': 'uniform', 'upload_bits': 8, 'download_bits': 16})
   alias = algo_lm.compression_from_options(
-      {'upload': 'uniform_quantization:8', 'download': 'uniform_quantization:16'})
+      {'upload': 'uniform_quantization:8',
+       'download': 'uniform_quantization:16'})
   x, key = _tree(), jax.random.PRNGKey(1)
   for a, b in ((legacy.upload, alias.upload),
                (legacy.download, alias.download)):

@@ -42,7 +42,8 @@ width: 32 bits per float32 entry.
 
 Keys (deterministic; the same as the efficient builders, so that
 ``fed_avg`` through this backend EQUALS ``efficient_federated_averaging``
-with the same ``Compression`` and ``seed``, ``tests/test_compressed_backend.py``):
+with the same ``Compression`` and ``seed``; see
+``tests/test_compressed_backend.py``):
 
 * round ``r``: this backend counts rounds itself; a round starts when a
   ``for_each_client`` function built by this backend is called a second
