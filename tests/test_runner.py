@@ -12,6 +12,7 @@ from fedlite_jax import checkpoint
 from fedlite_jax.experiment import ConfigError
 from fedlite_jax.experiment import RunConfig
 from fedlite_jax.experiment import evaluation
+from fedlite_jax.experiment import outputs
 from fedlite_jax.experiment import run
 from fedlite_jax.experiment import runner
 
@@ -89,6 +90,14 @@ def test_mismatched_resume_and_foreign_output_dir(tmp_path):
     run(RunConfig(num_rounds=2, output_dir=out, client_lr=0.5, **SMALL))
   with pytest.raises(ConfigError, match='--overwrite'):
     run(RunConfig(num_rounds=2, output_dir=out, resume=False, **SMALL))
+  # --overwrite replaces the other run's checkpoints and metrics.
+  summary = run(RunConfig(num_rounds=2, output_dir=out, client_lr=0.5,
+                          overwrite=True, **SMALL))
+  assert summary['flags']['client_lr'] == 0.5
+  latest = checkpoint.latest_checkpoint(os.path.join(out, 'checkpoints'))
+  assert checkpoint.read_metadata(latest)['client_lr'] == 0.5
+  assert [r['round'] for r in outputs.read_metrics(
+      os.path.join(out, 'metrics.jsonl'))] == [2]
 
 
 def test_bad_config_values():
