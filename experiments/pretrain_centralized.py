@@ -12,7 +12,7 @@ phase 2:
       --model=transformer_tiny --corpus=python_help --steps=1500 \\
       --output=runs/pretrain/transformer_tiny_python_help.params
 
-  # phase 2 (once the runner has --init_checkpoint):
+  # phase 2 (federated fine-tuning from the pretrained parameters):
   python experiments/run_experiment.py --task=shakespeare \\
       --tokenizer=sentencepiece --model=transformer_tiny --sequence_length=30 \\
       --init_checkpoint=runs/pretrain/transformer_tiny_python_help.params ...

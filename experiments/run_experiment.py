@@ -132,9 +132,12 @@ flags.DEFINE_enum('lm_loss_reduction', _D.lm_loss_reduction,
                   'LM presets: per-sequence sum (FedJAX) or mean of token '
                   'cross-entropies.')
 flags.DEFINE_string('init_checkpoint', None,
-                    'Start from these parameters (a file written by '
-                    'experiments/pretrain_centralized.py) instead of the '
-                    'random init (transfer learning).')
+                    'Start from these parameters instead of the random init '
+                    '(transfer learning): a file written by '
+                    'experiments/pretrain_centralized.py, or a runner '
+                    'checkpoint <output_dir>/checkpoints/ckpt_*.msgpack. '
+                    'Round 0 is evaluated so the start shows in '
+                    'metrics.jsonl.')
 flags.DEFINE_float('dirichlet_alpha', _D.dirichlet_alpha,
                    'embedded_mnist: Dirichlet label-skew concentration.')
 flags.DEFINE_bool('validate_only', False,
@@ -185,7 +188,7 @@ def checked_config() -> config_lib.RunConfig:
 
   Beyond :func:`config_lib.resolve`: every flag given on the command line or
   in a flagfile (absl's ``FLAGS[name].present``) must apply to the task and
-  algorithm, and ``--init_checkpoint`` must be a parameter file.
+  algorithm, and ``--init_checkpoint`` must be a parameter file or a runner checkpoint.
 
   Raises:
     ConfigError: naming the first bad flag.
@@ -197,12 +200,12 @@ def checked_config() -> config_lib.RunConfig:
   if config.init_checkpoint is not None:
     flag = f'--init_checkpoint={config.init_checkpoint}'
     try:
-      init_params.read_metadata(config.init_checkpoint)
-    except (ValueError, KeyError) as e:
+      init_params.file_kind(config.init_checkpoint)
+    except (ValueError, KeyError, OSError) as e:
       message = str(e)
       if not message.startswith(flag):
         message = (f'{flag}: not a parameter file of init_params.save_params '
-                   f'({type(e).__name__}: {e}).')
+                   f'nor a runner checkpoint ({type(e).__name__}: {e}).')
       raise config_lib.ConfigError(message) from None
   return config
 

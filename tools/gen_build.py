@@ -71,7 +71,9 @@ for p in files('tests'):
   n = pathlib.Path(p).stem
   if n == 'conftest':
     continue
-  big = n in ('test_runner', 'test_fedavg', 'test_compat')
+  big = n in ('test_runner', 'test_fedavg', 'test_compat', 'test_runner_resume',
+               'test_init_checkpoint', 'test_bad_inputs',
+               'test_regression_runner', 'test_compressed_backend')
   out += ['py_test(', f'    name = "{n}",', f'    srcs = ["{p}"],',
           f'    size = "{"large" if big else "medium"}",', '    data = ["BUILD"],',
           '    deps = [":experiment", ":test_support"],', ')', '']

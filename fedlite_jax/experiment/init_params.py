@@ -216,6 +216,25 @@ def load_init_params(path: str | os.PathLike[str], like: PyTree) -> InitParams:
                    '(<output_dir>/checkpoints/ckpt_*.msgpack).')
 
 
+def file_kind(path: str | os.PathLike[str]) -> str:
+  """``'params_file'`` or ``'checkpoint'``: which kind ``path`` is (no model needed).
+
+  Raises:
+    FileNotFoundError: no such file.
+    ValueError: neither kind; one line starting ``--init_checkpoint=<path>:``.
+  """
+  path = os.fspath(path)
+  payload = _decode(path, _read_bytes(path))
+  if _is_params_file(payload):
+    return 'params_file'
+  if checkpoint.is_checkpoint(payload):
+    return 'checkpoint'
+  raise ValueError(f'--init_checkpoint={path}: neither a {FORMAT} file '
+                   '(experiments/pretrain_centralized.py, '
+                   'init_params.save_params) nor a runner checkpoint '
+                   '(<output_dir>/checkpoints/ckpt_*.msgpack).')
+
+
 def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:
   if isinstance(tree, Mapping):
     out = {}
