@@ -159,3 +159,41 @@ def test_fedavg_local_steps_equals_sgd_local_steps(tmp_path):
     runner.run(RunConfig(
         algorithm='fedavg', output_dir=str(tmp_path / 'd'), client_epochs=2,
         options={'local_steps': 3}, **kw))
+
+
+def test_skipped_clients_counted_per_round_in_metrics_and_summary(
+    tmp_path, monkeypatch):
+  # An algorithm that reports its first client of the 2nd round as skipped
+  # (as --nonfinite_updates=skip does): 0 upload bits, counted once.
+  real_build = runner.build_algorithm
+  calls = {'n': 0}
+
+  def build(ctx):
+    alg = real_build(ctx)
+
+    def apply(state, clients):
+      state, diags = alg.apply(state, clients)
+      calls['n'] += 1
+      if calls['n'] == 2:
+        first = next(iter(diags))
+        diags[first] = dict(diags[first], skipped=True, upload_bits=0.0)
+      return state, diags
+
+    return alg.__class__(alg.init, apply)
+
+  monkeypatch.setattr(runner, 'build_algorithm', build)
+  out = tmp_path / 'skip'
+  summary = run(RunConfig(num_rounds=3, output_dir=str(out), **SMALL))
+  rows = outputs.read_metrics(out / 'metrics.jsonl')
+  assert [r['round'] for r in rows] == [2, 3]
+  assert rows[0]['skipped_clients'] == 1
+  assert rows[0]['skipped_clients_by_round'] == {'2': 1}
+  assert rows[1]['skipped_clients'] == 0
+  assert 'skipped_clients_by_round' not in rows[1]
+  assert 'skipped_clients' not in summary['final_eval']
+  comm = summary['communication']
+  assert comm['skipped_client_rounds'] == 1
+  n = comm['num_params']
+  # 3 rounds x 3 clients; the skipped client sent nothing.
+  assert comm['total_upload_bytes'] == (9 - 1) * n * 4
+  assert comm['total_download_bytes'] == 9 * n * 4

@@ -340,6 +340,7 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
   round_seconds = [r['seconds_per_round'] for r in rows
                    if 'seconds_per_round' in r]
   recent = []
+  skipped = []  # Clients skipped as non-finite, per round since the last row.
   bar = tqdm.tqdm(range(start_round, config.num_rounds), initial=start_round,
                   total=config.num_rounds,
                   disable=not config.progress or jax.process_index() != 0,
@@ -353,7 +354,7 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       state, diagnostics = algorithm.apply(state, clients)
       jax.block_until_ready(state)
       recent.append(time.perf_counter() - t0)
-      ledger.record_round(r, diagnostics)
+      skipped.append(ledger.record_round(r, diagnostics)['skipped_clients'])
       done = r + 1
       if done % config.eval_every == 0 or done == config.num_rounds:
         metrics = evaluation.evaluate(model, spec.eval_params(state), batches)
@@ -361,9 +362,15 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
         row = {'round': done, **metrics,
                'upload_bytes': comm['total_upload_bytes'],
                'download_bytes': comm['total_download_bytes'],
-               'seconds_per_round': float(np.mean(recent))}
+               'seconds_per_round': float(np.mean(recent)),
+               'skipped_clients': int(sum(skipped))}
+        if any(skipped):
+          row['skipped_clients_by_round'] = {
+              str(done - len(skipped) + 1 + i): n
+              for i, n in enumerate(skipped) if n}
         round_seconds.append(row['seconds_per_round'])
         recent = []
+        skipped = []
         writer.write(row)
         rows.append(row)
         bar.set_postfix({task.metric: f'{metrics.get(task.metric, float("nan")):.4f}'})
@@ -382,7 +389,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       model, spec.eval_params(state), batches)
   final_eval = {k: v for k, v in final_eval.items()
                 if k not in ('round', 'upload_bytes', 'download_bytes',
-                             'seconds_per_round')}
+                             'seconds_per_round', 'skipped_clients',
+                             'skipped_clients_by_round')}
   communication = ledger.summary()
   if spec.communication_summary is not None:
     communication.update(spec.communication_summary(ledger.extra_bits))
