@@ -13,8 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from fedlite_jax import models
 from fedlite_jax.fedlite import pq
 from fedlite_jax.fedlite import vq_layer
 
@@ -206,6 +208,9 @@ def test_errors():
     vq_layer.vq_with_correction(z, z, 0.1, loss_reduction='max')
   with pytest.raises(ValueError, match=r'num_vectors .*> 0, got 0'):
     vq_layer.vq_with_correction(z, z, 0.1, num_vectors=0)
+  with pytest.raises(ValueError, match=r'vector_weights .*\(4,\), got shape '
+                     r'\(3,\)'):
+    vq_layer.vq_with_correction(z, z, 0.1, vector_weights=jnp.ones(3))
   with pytest.raises(ValueError, match='at least 2 axes'):
     vq_layer.quantize_with_correction(jnp.zeros((8,)), jax.random.key(0), 2,
                                       1, 2, 0.1)
@@ -266,3 +271,116 @@ def test_flax_module():
     return jnp.sum(out * v) / B
   assert_trees_close(jax.grad(through_module)(params),
                      jax.grad(reference)(params))
+
+
+def test_vector_weights_scale_the_correction_per_vector():
+  # Two clients' stacked activations [2, 3, D] in the loss sum_i p_i mean_b,
+  # with one vector masked out: cotangent g + (lam / 3) p_i m_ib (z - z~).
+  z = jax.random.normal(jax.random.key(7), (2, 3, D))
+  z_tilde = jnp.round(z)
+  g = jax.random.normal(jax.random.key(8), z.shape)
+  p = np.array([0.25, 0.75], np.float32)
+  mask = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
+  lam = 0.9
+  _, vjp = jax.vjp(lambda zz: vq_layer.vq_with_correction(
+      zz, z_tilde, lam, num_vectors=3, vector_weights=p[:, None] * mask), z)
+  expected = (np.asarray(g) + lam / 3 * (p[:, None] * mask)[..., None] *
+              np.asarray(z - z_tilde))
+  np.testing.assert_allclose(vjp(g)[0], expected, rtol=1e-6, atol=1e-7)
+  # The masked vector gets the plain (straight-through) cotangent.
+  np.testing.assert_array_equal(vjp(g)[0][0, 2], g[0, 2])
+
+
+def test_input_derived_key_is_a_deterministic_function_of_the_input():
+  z = jax.random.normal(jax.random.key(0), (B, D))
+  same = jax.jit(vq_layer.input_derived_key)(z)
+  np.testing.assert_array_equal(vq_layer.input_derived_key(z), same)
+  assert not np.array_equal(vq_layer.input_derived_key(z),
+                            vq_layer.input_derived_key(z + 1.0))
+
+
+class _QuantizedClient(nn.Module):
+  """u(w_c; x) = tanh(dense(x)), then the FedLite quantizer (the cut)."""
+  lam: float
+
+  @nn.compact
+  def __call__(self, batch, train):
+    z = jnp.tanh(nn.Dense(D, name='dense')(batch['x']))
+    return vq_layer.FedLiteQuantizer(q=Q, R=R, L=L, lam=self.lam,
+                                     num_iters=ITERS, name='quantizer')(z)
+
+
+class _DenseServer(nn.Module):
+
+  @nn.compact
+  def __call__(self, z, batch, train):
+    return nn.Dense(CLASSES, name='dense')(z)
+
+
+def _hand_grads(params, x, y, z_tilde, lam):
+  """Equation 5 by hand (NumPy): mean softmax cross-entropy of a dense layer
+  on z~, straight-through + (lam / B)(z - z~) into tanh(x W + b)."""
+  wc, ws = params['client']['dense'], params['server']['dense']
+  x, z_tilde = np.asarray(x, np.float64), np.asarray(z_tilde, np.float64)
+  z = np.tanh(x @ np.asarray(wc['kernel'], np.float64) + np.asarray(wc['bias']))
+  logits = z_tilde @ np.asarray(ws['kernel'], np.float64) + np.asarray(
+      ws['bias'])
+  prob = np.exp(logits - logits.max(1, keepdims=True))
+  prob /= prob.sum(1, keepdims=True)
+  d_logits = (prob - np.eye(CLASSES)[y]) / len(y)
+  g_ztilde = d_logits @ np.asarray(ws['kernel'], np.float64).T
+  d_pre = (g_ztilde + lam / len(y) * (z - z_tilde)) * (1 - z**2)
+  return {'client': {'dense': {'kernel': x.T @ d_pre, 'bias': d_pre.sum(0)}},
+          'server': {'dense': {'kernel': z_tilde.T @ d_logits,
+                               'bias': d_logits.sum(0)}}}
+
+
+def test_quantizer_inside_build_split_model():
+  lam = 1.5
+  split_model = models.build_split_model(
+      client=_QuantizedClient(lam=lam), server=_DenseServer(),
+      sample_batch={'x': np.zeros((1, D_IN), np.float32),
+                    'y': np.zeros((1,), np.int32)},
+      train_loss=lambda b, p: optax.softmax_cross_entropy_with_integer_labels(
+          p, b['y']),
+      eval_metrics={}, cut_layer='quantizer', cut_size=D)
+  model = split_model.model
+  params = model.init(jax.random.PRNGKey(0))  # no 'quantize' rng needed
+  _, _, x, y = make_problem(3)
+  batch = {'x': x, 'y': y}
+  wc = params['client']['dense']
+  z = jnp.tanh(x @ wc['kernel'] + wc['bias'])
+
+  # Without a key (eval): the k-means key is derived from the input.
+  z_eval = split_model.client_apply(params['client'], batch, None)
+  expected, _ = vq_layer.quantize_with_correction(
+      z, vq_layer.input_derived_key(z), Q, R, L, lam, ITERS)
+  np.testing.assert_allclose(z_eval, expected, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(
+      model.apply_for_eval(params, batch),
+      split_model.server_apply(params['server'], z_eval, batch, None),
+      rtol=1e-6, atol=1e-7)
+
+  # With a key (train): the 'quantize' stream; z~ is quantized (at most L
+  # distinct subvectors), and the split view agrees with the whole model.
+  key = jax.random.PRNGKey(4)
+  z_tilde = split_model.client_apply(params['client'], batch, key)
+  assert float(jnp.max(jnp.abs(z_tilde - z))) > 1e-3
+  assert len({tuple(r) for r in np.asarray(z_tilde).reshape(-1, D // Q)
+             }) <= L
+  np.testing.assert_allclose(
+      model.apply_for_train(params, batch, key),
+      split_model.server_apply(params['server'], z_tilde, batch, key),
+      rtol=1e-6, atol=1e-7)
+
+  def loss(p):
+    return jnp.mean(model.train_loss(batch, model.apply_for_train(p, batch,
+                                                                  key)))
+
+  grads = jax.grad(loss)(params)
+  assert_trees_close(grads, _hand_grads(params, x, y, z_tilde, lam),
+                     rtol=1e-4, atol=1e-6)
+  # lambda matters: without the correction the client gradient differs.
+  ste = _hand_grads(params, x, y, z_tilde, 0.0)
+  assert not np.allclose(grads['client']['dense']['kernel'],
+                         ste['client']['dense']['kernel'], atol=1e-5)

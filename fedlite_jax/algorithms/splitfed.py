@@ -27,16 +27,21 @@ One ``apply`` is one iteration of Section 3 for the sampled clients ``S``:
    dz_j/dw_c`` are averaged over the batch exactly as the paper's analysis
    does (Appendix B, equation 36), i.e. the Appendix A surrogate
    ``(lambda/2) ||z_j - z~_j||^2`` is added to every example's loss (summed
-   over its vectors for sequences) before the batch mean; this equals
-   :func:`fedlite_jax.fedlite.vq_layer.vq_with_correction` with
-   ``loss_reduction='mean'`` and ``num_vectors = B``. With
+   over its vectors for sequences) before the batch mean
+   (``loss_reduction='mean'``, ``num_vectors = B``). With
    ``lambda_scaling='batch'``, ``lambda' = lambda``: ``lambda (Z - Z~)`` is
    added to the gradient of the client's batch-mean loss (a plain
-   ``custom_vjp`` adding ``lambda (z - z~)`` in a mean-loss model;
-   ``lambda_batch = lambda_example / B``). The paper does not say which its
-   code used. ``M_i`` masks vectors that carry no loss (NWP positions whose
-   target is PAD, see :func:`loss_vector_mask`); ``lambda = 0`` is the
-   straight-through update and SplitFed has no correction (``Z~ = Z``).
+   ``custom_vjp`` adding ``lambda (z - z~)`` in a mean-loss model,
+   ``loss_reduction='sum'``; ``lambda_batch = lambda_example / B``). The
+   paper does not say which its code used. ``M_i`` masks vectors that carry
+   no loss (NWP positions whose target is PAD, see :func:`loss_vector_mask`);
+   ``lambda = 0`` is the straight-through update and SplitFed has no
+   correction (``Z~ = Z``). The correction is not built here: the server's
+   objective reads the clients' ``Z`` through
+   :func:`fedlite_jax.fedlite.vq_layer.vq_with_correction` (forward ``Z~``,
+   ``vector_weights = (p_i / sum p) M_i``), so differentiating it w.r.t.
+   ``Z`` yields the corrected cotangents
+   ``(p_i / sum p) [G_i + lambda' M_i (Z_i - Z~_i)]``.
 5. **Client-model synchronization.** ``g_c = sum_i p_i g_i / sum_i p_i`` is
    applied to ``w_c`` with the client optimizer.
 
@@ -102,6 +107,7 @@ from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.fedlite import pq
+from fedlite_jax.fedlite import vq_layer
 from fedlite_jax.models import split as split_lib
 from fedlite_jax.rounds import sharding
 
@@ -406,9 +412,7 @@ def split_learning(
                                         execution)  # [C, B, (T,) d]
     num_clients = z.shape[0]
     diag = {}
-    if quantizer is None:
-      z_up = z
-    else:
+    if quantizer is not None:
       flat = z.reshape(num_clients, -1, z.shape[-1])  # [C, N, d]
       kmeans_keys = jax.vmap(
           lambda k: jax.random.fold_in(k, _KMEANS_FOLD))(rngs)
@@ -421,24 +425,29 @@ def split_learning(
       diag['quantization_error'] = result.quantization_error
       diag['relative_quantization_error'] = result.relative_error
 
-    def server_objective(ws, z_up):
-      preds = jax.vmap(server_apply, in_axes=(None, 0, 0, 0))(ws, z_up, batch,
-                                                              drop)
+      # Equation 5 via the custom_vjp layer: forward Z~, backward
+      # G + lambda' w (Z - Z~) with w = p_i M_i (p normalized; step 4).
+      mask = jax.vmap(vector_mask_fn)(batch, z)  # [C, B, (T)]
+      vector_weights = p.reshape((num_clients,) + (1,) * (mask.ndim - 1)) * mask
+      example = quantizer.lambda_scaling == 'example'
+      correct = functools.partial(
+          vq_layer.vq_with_correction, z_tilde=z_up,
+          lam=quantizer.correction_lambda,
+          loss_reduction='mean' if example else 'sum',
+          num_vectors=z.shape[1], vector_weights=vector_weights)
+
+    def server_objective(ws, z):
+      z_server = z if quantizer is None else correct(z)
+      preds = jax.vmap(server_apply, in_axes=(None, 0, 0, 0))(ws, z_server,
+                                                              batch, drop)
       losses = jax.vmap(model.train_loss)(batch, preds)  # [C, B]
       client_loss = jnp.mean(losses, axis=1)
       return jnp.sum(p * client_loss), client_loss
 
-    (_, client_loss), (g_server, g_z) = jax.value_and_grad(
-        server_objective, argnums=(0, 1), has_aux=True)(ws, z_up)
-    # g_z[i] = p_i G_i, with G_i = dl_i / dZ~_i the download of client i.
-    cotangent = g_z
-    if quantizer is not None and quantizer.correction_lambda > 0:
-      mask = jax.vmap(vector_mask_fn)(batch, z)  # [C, B, (T)]
-      scale = p * quantizer.correction_lambda
-      if quantizer.lambda_scaling == 'example':
-        scale = scale / z.shape[1]
-      scale = scale.reshape((num_clients,) + (1,) * (z.ndim - 1))
-      cotangent = cotangent + scale * mask[..., None] * (z - z_up)
+    # cotangent[i] = p_i [G_i + lambda' M_i (Z_i - Z~_i)] (p normalized), with
+    # G_i = dl_i / dZ~_i the download of client i.
+    (_, client_loss), (g_server, cotangent) = jax.value_and_grad(
+        server_objective, argnums=(0, 1), has_aux=True)(ws, z)
     (g_client,) = client_vjp(cotangent)
     diag['loss'] = client_loss
     diag['finite'] = (

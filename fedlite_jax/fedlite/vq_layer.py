@@ -43,6 +43,8 @@ import numpy as np
 from fedlite_jax.fedlite import pq
 
 LossReduction = Literal['mean', 'sum']
+# The default rng stream of FedLiteQuantizer's k-means initialization.
+RNG_COLLECTION = 'quantize'
 
 
 @jax.custom_vjp
@@ -102,13 +104,18 @@ def vq_with_correction(z: jax.Array,
                        lam: float | jax.Array,
                        *,
                        loss_reduction: LossReduction = 'mean',
-                       num_vectors: int | float | jax.Array | None = None
+                       num_vectors: int | float | jax.Array | None = None,
+                       vector_weights: jax.Array | None = None
                       ) -> jax.Array:
   """Returns ``z~`` with FedLite's corrected gradient for ``z`` (equation 5).
 
   Forward: ``z_tilde``. Backward: the cotangent ``g`` of the output becomes
-  ``g + coef (z - z_tilde)`` for ``z`` and zero for ``z_tilde`` and ``lam``,
-  with ``coef`` from :func:`correction_coefficient` (module docstring).
+  ``g + coef w (z - z_tilde)`` for ``z`` and zero for ``z_tilde``, ``lam``
+  and ``w``, with ``coef`` from :func:`correction_coefficient` (module
+  docstring) and ``w`` the per-vector ``vector_weights`` (default 1). This is
+  the one implementation of equation 5 in the library; split learning
+  (:mod:`fedlite_jax.algorithms.splitfed`) and :class:`FedLiteQuantizer` use
+  it.
 
   Args:
     z: ``[..., d]`` activations of the client-side model (differentiable).
@@ -122,13 +129,19 @@ def vq_with_correction(z: jax.Array,
       (``coef = lam``).
     num_vectors: the mean's denominator; defaults to the number of vectors in
       ``z``, ``prod(z.shape[:-1])``.
+    vector_weights: optional float weights of the vectors in the loss,
+      broadcastable to ``z.shape[:-1]``: a weighted loss ``sum_i p_i l_i``
+      over several clients' stacked activations (``w = p_i`` for client
+      ``i``), and 0 for vectors that carry no loss (e.g. PAD positions).
+      May be traced.
 
   Returns:
     An array equal to ``z_tilde``.
 
   Raises:
-    ValueError: if shapes or dtypes differ, ``z`` is a scalar, or for invalid
-      ``lam``/``loss_reduction``/``num_vectors``.
+    ValueError: if shapes or dtypes differ, ``z`` is a scalar,
+      ``vector_weights`` does not broadcast to ``z.shape[:-1]``, or for
+      invalid ``lam``/``loss_reduction``/``num_vectors``.
   """
   if z.shape != z_tilde.shape or z.dtype != z_tilde.dtype:
     raise ValueError(
@@ -138,8 +151,20 @@ def vq_with_correction(z: jax.Array,
     raise ValueError('z must have a feature axis, got a scalar.')
   if num_vectors is None:
     num_vectors = math.prod(z.shape[:-1])
-  coef = correction_coefficient(lam, num_vectors, loss_reduction)
-  return _corrected_identity(z, z_tilde, jnp.asarray(coef, jnp.float32))
+  coef = jnp.asarray(correction_coefficient(lam, num_vectors, loss_reduction),
+                     jnp.float32)
+  if vector_weights is not None:
+    weights = jnp.asarray(vector_weights, jnp.float32)
+    lead = tuple(z.shape[:-1])
+    try:
+      fits = np.broadcast_shapes(weights.shape, lead) == lead
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(f'vector_weights must broadcast to z.shape[:-1]={lead}, '
+                       f'got shape {weights.shape}.')
+    coef = coef * weights[..., None]
+  return _corrected_identity(z, z_tilde, coef)
 
 
 def quantize_with_correction(
@@ -201,16 +226,40 @@ def quantize_with_correction(
   return z_tilde, result
 
 
+def input_derived_key(z: jax.Array, seed: int = 0) -> jax.Array:
+  """A PRNG key determined by the values of ``z`` (no rng stream needed).
+
+  ``fold_in(PRNGKey(seed), bits)`` with ``bits`` the uint32 bit pattern of the
+  float32 sum of ``stop_gradient(z)``: the same input gives the same key,
+  different inputs almost always different keys. Jittable and vmappable.
+
+  Args:
+    z: a floating array of any shape.
+    seed: the base seed.
+
+  Returns:
+    A ``uint32[2]`` PRNG key.
+  """
+  total = jnp.sum(jax.lax.stop_gradient(z).astype(jnp.float32))
+  bits = jax.lax.bitcast_convert_type(total, jnp.uint32)
+  return jax.random.fold_in(jax.random.PRNGKey(seed), bits)
+
+
 class FedLiteQuantizer(nn.Module):
   """Flax layer: grouped PQ + gradient correction (Sections 4.1-4.2).
 
-  Place it at the cut between the client-side and server-side model. Each
-  call draws its k-means key from the ``rng_collection`` stream (pass
-  ``rngs={'quantize': key}`` to ``apply``), quantizes all vectors of its input
-  as one batch and returns ``z~`` with the corrected gradient. It has no
-  parameters. It sows ``quantization_error``, ``relative_error`` and
-  ``compression_ratio`` (float32 scalars) into the ``'intermediates'``
-  collection.
+  Place it at the cut between the client-side and server-side model (e.g. as
+  the last layer of the client module of
+  :func:`fedlite_jax.models.build_split_model`). Each call quantizes all
+  vectors of its input as one batch and returns ``z~`` with the corrected
+  gradient. Its k-means key is, in this order: the ``key`` argument; a key
+  from the ``rng_collection`` stream when ``apply`` provides one
+  (``rngs={'quantize': key}``; ``build_split_model`` passes one whenever it
+  is given a training key); otherwise :func:`input_derived_key` of the input
+  (deterministic, different for different inputs), so the layer needs no rng
+  (e.g. in ``apply_for_eval``). It has no parameters. It sows
+  ``quantization_error``, ``relative_error`` and ``compression_ratio``
+  (float32 scalars) into the ``'intermediates'`` collection.
 
   Attributes:
     q: subvectors per vector.
@@ -233,20 +282,28 @@ class FedLiteQuantizer(nn.Module):
   phi: float = pq.DEFAULT_PHI
   empty_cluster: pq.EmptyClusterRule = 'farthest'
   loss_reduction: LossReduction = 'mean'
-  rng_collection: str = 'quantize'
+  rng_collection: str = RNG_COLLECTION
 
   @nn.compact
   def __call__(self,
                z: jax.Array,
                *,
                enabled: bool = True,
-               num_vectors: int | float | jax.Array | None = None
+               num_vectors: int | float | jax.Array | None = None,
+               key: jax.Array | None = None
               ) -> jax.Array:
-    """Quantizes ``z`` (``[..., d]``); returns ``z`` unchanged if disabled."""
+    """Quantizes ``z`` (``[..., d]``); returns ``z`` unchanged if disabled.
+
+    ``key`` (optional) is the k-means PRNG key; see the class docstring for
+    the fallbacks.
+    """
     if not enabled:
       return z
+    if key is None:
+      key = (self.make_rng(self.rng_collection)
+             if self.has_rng(self.rng_collection) else input_derived_key(z))
     z_tilde, result = quantize_with_correction(
-        z, self.make_rng(self.rng_collection), self.q, self.R, self.L,
+        z, key, self.q, self.R, self.L,
         self.lam, self.num_iters, phi=self.phi,
         empty_cluster=self.empty_cluster, loss_reduction=self.loss_reduction,
         num_vectors=num_vectors)

@@ -28,6 +28,8 @@ import fedjax  # fedlite_jax/__init__.py has patched it already.
 import flax.linen as nn
 import jax
 
+from fedlite_jax.fedlite import vq_layer
+
 Array = jax.Array
 Params = Any  # A pytree of arrays: {'client': ..., 'server': ...}.
 Batch = Mapping[str, Array]
@@ -36,6 +38,7 @@ TrainLoss = Callable[[Batch, Array], Array]
 
 CLIENT = 'client'
 SERVER = 'server'
+_QUANTIZE_FOLD = 1
 
 
 class SplitNet(nn.Module):
@@ -109,7 +112,11 @@ class SplitModel:
 
 
 def _rngs(rng: Optional[PRNGKey]) -> dict[str, PRNGKey]:
-  return {} if rng is None else {'dropout': rng}
+  """Dropout uses ``rng``; a quantizer layer at the cut ``fold_in(rng, 1)``."""
+  if rng is None:
+    return {}
+  return {'dropout': rng,
+          vq_layer.RNG_COLLECTION: jax.random.fold_in(rng, _QUANTIZE_FOLD)}
 
 
 def build_split_model(*, client: nn.Module, server: nn.Module,
@@ -133,7 +140,11 @@ def build_split_model(*, client: nn.Module, server: nn.Module,
   Returns:
     A :class:`SplitModel`; every function in it is ``jax.jit``-compiled.
     ``model.apply_for_train(params, batch, None)`` raises Flax's
-    ``InvalidRngError`` if the model uses dropout.
+    ``InvalidRngError`` if the model uses dropout. Given a key ``rng``, the
+    functions also provide the ``'quantize'`` stream (``fold_in(rng, 1)``) for
+    a :class:`~fedlite_jax.fedlite.FedLiteQuantizer` in ``client`` or
+    ``server``; without one the quantizer derives its k-means key from its
+    input.
   """
   net = SplitNet(client=client, server=server)
 
