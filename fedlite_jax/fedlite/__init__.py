@@ -24,3 +24,5 @@ from fedlite_jax.fedlite.vq_layer import correction_coefficient
 from fedlite_jax.fedlite.vq_layer import FedLiteQuantizer
 from fedlite_jax.fedlite.vq_layer import quantize_with_correction
 from fedlite_jax.fedlite.vq_layer import vq_with_correction
+from fedlite_jax.fedlite.vq_layer import input_derived_key
+from fedlite_jax.fedlite.vq_layer import RNG_COLLECTION
