@@ -19,6 +19,8 @@ from fedlite_jax.rounds.engine import ENGINE_NAMES
 from fedlite_jax.rounds.engine import LoopEngine
 from fedlite_jax.rounds.engine import RoundResult
 from fedlite_jax.rounds.engine import VmapEngine
+from fedlite_jax.rounds.engine import VmappedClients
+from fedlite_jax.rounds.engine import bucket_steps
 from fedlite_jax.rounds.engine import default_engine_name
 from fedlite_jax.rounds.engine import make_engine
 from fedlite_jax.rounds.fedjax_backend import VmapBackend

@@ -10,7 +10,11 @@ such as PVT divide per variable by the weight of the clients that trained it.
   ``jax.vmap`` over clients, ``lax.scan`` over local steps, the weighted sum
   inside the same program. Step counts are padded to a bucket (next power of
   two, or a fixed budget) with masked no-op steps so the compiled shape does
-  not change from round to round. This is the layout for GPU/TPU.
+  not change from round to round. This is the layout for GPU/TPU. The
+  vmapped program itself is :class:`VmappedClients` (padded, bucketed,
+  optionally sharded client axis), which
+  :class:`~fedlite_jax.rounds.VmapBackend` shares for FedJAX's
+  ``for_each_client``.
 * :class:`LoopEngine`: a Python loop over clients calling jitted blocks of
   ``steps_per_call`` unrolled steps. On XLA:CPU a ``while`` loop (scan) or a
   vmap around a convolutional training step is 3-13x slower than per-step
@@ -193,7 +197,20 @@ class LoopEngine:
     return self._output_shapes[key]
 
 
-def _bucket(num_steps: int, policy: str | int) -> int:
+def bucket_steps(num_steps: int, policy: str | int) -> int:
+  """The padded local-step count for a round whose longest client has ``num_steps``.
+
+  Args:
+    num_steps: the most local steps (batches) of any client of the round.
+    policy: 'pow2' (next power of two), 'exact' (``num_steps``) or an int
+      fixed budget.
+
+  Returns:
+    The step count every client is padded to with masked no-op steps.
+
+  Raises:
+    ValueError: an unknown policy, or ``num_steps`` above an int budget.
+  """
   if isinstance(policy, int):
     if num_steps > policy:
       raise ValueError(
@@ -208,8 +225,130 @@ def _bucket(num_steps: int, policy: str | int) -> int:
                    f'got {policy!r}.')
 
 
+class VmappedClients:
+  """A client update for many clients as ONE jitted program (vmap + scan).
+
+  ``jax.vmap`` over a client axis of ``lax.scan`` over local steps. Each
+  client's steps are padded to ``steps`` with masked no-op steps (zero
+  batches; the state after a masked step is bit-identical to the state
+  before it and its step result is zeros). The client axis is padded with
+  padding clients (zero ``client_input``, no steps) to a multiple of the
+  mesh's device count and split over the mesh (``shared_input``
+  replicated). :class:`VmapEngine` (weighted sum inside the program) and
+  :class:`~fedlite_jax.rounds.VmapBackend` (per-client outputs and step
+  results) are this program.
+
+  Args:
+    init: ``(shared_input, client_input) -> state``.
+    step: ``(state, batch) -> (state, step_result)``.
+    final: ``(shared_input, state) -> output``.
+    mesh: the :class:`ClientMesh` to split clients over (several processes
+      allowed); None runs on the default device with no padding clients.
+    reduce: ``(outputs, step_results) -> result``, traced inside the same
+      program (e.g. a sum over clients, which becomes a cross-device
+      all-reduce on a mesh); leaves of ``outputs`` are ``[rows, ...]``, of
+      ``step_results`` ``[rows, steps, ...]``. None returns both unreduced.
+    out_shardings: ``jax.jit`` output shardings of the result (None: XLA's
+      choice).
+  """
+
+  def __init__(self, init: Callable[[PyTree, PyTree], PyTree],
+               step: Callable[[PyTree, Batch], tuple[PyTree, PyTree]],
+               final: Callable[[PyTree, PyTree], PyTree], *,
+               mesh: Optional[sharding.ClientMesh] = None,
+               reduce: Optional[Callable[[PyTree, PyTree], PyTree]] = None,
+               out_shardings: Any = None):
+    self._mesh = mesh
+
+    def one_client(shared_input, client_input, batches, mask):
+      state = init(shared_input, client_input)
+
+      def body(state, xs):
+        batch, m = xs
+        new_state, step_result = step(state, batch)
+        step_result = jax.tree.map(
+            lambda x: jnp.where(m, x, jnp.zeros_like(x)), step_result)
+        return _masked(new_state, state, m), step_result
+
+      state, step_results = jax.lax.scan(body, state, (batches, mask))
+      return final(shared_input, state), step_results
+
+    def run(shared_input, client_inputs, batches, mask):
+      outputs = jax.vmap(one_client, in_axes=(None, 0, 0, 0))(
+          shared_input, client_inputs, batches, mask)
+      return outputs if reduce is None else reduce(*outputs)
+
+    if out_shardings is None:
+      self._run = jax.jit(run)
+    else:
+      self._run = jax.jit(run, out_shardings=out_shardings)
+
+  def rows(self, cohort_size: int) -> np.ndarray:
+    """``[cohort_size]`` int: each client's row of the (global) client axis."""
+    if self._mesh is None:
+      return np.arange(cohort_size)
+    return self._mesh.rows(cohort_size)
+
+  def __call__(self, shared_input: PyTree,
+               client_batches: Sequence[Sequence[Batch]],
+               client_inputs: Sequence[PyTree], steps: int,
+               cohort_size: Optional[int] = None) -> PyTree:
+    """Runs this process's clients; returns ``reduce``'s result.
+
+    Args:
+      shared_input: the same for every client (e.g. the server model).
+      client_batches: per local client (cohort order), its batches; every
+        batch has the same structure and shapes. A client may have none.
+      client_inputs: per local client, the pytree passed to ``init``.
+      steps: the padded step count, >= every client's batch count and the
+        same on every process (:func:`bucket_steps`).
+      cohort_size: clients over all processes (default: the local count).
+
+    Returns:
+      ``reduce(outputs, step_results)`` (default the pair), as global
+      arrays whose client rows are :meth:`rows`; padding rows hold the
+      outputs of padding clients.
+
+    Raises:
+      ValueError: no client has any batch (no batch shapes to pad with).
+    """
+    cohort = len(client_batches) if cohort_size is None else cohort_size
+    mesh = self._mesh
+    rows = cohort if mesh is None else mesh.rows_per_process(cohort)
+    template = next((b[0] for b in client_batches if len(b)), None)
+    if template is None:
+      raise ValueError('No client has any batch; at least one client must '
+                       'run a local step.')
+    padding = jax.tree.map(np.zeros_like, template)
+    pad_input = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)),
+                             client_inputs[0])
+    num_pad = rows - len(client_batches)
+
+    def stack_steps(batches):
+      padded = list(batches) + [padding] * (steps - len(batches))
+      return jax.tree.map(lambda *xs: np.stack(xs), *padded)
+
+    batches = jax.tree.map(
+        lambda *xs: np.stack(xs),
+        *([stack_steps(b) for b in client_batches] +
+          [stack_steps([])] * num_pad))
+    mask = np.stack([np.arange(steps) < len(b) for b in client_batches] +
+                    [np.zeros(steps, bool)] * num_pad)
+    inputs = jax.tree.map(
+        lambda *xs: np.stack([np.asarray(x) for x in xs]),
+        *(list(client_inputs) + [pad_input] * num_pad))
+    if mesh is not None:
+      put = lambda x: mesh.put_clients(np.asarray(x), cohort)
+      batches, mask, inputs = jax.tree.map(put, (batches, mask, inputs))
+      shared_input = mesh.put_replicated(shared_input)
+    return self._run(shared_input, inputs, batches, mask)
+
+
 class VmapEngine:
   """All clients of a round as one compiled program (vmap + scan).
+
+  A :class:`VmappedClients` program whose weighted sum over clients is part
+  of the same program.
 
   Args:
     program: the client update.
@@ -231,81 +370,55 @@ class VmapEngine:
     self._bucket = step_bucket
     self._mesh = mesh
 
-    def one_client(shared_input, client_input, batches, mask, weight):
-      state = program.init(shared_input, client_input)
+    # The client's weight rides in its state (unchanged by every step) so
+    # that ``final`` can weight the output inside the program.
+    def init(shared_input, client_input):
+      inner, weight = client_input
+      return program.init(shared_input, inner), weight
 
-      def body(state, xs):
-        batch, m = xs
-        return _masked(program.step(state, batch), state, m), None
+    def step(state, batch):
+      inner, weight = state
+      return (program.step(inner, batch), weight), None
 
-      state, _ = jax.lax.scan(body, state, (batches, mask))
-      output, diag = program.final(shared_input, state)
+    def final(shared_input, state):
+      inner, weight = state
+      output, diag = program.final(shared_input, inner)
       # where, not a product: a padding client (weight 0) whose output is
       # not finite must not turn the sum into NaN.
       return jax.tree.map(lambda o: jnp.where(weight > 0, weight * o, 0.),
                           output), diag
 
-    def run(shared_input, client_inputs, batches, mask, weights):
-      weighted, diags = jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0))(
-          shared_input, client_inputs, batches, mask, weights)
+    def reduce(outputs, _):
+      weighted, diags = outputs
       return jax.tree.map(lambda x: jnp.sum(x, axis=0), weighted), diags
 
-    if mesh is None:
-      self._run = jax.jit(run)
-    else:
-      self._run = jax.jit(
-          run, out_shardings=(mesh.replicated, mesh.client_sharding))
+    self._clients = VmappedClients(
+        init, step, final, mesh=mesh, reduce=reduce,
+        out_shardings=None if mesh is None else (mesh.replicated,
+                                                 mesh.client_sharding))
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
     _check_cohort(work)
     mesh = self._mesh
     cohort = len(work)
-    steps = _bucket(max(len(w.batches) for w in work), self._bucket)
-    if mesh is None:
-      lo, hi, rows = 0, cohort, cohort
-    else:
-      lo, hi = mesh.local_clients(cohort)
-      rows = mesh.rows_per_process(cohort)
-    local = list(work[lo:hi])
-    template = local[0].batches[0]
-    padding = jax.tree.map(np.zeros_like, template)
-    pad_input = jax.tree.map(np.zeros_like, local[0].client_input)
-
-    def client_batches(batches):
-      padded = list(batches) + [padding] * (steps - len(batches))
-      return jax.tree.map(lambda *xs: np.stack(xs), *padded)
-
-    num_pad = rows - len(local)
-    batches = jax.tree.map(
-        lambda *xs: np.stack(xs),
-        *([client_batches(w.batches) for w in local] +
-          [client_batches([])] * num_pad))
-    mask = np.stack([np.arange(steps) < len(w.batches) for w in local] +
-                    [np.zeros(steps, bool)] * num_pad)
-    client_inputs = jax.tree.map(
-        lambda *xs: np.stack([np.asarray(x) for x in xs]),
-        *([w.client_input for w in local] + [pad_input] * num_pad))
-    weights = np.asarray([w.weight for w in local] + [0.] * num_pad,
-                         np.float32)
-    if mesh is not None:
-      put = lambda x: mesh.put_clients(np.asarray(x), cohort)
-      batches, mask, client_inputs, weights = jax.tree.map(
-          put, (batches, mask, client_inputs, weights))
-      shared_input = mesh.put_replicated(shared_input)
-    weighted_sum, diags = self._run(shared_input, client_inputs, batches, mask,
-                                    weights)
+    steps = bucket_steps(max(len(w.batches) for w in work), self._bucket)
+    lo, hi = (0, cohort) if mesh is None else mesh.local_clients(cohort)
+    local = work[lo:hi]
+    weighted_sum, diags = self._clients(
+        shared_input, [w.batches for w in local],
+        [(w.client_input, np.float32(w.weight)) for w in local], steps,
+        cohort)
     if mesh is None:
       diags = jax.device_get(diags)
-      order = np.arange(cohort)
     else:
       # The replicated sum as this process's own single-device arrays, so the
       # server update that follows is an ordinary (process-local) program.
       weighted_sum = jax.tree.map(lambda x: x.addressable_data(0),
                                   weighted_sum)
       diags = mesh.gather(diags)
-      order = mesh.rows(cohort)
-    per_client = [jax.tree.map(lambda x, i=i: x[i], diags) for i in order]
+    per_client = [jax.tree.map(lambda x, i=i: x[i], diags)
+                  for i in self._clients.rows(cohort)]
     total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
     return RoundResult(weighted_sum, total, per_client)
 

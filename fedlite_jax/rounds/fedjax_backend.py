@@ -5,11 +5,14 @@ FedJAX's own algorithms (``fedjax.algorithms.fed_avg``, ``fed_prox``,
 ``fedjax.for_each_client`` run their clients through a backend. FedJAX's
 ``jit`` backend calls a jitted step per client per batch from Python; its
 ``pmap`` backend needs one device per client. :class:`VmapBackend` runs all
-clients of a call as ONE compiled program: ``jax.vmap`` over clients,
-``lax.scan`` over local steps (padded with masked no-op steps to a power of
-two), and the clients split over a :class:`~fedlite_jax.rounds.sharding.ClientMesh`
-when several devices are present (padding clients with zero inputs fill the
-last device; their outputs are dropped). Select it without touching the
+clients of a call as ONE compiled program, the program of
+:class:`~fedlite_jax.rounds.VmapEngine`
+(:class:`~fedlite_jax.rounds.engine.VmappedClients`): ``jax.vmap`` over
+clients, ``lax.scan`` over local steps (padded with masked no-op steps to a
+power of two), and the clients split over a
+:class:`~fedlite_jax.rounds.sharding.ClientMesh` when several devices are
+present (padding clients with zero inputs fill the last device; their
+outputs are dropped). Select it without touching the
 algorithm, BEFORE building it (FedJAX binds the backend when the algorithm
 calls ``fedjax.for_each_client``, i.e. at construction)::
 
@@ -38,7 +41,6 @@ from typing import Any, Iterable, Iterator, Optional
 
 import fedjax
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.rounds import engine as engine_lib
@@ -78,27 +80,9 @@ class VmapBackend(fedjax.ForEachClientBackend):
     if mesh.multi_process:
       raise ValueError('VmapBackend runs the clients of one process; with '
                        'several processes use the fedlite_jax round engines.')
-    multi = mesh.num_devices > 1
-
-    def one_client(shared_input, client_input, batches, mask):
-      state = client_init(shared_input, client_input)
-
-      def body(state, xs):
-        batch, m = xs
-        new_state, step_result = client_step(state, batch)
-        new_state = engine_lib._masked(new_state, state, m)  # pylint: disable=protected-access
-        step_result = jax.tree.map(
-            lambda x: jnp.where(m, x, jnp.zeros_like(x)), step_result)
-        return new_state, step_result
-
-      state, step_results = jax.lax.scan(body, state, (batches, mask))
-      return client_final(shared_input, state), step_results
-
-    def run_all(shared_input, client_inputs, batches, mask):
-      return jax.vmap(one_client, in_axes=(None, 0, 0, 0))(
-          shared_input, client_inputs, batches, mask)
-
-    run_jit = jax.jit(run_all)
+    program = engine_lib.VmappedClients(
+        client_init, client_step, client_final,
+        mesh=mesh if mesh.num_devices > 1 else None)
 
     def run(shared_input: PyTree,
             clients: Iterable[tuple[Any, Iterable[PyTree], PyTree]]
@@ -109,8 +93,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
       with_batches = [c for c in clients if c[1]]
       if not with_batches:
         raise ValueError('for_each_client: no client has any batch.')
-      template = with_batches[0][1][0]
-      sig = _signature(template)
+      sig = _signature(with_batches[0][1][0])
       for cid, batches, _ in clients:
         for b in batches:
           if _signature(b) != sig:
@@ -118,42 +101,21 @@ class VmapBackend(fedjax.ForEachClientBackend):
                 f'VmapBackend needs equally shaped batches; client {cid!r} '
                 f'has {_signature(b)[1]} vs {sig[1]}. Use shuffle_repeat_batch '
                 'or padded_batch, or the jit backend.')
-      steps = engine_lib._bucket(  # pylint: disable=protected-access
-          max(len(b) for _, b, _ in clients), self._bucket)
-      rows = mesh.padded_size(len(clients)) if multi else len(clients)
-      padding = jax.tree.map(np.zeros_like, template)
-      pad_input = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)),
-                               clients[0][2])
-      padded = clients + [(None, [], pad_input)] * (rows - len(clients))
-
-      def stack_batches(batches):
-        full = batches + [padding] * (steps - len(batches))
-        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
-                            *full)
-
-      batches = jax.tree.map(lambda *xs: np.stack(xs),
-                             *[stack_batches(b) for _, b, _ in padded])
-      mask = np.stack([np.arange(steps) < len(b) for _, b, _ in padded])
-      client_inputs = jax.tree.map(
-          lambda *xs: np.stack([np.asarray(x) for x in xs]),
-          *[cin for _, _, cin in padded])
-      if multi:
-        put = lambda x: jax.device_put(x, mesh.client_sharding)
-        batches, mask, client_inputs = jax.tree.map(
-            put, (batches, mask, client_inputs))
-        shared_input = jax.device_put(shared_input, mesh.replicated)
-      outputs, step_results = run_jit(shared_input, client_inputs, batches,
-                                      mask)
+      steps = engine_lib.bucket_steps(max(len(b) for _, b, _ in clients),
+                                      self._bucket)
+      outputs, step_results = program(
+          shared_input, [b for _, b, _ in clients],
+          [cin for _, _, cin in clients], steps)
       # One unstack per leaf (not one slice per client per leaf); step
-      # results are small and come to the host at once.
+      # results are small and come to the host at once. Single process:
+      # client i is row i; padding rows follow and are dropped.
       leaves, treedef = jax.tree.flatten(outputs)
       per_leaf = [list(x) for x in leaves]
       step_results = jax.device_get(step_results)
-      for i, (cid, client_batches_, _) in enumerate(clients):
+      for i, (cid, client_batches, _) in enumerate(clients):
         output = jax.tree.unflatten(treedef, [leaf[i] for leaf in per_leaf])
         results = [jax.tree.map(lambda x, i=i, t=t: x[i, t], step_results)
-                   for t in range(len(client_batches_))]
+                   for t in range(len(client_batches))]
         yield cid, output, results
 
     return run
-
