@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fedlite_jax  # noqa: F401
 
+import dataclasses
 import math
 
 import fedjax
@@ -110,15 +111,24 @@ def clients():
 
 def _build(split_model, case: str, policy: str, extra_options=None,
            **overrides):
+  """Builds ``case``; ``overrides``/``extra_options`` bypass validation.
+
+  They are applied after ``config_lib.resolve`` (which rejects e.g. an
+  infinite learning rate), to drive the algorithm itself into divergence.
+  """
   config_overrides, options = CASES[case]
   algorithm = config_overrides.get('algorithm', case)
+  fields = {'task': 'emnist', 'algorithm': algorithm, 'client_batch_size': 4,
+            'client_lr': 0.1}
+  if algorithm not in ('splitfed', 'fedlite'):  # they take no round engine
+    fields['round_engine'] = 'loop'
   config = config_lib.resolve(
-      config_lib.RunConfig(**{
-          'task': 'emnist', 'algorithm': algorithm, 'client_batch_size': 4,
-          'client_lr': 0.1, 'round_engine': 'loop', **overrides},
-          options={**options, **(extra_options or {}),
-                   'nonfinite_updates': policy}),
+      config_lib.RunConfig(**fields,
+                           options={**options, 'nonfinite_updates': policy}),
       tasks.get_task('emnist').defaults)
+  config = dataclasses.replace(
+      config, **overrides,
+      options={**config.options, **(extra_options or {})})
   params = split_model.model.init(jax.random.PRNGKey(0))
   ctx = registry.BuildContext(
       config=config, split_model=split_model,
