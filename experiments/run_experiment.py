@@ -53,8 +53,9 @@ flags.DEFINE_integer('max_examples_per_client', None,
 flags.DEFINE_enum('client_optimizer', None, list(config_lib.CLIENT_OPTIMIZERS),
                   'Client optimizer.')
 flags.DEFINE_float('client_lr', None, 'Client learning rate.')
-flags.DEFINE_float('client_clip_norm', _D.client_clip_norm,
-                   'Client gradient global-norm clip (0 = off).')
+flags.DEFINE_float('client_clip_norm', None,
+                   'Client gradient global-norm clip (0 = off; default: the '
+                   'task\'s).')
 flags.DEFINE_enum('server_optimizer', None, list(config_lib.SERVER_OPTIMIZERS),
                   'Server optimizer (sgd = FedAvg, adam = FedAdam).')
 flags.DEFINE_float('server_lr', None, 'Server learning rate.')

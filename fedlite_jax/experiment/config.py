@@ -72,7 +72,7 @@ class RunConfig:
   max_examples_per_client: Optional[int] = None  # cap per round (0 = none)
   client_optimizer: Optional[str] = None
   client_lr: Optional[float] = None
-  client_clip_norm: float = 0.0             # global-norm clip; 0 = off
+  client_clip_norm: Optional[float] = None  # global-norm clip; 0 = off
   server_optimizer: Optional[str] = None
   server_lr: Optional[float] = None
   server_beta1: float = 0.9
@@ -203,6 +203,8 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
     raise ConfigError(str(e)) from None
   filled['options'] = _resolve_options(spec, dict(filled['options']),
                                        task_defaults.get('options', {}))
+  if filled['client_clip_norm'] is None:  # Tasks without a clip default.
+    filled['client_clip_norm'] = 0.0
   config = RunConfig(**filled)
   for name in ('num_rounds', 'clients_per_round', 'client_batch_size',
                'client_epochs', 'eval_every', 'eval_batch_size', 'client_lr',

@@ -412,7 +412,11 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       'init_checkpoint': None if init is None else init.describe(),
       'flags': dataclasses.asdict(config),
   }
+  failure = evaluation.training_failure(final_eval, task.chance_loss(info))
+  summary.update(status='failed' if failure else 'ok', failure=failure)
   outputs.write_summary(scratch, summary)
   outputs.plot_curves(scratch, rows, task.metric,
                       f'{config.task} / {config.algorithm} (seed {config.seed})')
+  evaluation.check_trained(final_eval, task.chance_loss(info),
+                           output_dir=str(out))
   return summary
