@@ -290,8 +290,11 @@ def test_rows_cover_many_bad_inputs():
 
 def test_good_tiny_data_trains(repo_root, data, tmp_path):
   """The fixture's good copy trains: the data rows fail for their reason."""
+  # A small client lr: one round on a few random examples must not leave
+  # the model worse than chance (the runner fails such a run).
   proc = _run(repo_root, BASE + EMNIST + [f'--data_dir={data}/good',
                                           '--eval_num_clients=2',
+                                          '--client_lr=0.001',
                                           f'--output_dir={tmp_path}/out'],
               {}, tmp_path)
   assert proc.returncode == 0, proc.stderr[-4000:]
