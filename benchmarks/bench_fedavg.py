@@ -28,7 +28,7 @@ import optax
 from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import federated_averaging
-from fedlite_jax.experiment.runner import client_rng
+from fedlite_jax.training.runner import client_rng
 
 
 def main() -> None:

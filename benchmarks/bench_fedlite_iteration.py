@@ -46,7 +46,7 @@ import optax
 from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import splitfed as sf
-from fedlite_jax.experiment import runner
+from fedlite_jax.training import runner
 from fedlite_jax.fedlite import pq
 
 LAMBDA = 5e-5

@@ -10,7 +10,7 @@ both built as the experiment runner builds ``--algorithm=igc_static`` and
 of :func:`fedlite_jax.models.create_emnist_cnn` (1,206,590 parameters), client
 SGD, server SGD at rate 1, the default round engine. Both see the same
 sampled FEMNIST-105 clients, the same batches and the same PRNG keys
-(:func:`fedlite_jax.experiment.runner.client_rng`).
+(:func:`fedlite_jax.training.runner.client_rng`).
 
 IGC's extra work per round: one ``A^T delta`` per client (L = 2**21 for this
 model) inside the client's compiled ``final`` step, and one ``A sigma`` on the
@@ -47,7 +47,7 @@ from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import compressed_sgd
 from fedlite_jax.algorithms import igc
-from fedlite_jax.experiment.runner import client_rng
+from fedlite_jax.training.runner import client_rng
 from fedlite_jax.igc import fastfood as ff
 
 

@@ -52,7 +52,7 @@ from fedlite_jax.algorithms import efficient
 from fedlite_jax.algorithms import federated_averaging
 from fedlite_jax.algorithms import pvt
 from fedlite_jax.datasets import sentencepiece_vocab
-from fedlite_jax.experiment.runner import client_rng
+from fedlite_jax.training.runner import client_rng
 from fedlite_jax.models import lm
 
 

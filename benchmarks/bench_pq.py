@@ -115,7 +115,7 @@ def femnist_activations(num_clients: int, batch_size: int,
   from fedlite_jax import datasets
   from fedlite_jax import models
   from fedlite_jax.algorithms import splitfed
-  from fedlite_jax.experiment import runner
+  from fedlite_jax.training import runner
   # pylint: enable=g-import-not-at-top
   train, _, _ = datasets.load_federated_data('emnist')
   split_model = models.create_emnist_cnn(62)

@@ -39,7 +39,7 @@ import optax
 from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import federated_averaging
-from fedlite_jax.experiment.runner import client_rng
+from fedlite_jax.training.runner import client_rng
 from fedlite_jax.rounds import VmapBackend
 from fedlite_jax.rounds import make_client_mesh
 from fedlite_jax.rounds import use_client_mesh

@@ -51,8 +51,8 @@ from fedlite_jax import models
 from fedlite_jax.algorithms import federated_averaging
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.algorithms import splitfed as sf
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import runner
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import runner
 from fedlite_jax.fedlite import pq
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ baselines (the shape of Melas-Kyriazi & Wang 2022, Figure 1 / Table 2).
 
   FEDLITE_DATA_DIR=/path/to/data python experiments/igc_bandwidth_accuracy.py
 
-Runs, in-process through ``fedlite_jax.experiment.run`` (each run is also a
+Runs, in-process through ``fedlite_jax.training.run`` (each run is also a
 flagfile in ``experiments/configs/igc_*.flags`` for
 ``experiments/run_experiment.py``): uncompressed SGD (one local step per
 round), FedAvg with 2 and 5 local steps (for R/2 and R/5 rounds: the same
@@ -42,10 +42,10 @@ import fedlite_jax  # noqa: F401  (FedJAX compatibility first)
 import jax
 import numpy as np
 
-from fedlite_jax.experiment import algo_baselines  # noqa: F401  (registers)
-from fedlite_jax.experiment import algo_igc  # noqa: F401  (registers)
-from fedlite_jax.experiment import RunConfig
-from fedlite_jax.experiment import run
+from fedlite_jax.training import algo_baselines  # noqa: F401  (registers)
+from fedlite_jax.training import algo_igc  # noqa: F401  (registers)
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import run
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 

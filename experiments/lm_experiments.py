@@ -26,7 +26,7 @@ examples per client, 1 local epoch; the ``transformer_tiny`` preset (and
 ``lstm_tiny``), far smaller than Table 1; 10 clients per round and a few
 hundred rounds instead of 800 x 10K. Evaluation: all test snippets.
 Everything is seeded (``--seed``); keys per round and client come from
-``fedlite_jax.experiment.runner.client_rng``.
+``fedlite_jax.training.runner.client_rng``.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ from fedlite_jax import transforms
 from fedlite_jax.algorithms import efficient
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.datasets import sentencepiece_vocab
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import init_params
-from fedlite_jax.experiment import pretrain
-from fedlite_jax.experiment import runner
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import init_params
+from fedlite_jax.training import pretrain
+from fedlite_jax.training import runner
 from fedlite_jax.models import lm
 
 flags.DEFINE_string('data_dir', None, 'Shakespeare data directory.')

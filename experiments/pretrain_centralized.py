@@ -31,8 +31,8 @@ import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 import jax
 
 from fedlite_jax.datasets import sentencepiece_vocab
-from fedlite_jax.experiment import init_params
-from fedlite_jax.experiment import pretrain
+from fedlite_jax.training import init_params
+from fedlite_jax.training import pretrain
 from fedlite_jax.models import lm
 
 flags.DEFINE_enum('task', 'shakespeare', sorted(sentencepiece_vocab.SP_TASKS),

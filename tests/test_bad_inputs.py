@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 from fedlite_jax import datasets
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import registry
+from fedlite_jax.training import tasks
 
 BASE = ['--num_rounds=1', '--progress=false']
 EMB = ['--num_clients=5', '--clients_per_round=2',

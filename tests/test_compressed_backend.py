@@ -28,8 +28,8 @@ import pytest
 from fedlite_jax import datasets
 from fedlite_jax import transforms as T
 from fedlite_jax.algorithms import efficient
-from fedlite_jax.experiment import RunConfig
-from fedlite_jax.experiment import run
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import run
 from fedlite_jax.models import emnist
 from fedlite_jax.rounds import CompressedBackend
 from fedlite_jax.rounds import compressed_backend

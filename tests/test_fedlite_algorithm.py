@@ -25,11 +25,11 @@ from fedlite_jax import models
 from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import split_accounting as acc
 from fedlite_jax.algorithms import splitfed as sf
-from fedlite_jax.experiment import algo_splitfed
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import runner
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import algo_splitfed
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import registry
+from fedlite_jax.training import runner
+from fedlite_jax.training import tasks
 from fedlite_jax.fedlite import pq
 from fedlite_jax.fedlite import vq_layer
 

@@ -27,10 +27,10 @@ from fedlite_jax import datasets
 from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import igc
-from fedlite_jax.experiment import algo_igc  # noqa: F401  (registers igc_*)
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import algo_igc  # noqa: F401  (registers igc_*)
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import registry
+from fedlite_jax.training import tasks
 from fedlite_jax.igc import fastfood as ff
 
 LR = 0.5

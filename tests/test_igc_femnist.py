@@ -21,14 +21,14 @@ from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import compressed_sgd
 from fedlite_jax.algorithms import fetchsgd
 from fedlite_jax.algorithms import igc
-from fedlite_jax.experiment import algo_baselines  # noqa: F401
-from fedlite_jax.experiment import algo_igc  # noqa: F401
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import tasks
-from fedlite_jax.experiment import RunConfig
-from fedlite_jax.experiment import run
+from fedlite_jax.training import algo_baselines  # noqa: F401
+from fedlite_jax.training import algo_igc  # noqa: F401
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import registry
+from fedlite_jax.training import tasks
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import run
 
 ROUNDS = 12
 COHORT = 10

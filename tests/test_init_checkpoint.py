@@ -21,10 +21,10 @@ import pytest
 from fedlite_jax import checkpoint
 from fedlite_jax import models
 from fedlite_jax.algorithms import ServerState
-from fedlite_jax.experiment import ConfigError
-from fedlite_jax.experiment import RunConfig
-from fedlite_jax.experiment import init_params
-from fedlite_jax.experiment import run
+from fedlite_jax.training import ConfigError
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import init_params
+from fedlite_jax.training import run
 
 # embedded_mnist in 100 clients (~40 training examples each): 3 clients of 2
 # local steps per round, 5 test clients.

@@ -21,9 +21,9 @@ from fedlite_jax.algorithms import efficient
 from fedlite_jax.algorithms import pvt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.comm import lm_costs
-from fedlite_jax.experiment import algo_lm
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.training import algo_lm
+from fedlite_jax.training import registry
+from fedlite_jax.training.config import ConfigError
 from fedlite_jax.models import lm
 
 ETA = 0.5

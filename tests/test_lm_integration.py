@@ -15,11 +15,11 @@ import pytest
 
 from fedlite_jax.algorithms import fedavg
 from fedlite_jax.comm import CommLedger
-from fedlite_jax.experiment import algo_lm
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import lm_tasks
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import runner
+from fedlite_jax.training import algo_lm
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import lm_tasks
+from fedlite_jax.training import registry
+from fedlite_jax.training import runner
 from fedlite_jax.models import lm
 
 

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import init_params
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import init_params
 from fedlite_jax.models import lm
 
 V = 4096

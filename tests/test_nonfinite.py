@@ -31,10 +31,10 @@ from fedlite_jax import models
 from fedlite_jax.algorithms import nonfinite
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.comm import CommLedger
-from fedlite_jax.experiment import compression_options
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import compression_options
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import registry
+from fedlite_jax.training import tasks
 from fedlite_jax.rounds import ClientProgram
 
 BAD = b'bad'

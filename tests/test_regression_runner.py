@@ -59,8 +59,8 @@ CASES = {
 
 def run_case(name: str, data_dir: str, output_dir: str) -> dict:
   """Runs one case; returns {'loss', 'upload_bytes', 'download_bytes'}."""
-  from fedlite_jax.experiment import RunConfig  # pylint: disable=g-import-not-at-top
-  from fedlite_jax.experiment import run  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import RunConfig  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import run  # pylint: disable=g-import-not-at-top
   overrides, options = CASES[name]
   summary = run(RunConfig(**{**BASE, **overrides}, data_dir=data_dir,
                           output_dir=output_dir, options=options))

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from fedlite_jax import checkpoint
-from fedlite_jax.experiment import ConfigError
-from fedlite_jax.experiment import RunConfig
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import outputs
-from fedlite_jax.experiment import run
-from fedlite_jax.experiment import runner
+from fedlite_jax.training import ConfigError
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import outputs
+from fedlite_jax.training import run
+from fedlite_jax.training import runner
 
 SMALL = dict(task='embedded_mnist', num_clients=12, clients_per_round=3,
              client_batch_size=32, eval_every=2, progress=False, seed=3)

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 from fedlite_jax import checkpoint
-from fedlite_jax.experiment import ConfigError
-from fedlite_jax.experiment import RunConfig
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import outputs
-from fedlite_jax.experiment import run
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import ConfigError
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import outputs
+from fedlite_jax.training import run
+from fedlite_jax.training import tasks
 
 # embedded_mnist in 100 clients: 3 clients of 2 local steps per round.
 # Evaluations every round; checkpoints after rounds 3 and 5 (the end).
@@ -50,7 +50,7 @@ _DRIVER = textwrap.dedent('''
       return count[0] == n
 
     if what == 'evaluate':  # before the n-th evaluation
-      from fedlite_jax.experiment import evaluation
+      from fedlite_jax.training import evaluation
       real_evaluate = evaluation.evaluate
       def evaluate(*args, **kwargs):
         if nth():
@@ -67,7 +67,7 @@ _DRIVER = textwrap.dedent('''
         return fd, name
       tempfile.mkstemp = mkstemp
     elif what == 'metrics_line':  # amid the n-th metrics.jsonl line
-      from fedlite_jax.experiment import outputs
+      from fedlite_jax.training import outputs
       real_write = outputs.MetricsWriter.write
       def write(self, row):
         if nth():
@@ -200,7 +200,7 @@ def test_second_run_into_a_locked_output_dir_fails(repo_root, tmp_path):
   holder = subprocess.Popen(
       [sys.executable, '-c', textwrap.dedent('''
           import sys
-          from fedlite_jax.experiment import outputs
+          from fedlite_jax.training import outputs
           with outputs.lock_output_dir(sys.argv[1]):
             print('locked', flush=True)
             sys.stdin.read()

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import pytest
 
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import runner
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import runner
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 
@@ -53,8 +53,8 @@ _HELPER = textwrap.dedent('''
     import jax
     import numpy as np
     from fedlite_jax import checkpoint
-    from fedlite_jax.experiment import config as config_lib
-    from fedlite_jax.experiment import runner
+    from fedlite_jax.training import config as config_lib
+    from fedlite_jax.training import runner
 
     def final_leaves(out):
       path = checkpoint.latest_checkpoint(pathlib.Path(out) / 'checkpoints')

@@ -20,8 +20,8 @@ import pytest
 from fedlite_jax import transforms as T
 from fedlite_jax.algorithms import compressed_sgd
 from fedlite_jax.algorithms import efficient
-from fedlite_jax.experiment import algo_lm
-from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.training import algo_lm
+from fedlite_jax.training.config import ConfigError
 
 D = 5000
 EXAMPLE = {'w': jax.ShapeDtypeStruct((40, 100), jnp.float32),

@@ -24,11 +24,11 @@ import jax
 import pytest
 
 from fedlite_jax import datasets
-from fedlite_jax.experiment import RunConfig
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import run
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import run
+from fedlite_jax.training import tasks
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -26,13 +26,13 @@ pkgs = {  # target name -> (folder, deps, doc)
   'transforms': ('fedlite_jax/transforms', [':igc', ':quantization'], 'Composable compression transforms with bit costs.'),
   'quantization': ('fedlite_jax/quantization', [], 'Stochastic k-level quantization, TernGrad.'),
   'fedlite': ('fedlite_jax/fedlite', [], 'Grouped product quantization and the VQ layer.'),
-  'experiment': ('fedlite_jax/experiment', [':algorithms', ':comm', ':datasets', ':models', ':checkpoint_lib'], 'Experiment runner library.'),
+  'training': ('fedlite_jax/training', [':algorithms', ':comm', ':datasets', ':models', ':checkpoint_lib'], 'Training package: the experiment runner library.'),
 }
 ext = {
   'fedlite_jax': ['jax', 'numpy', 'fedjax'], 'datasets': ['fedjax', 'numpy', 'h5py', 'mlxtend', 'absl-py', 'msgpack'],
   'models': ['flax', 'jax', 'fedjax'], 'rounds': ['jax', 'numpy'], 'comm': [], 'algorithms': ['absl-py', 'fedjax', 'jax', 'numpy', 'optax'],
   'igc': ['jax', 'numpy'], 'transforms': ['jax', 'numpy'], 'quantization': ['jax'], 'fedlite': ['jax', 'flax'],
-  'experiment': ['absl-py', 'fedjax', 'jax', 'matplotlib', 'optax', 'tensorboardX', 'tqdm'],
+  'training': ['absl-py', 'fedjax', 'jax', 'matplotlib', 'optax', 'tensorboardX', 'tqdm'],
 }
 out = ['# Bazel targets (rules_python). tests/test_build.py checks that every module,',
        '# binary and test file is named here exactly once.', '',
@@ -60,11 +60,11 @@ out += ['py_library(', '    name = "checkpoint_lib",', '    srcs = ["fedlite_jax
 for p in files('experiments'):
   n = pathlib.Path(p).stem
   out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',
-          '    data = glob(["experiments/configs/*.flags"]),', '    deps = [":experiment"],', ')', '']
+          '    data = glob(["experiments/configs/*.flags"]),', '    deps = [":training"],', ')', '']
 for p in files('benchmarks'):
   n = pathlib.Path(p).stem
   out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',
-          '    deps = [":experiment"],', ')', '']
+          '    deps = [":training"],', ')', '']
 out += ['py_library(', '    name = "test_support",', '    testonly = True,', '    srcs = ["tests/conftest.py"],',
         '    deps = [":fedlite_jax", requirement("pytest")],', ')', '']
 for p in files('tests'):
@@ -76,7 +76,7 @@ for p in files('tests'):
                'test_regression_runner', 'test_compressed_backend')
   out += ['py_test(', f'    name = "{n}",', f'    srcs = ["{p}"],',
           f'    size = "{"large" if big else "medium"}",', '    data = ["BUILD"],',
-          '    deps = [":experiment", ":test_support"],', ')', '']
+          '    deps = [":training", ":test_support"],', ')', '']
 out += ['# The quickstart notebook runs under pytest --nbmake (see README).', 'filegroup(',
         '    name = "notebooks",', '    srcs = glob(["notebooks/*.ipynb"]),', ')', '']
 pathlib.Path('BUILD').write_text('\n'.join(out))

@@ -16,7 +16,7 @@ process 0 first, so process ``p`` holds the block of rows ``[p * C_pad / P,
 possible (``C // P`` or one more, in cohort order) and fill the first rows of
 their process's block. Each process loads only its own clients' data
 (:class:`fedlite_jax.rounds.remote.RemoteClientDataset` stands in for the
-others; see ``fedlite_jax.experiment.runner``).
+others; see ``fedlite_jax.training.runner``).
 
 Several hosts: :func:`initialize_distributed` wraps
 ``jax.distributed.initialize`` (CPU collectives through gloo) with a timeout

@@ -31,7 +31,7 @@ import pathlib
 import shutil
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
-from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.training.config import ConfigError
 
 RUN_FILE = 'run.json'
 LOCK_FILE = '.lock'

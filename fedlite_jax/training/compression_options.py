@@ -1,6 +1,6 @@
 """Options shared by the compressed-update algorithms (one flag each).
 
-The same :class:`~fedlite_jax.experiment.registry.Option` object is listed by
+The same :class:`~fedlite_jax.training.registry.Option` object is listed by
 several algorithms (``registry.register`` accepts an option name used by
 several algorithms when the options are identical), e.g. ``--local_steps``
 for ``sgd``, ``topk``, ``fetchsgd`` and every ``igc_*``.
@@ -12,7 +12,7 @@ import zlib
 
 from fedlite_jax.algorithms import local_delta
 from fedlite_jax.algorithms import nonfinite
-from fedlite_jax.experiment import registry
+from fedlite_jax.training import registry
 
 Option = registry.Option
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import fedjax
 
 from fedlite_jax.algorithms import igc
-from fedlite_jax.experiment import compression_options as common
-from fedlite_jax.experiment import optimizers
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.training import compression_options as common
+from fedlite_jax.training import optimizers
+from fedlite_jax.training import registry
+from fedlite_jax.training.config import ConfigError
 from fedlite_jax.igc import fastfood
 from fedlite_jax import transforms
 

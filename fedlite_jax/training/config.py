@@ -120,7 +120,7 @@ class RunConfig:
 
   def fingerprint(self) -> dict[str, Any]:
     """The result-determining settings (stored in and checked by checkpoints)."""
-    from fedlite_jax.experiment import registry  # pylint: disable=g-import-not-at-top
+    from fedlite_jax.training import registry  # pylint: disable=g-import-not-at-top
     known = registry.all_options()
     out = {k: v for k, v in dataclasses.asdict(self).items()
            if k not in self.NON_RESULT_FIELDS and k != 'options'}
@@ -196,7 +196,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   explicit = _explicit_fields(config, task_defaults)
   filled = {k: (task_defaults[k] if v is None and k in task_defaults else v)
             for k, v in dataclasses.asdict(config).items()}
-  from fedlite_jax.experiment import registry  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import registry  # pylint: disable=g-import-not-at-top
   try:
     spec = registry.get(filled['algorithm'])
   except ValueError as e:
@@ -319,7 +319,7 @@ def check_explicit(config: RunConfig, names: Iterable[str]) -> None:
     ConfigError: naming the first such setting and the tasks, algorithms or
       settings it belongs to; an unknown option name.
   """
-  from fedlite_jax.experiment import registry  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import registry  # pylint: disable=g-import-not-at-top
   specs = registry.algorithms()
   spec = specs[config.algorithm]
   own = {o.name for o in spec.options}

@@ -2,8 +2,8 @@
 
 Each algorithm module registers an :class:`AlgorithmSpec` with its builder and
 its own options (which ``experiments/run_experiment.py`` turns into absl
-flags, and :class:`~fedlite_jax.experiment.config.RunConfig` carries in
-``options``). New algorithms add a module under ``fedlite_jax/experiment/``
+flags, and :class:`~fedlite_jax.training.config.RunConfig` carries in
+``options``). New algorithms add a module under ``fedlite_jax/training/``
 that calls :func:`register`; nothing else in the runner changes.
 
 Contract of a built algorithm (``fedjax.FederatedAlgorithm``):
@@ -56,7 +56,7 @@ class BuildContext:
     split_model: the task's SplitModel (``.model`` is the fedjax.Model).
     num_params: number of scalar model parameters (D).
     train_client_ids: the training clients' ids, in FedJAX order.
-    info: the task's dataset info (``fedlite_jax.experiment.tasks.LoadedInfo``).
+    info: the task's dataset info (``fedlite_jax.training.tasks.LoadedInfo``).
   """
   config: Any
   split_model: Any
@@ -125,7 +125,7 @@ def register(spec: AlgorithmSpec) -> AlgorithmSpec:
 
 def algorithms() -> dict[str, AlgorithmSpec]:
   """All registered algorithms (imports the built-in ones first)."""
-  from fedlite_jax.experiment import builtin_algorithms  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  from fedlite_jax.training import builtin_algorithms  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   return dict(_REGISTRY)
 
 

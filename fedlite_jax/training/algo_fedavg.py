@@ -1,6 +1,6 @@
 """``--algorithm=fedavg``: FedAvg / FedAdam (server optimizer by flag).
 
-With the compression flags of :mod:`fedlite_jax.experiment.algo_lm`
+With the compression flags of :mod:`fedlite_jax.training.algo_lm`
 (``--download_bits``, ``--upload_quantizer``, ``--pvt_fraction``, ...) it
 becomes the efficient FedAvg of Ro et al. (2022); with their defaults it is
 exactly :func:`fedlite_jax.algorithms.federated_averaging`.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import fedjax
 
 from fedlite_jax.algorithms import fedavg
-from fedlite_jax.experiment import algo_lm
-from fedlite_jax.experiment import compression_options
-from fedlite_jax.experiment import optimizers
-from fedlite_jax.experiment import registry
+from fedlite_jax.training import algo_lm
+from fedlite_jax.training import compression_options
+from fedlite_jax.training import optimizers
+from fedlite_jax.training import registry
 
 
 def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:

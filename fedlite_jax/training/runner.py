@@ -49,12 +49,12 @@ import tqdm
 from fedlite_jax import checkpoint
 from fedlite_jax.algorithms import fedavg
 from fedlite_jax.comm import CommLedger
-from fedlite_jax.experiment import config as config_lib
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import init_params
-from fedlite_jax.experiment import outputs
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment import tasks
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import init_params
+from fedlite_jax.training import outputs
+from fedlite_jax.training import registry
+from fedlite_jax.training import tasks
 from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding

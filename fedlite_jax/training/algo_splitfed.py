@@ -23,10 +23,10 @@ import fedjax
 
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.algorithms import splitfed
-from fedlite_jax.experiment import compression_options as common
-from fedlite_jax.experiment import optimizers
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.training import compression_options as common
+from fedlite_jax.training import optimizers
+from fedlite_jax.training import registry
+from fedlite_jax.training.config import ConfigError
 from fedlite_jax.fedlite import pq
 
 Option = registry.Option

@@ -47,10 +47,10 @@ from fedlite_jax import quantization
 from fedlite_jax import transforms
 from fedlite_jax.algorithms import efficient
 from fedlite_jax.algorithms import fedavg
-from fedlite_jax.experiment import compression_options as common
-from fedlite_jax.experiment import optimizers
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.training import compression_options as common
+from fedlite_jax.training import optimizers
+from fedlite_jax.training import registry
+from fedlite_jax.training.config import ConfigError
 
 Option = registry.Option
 

@@ -22,11 +22,11 @@ import fedjax
 
 from fedlite_jax.algorithms import compressed_sgd
 from fedlite_jax.algorithms import fetchsgd as fetchsgd_lib
-from fedlite_jax.experiment import algo_lm
-from fedlite_jax.experiment import compression_options as common
-from fedlite_jax.experiment import optimizers
-from fedlite_jax.experiment import registry
-from fedlite_jax.experiment.config import ConfigError
+from fedlite_jax.training import algo_lm
+from fedlite_jax.training import compression_options as common
+from fedlite_jax.training import optimizers
+from fedlite_jax.training import registry
+from fedlite_jax.training.config import ConfigError
 from fedlite_jax import transforms
 
 Option = registry.Option

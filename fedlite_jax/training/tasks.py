@@ -44,10 +44,10 @@ from typing import Any, Callable
 
 from fedlite_jax import datasets
 from fedlite_jax import models
-from fedlite_jax.experiment import evaluation
-from fedlite_jax.experiment import lm_tasks
-from fedlite_jax.experiment.config import ConfigError
-from fedlite_jax.experiment.config import RunConfig
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import lm_tasks
+from fedlite_jax.training.config import ConfigError
+from fedlite_jax.training.config import RunConfig
 
 _EMNIST_DEFAULTS = dict(
     num_rounds=200, clients_per_round=10, client_batch_size=20,
@@ -80,7 +80,7 @@ class Task:
 
     ``log(num_classes)`` (for language models, perplexity = the output
     vocabulary size), or ``num_tags * log(2)`` for multi-label tags; see
-    :func:`fedlite_jax.experiment.evaluation.chance_loss`.
+    :func:`fedlite_jax.training.evaluation.chance_loss`.
     """
     return evaluation.chance_loss(info.dataset.num_classes, self.multilabel)
 

@@ -104,7 +104,7 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
   if not _is_params_file(payload):
     raise ValueError(f'--init_checkpoint={os.fspath(path)}: not a {FORMAT} '
                      'file (write it with '
-                     'fedlite_jax.experiment.init_params.save_params).')
+                     'fedlite_jax.training.init_params.save_params).')
   return payload
 
 

@@ -3,7 +3,7 @@
 Ro et al. (2022), Sec. 5 and App. D: pretrain centrally (Adam, batch 16,
 beta 0.9/0.999, eps 1e-8, optional clip norm 16) on a corpus other than the
 federated one (Books, LM1B), then warm-start federated training from the
-pretrained parameters (:mod:`fedlite_jax.experiment.init_params`,
+pretrained parameters (:mod:`fedlite_jax.training.init_params`,
 ``--init_checkpoint``).
 
 Corpora here (real text, no download):

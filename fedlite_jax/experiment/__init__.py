@@ -1,8 +1,0 @@
-"""The experiment runner behind ``experiments/run_experiment.py``.
-
-Usable without absl: build a :class:`RunConfig` and call :func:`run`.
-"""
-
-from fedlite_jax.experiment.config import ConfigError
-from fedlite_jax.experiment.config import RunConfig
-from fedlite_jax.experiment.runner import run

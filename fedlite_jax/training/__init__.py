@@ -1,0 +1,8 @@
+"""The experiment runner behind ``experiments/run_experiment.py``.
+
+Usable without absl: build a :class:`RunConfig` and call :func:`run`.
+"""
+
+from fedlite_jax.training.config import ConfigError
+from fedlite_jax.training.config import RunConfig
+from fedlite_jax.training.runner import run
