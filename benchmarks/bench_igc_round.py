@@ -3,7 +3,7 @@
 
 One round of :func:`fedlite_jax.algorithms.igc.intrinsic_gradient_compression`
 (static: K = 1, no time variation; Melas-Kyriazi & Wang 2022, Algorithm 1)
-against one round of :func:`fedlite_jax.algorithms.compressed_sgd.compressed_sgd`
+against one round of :func:`fedlite_jax.algorithms.fedopt.compressed_sgd`
 with ``upload=None`` (uncompressed SGD for one local step, FedAvg for more),
 both built as the experiment runner builds ``--algorithm=igc_static`` and
 ``--algorithm=sgd`` (``algo_igc.py`` / ``algo_baselines.py``): the EMNIST CNN
@@ -45,7 +45,7 @@ import optax
 
 from fedlite_jax import datasets
 from fedlite_jax import models
-from fedlite_jax.algorithms import compressed_sgd
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import igc
 from fedlite_jax.training.runner import client_rng
 from fedlite_jax.igc import fastfood as ff
@@ -54,7 +54,7 @@ from fedlite_jax.igc import fastfood as ff
 def build(grad_fn, local_steps: int, batch_size: int, d: int, lr: float,
           client_ids) -> dict[str, fedjax.FederatedAlgorithm]:
   """The two algorithms, configured as the runner does."""
-  sgd = compressed_sgd.compressed_sgd(
+  sgd = fedopt.compressed_sgd(
       grad_fn, optax.sgd(lr), optax.sgd(1.0), batch_size=batch_size,
       local_steps=local_steps, upload=None, download_accounting='dense',
       client_ids=client_ids, name='sgd')

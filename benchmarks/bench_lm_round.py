@@ -48,9 +48,9 @@ import numpy as np
 import optax
 
 from fedlite_jax import transforms
-from fedlite_jax.algorithms import efficient
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import federated_averaging
-from fedlite_jax.algorithms import pvt
+from fedlite_jax.transforms import pvt
 from fedlite_jax.datasets import sentencepiece_vocab
 from fedlite_jax.training.runner import client_rng
 from fedlite_jax.models import lm
@@ -198,13 +198,13 @@ def main() -> None:
   algs = {
       'FedAvg': federated_averaging(grad_fn, client_opt, server_opt, hp,
                                     engine=args.engine),
-      f'{label}, gated grads': efficient.efficient_federated_averaging(
+      f'{label}, gated grads': fedopt.efficient_federated_averaging(
           grad_fn, client_opt, server_opt, hp, engine=args.engine,
-          compression=efficient.Compression(upload=upload,
+          compression=fedopt.Compression(upload=upload,
                                             pvt_fraction=args.pvt)),
-      f'{label}, masked full grads': efficient.efficient_federated_averaging(
+      f'{label}, masked full grads': fedopt.efficient_federated_averaging(
           grad_fn, client_opt, server_opt, hp, engine=args.engine,
-          compression=efficient.Compression(upload=upload,
+          compression=fedopt.Compression(upload=upload,
                                             pvt_fraction=args.pvt,
                                             pvt_skip_frozen=False)),
   }

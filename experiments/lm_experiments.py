@@ -51,7 +51,7 @@ import numpy as np
 import optax
 
 from fedlite_jax import transforms
-from fedlite_jax.algorithms import efficient
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.datasets import sentencepiece_vocab
 from fedlite_jax.training import evaluation
@@ -185,7 +185,7 @@ def _same_config(stored: dict, spec: RunSpec) -> bool:
           stored['seed'] == FLAGS.seed)
 
 
-def _compression(spec: RunSpec) -> efficient.Compression:
+def _compression(spec: RunSpec) -> fedopt.Compression:
   download = (None if spec.download_bits == 32 else
               transforms.uniform_quantization(spec.download_bits))
   upload = {
@@ -195,7 +195,7 @@ def _compression(spec: RunSpec) -> efficient.Compression:
       'terngrad': transforms.terngrad(),
       'terngrad_noclip': transforms.terngrad(clip_std=None),
   }[spec.upload]
-  return efficient.Compression(download=download, upload=upload,
+  return fedopt.Compression(download=download, upload=upload,
                                pvt_fraction=spec.pvt)
 
 
@@ -206,13 +206,13 @@ def _algorithm(spec: RunSpec, model: fedjax.Model) -> Any:
   if spec.algorithm == 'mime_lite':
     base = optax.chain(optax.clip_by_global_norm(spec.client_clip),
                        optax.adagrad(spec.mime_lr, eps=spec.mime_eps))
-    return efficient.efficient_mime_lite(
+    return fedopt.efficient_mime_lite(
         grad_fn, base, hp, grads_batch_size=BATCH, server_learning_rate=1.0,
         compression=comp, seed=FLAGS.seed, engine='loop')
   client = optax.chain(optax.clip_by_global_norm(spec.client_clip),
                        optax.sgd(spec.client_lr))
   server = optax.adam(spec.server_lr, b1=0.9, b2=0.999, eps=1e-8)
-  return efficient.efficient_federated_averaging(
+  return fedopt.efficient_federated_averaging(
       grad_fn, client, server, hp, fedprox_mu=spec.fedprox_mu,
       compression=comp, seed=FLAGS.seed, engine='loop')
 

@@ -1,16 +1,22 @@
 """Checkpoints: exact round trip, corrupt and mismatched files fail loudly."""
 
 import numpy as np
+import jax.numpy as jnp
 import optax
 import pytest
 
 from fedlite_jax import checkpoint
-from fedlite_jax.algorithms import ServerState
+from fedlite_jax.algorithms import FedOptState
 
+
+def _server(params):
+  ints = jnp.zeros((0,), jnp.int32)
+  return FedOptState(params, optax.adam(1e-3).init(params),
+                     jnp.zeros((), jnp.int32), ints, ints)
 
 def _state(scale=1.0, shape=(2, 3)):
   params = {'w': np.arange(np.prod(shape), dtype=np.float32).reshape(shape) * scale}
-  return {'server': ServerState(params, optax.adam(1e-3).init(params)),
+  return {'server': _server(params),
           'ledger': {'upload_bits': 12.5, 'rounds': 3}}
 
 
@@ -25,7 +31,7 @@ def test_roundtrip_is_exact_and_keeps_latest(tmp_path):
   np.testing.assert_array_equal(state['server'].params['w'],
                                 _state(6)['server'].params['w'])
   assert state['ledger'] == {'upload_bits': 12.5, 'rounds': 3}
-  assert isinstance(state['server'], ServerState)
+  assert isinstance(state['server'], FedOptState)
 
 
 def test_corrupt_checkpoint(tmp_path):

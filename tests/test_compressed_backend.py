@@ -27,7 +27,7 @@ import pytest
 
 from fedlite_jax import datasets
 from fedlite_jax import transforms as T
-from fedlite_jax.algorithms import efficient
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import run
 from fedlite_jax.models import emnist
@@ -123,9 +123,9 @@ def test_fed_avg_backend_equals_efficient_builder(femnist_train, cnn):
     theirs = fed_avg.federated_averaging(
         fedjax.model_grad(model), fedjax.optimizers.sgd(0.1),
         fedjax.optimizers.sgd(1.0), hp)
-  ours = efficient.efficient_federated_averaging(
+  ours = fedopt.efficient_federated_averaging(
       fedjax.model_grad(model), optax.sgd(0.1), optax.sgd(1.0), hp,
-      compression=efficient.Compression(upload=up, download=down), seed=3,
+      compression=fedopt.Compression(upload=up, download=down), seed=3,
       engine='loop')
   their_state, our_state = theirs.init(params), ours.init(params)
   for r in range(2):
@@ -140,8 +140,8 @@ def test_fed_avg_backend_equals_efficient_builder(femnist_train, cnn):
                 for cid, d in backend.client_bits[r].items()}
   assert _max_diff(their_state.params, params) > 1e-3  # not vacuous
   # Same key derivation constants as the builder.
-  assert compressed_backend.UPLOAD_STREAM == efficient.UPLOAD_STREAM
-  assert compressed_backend.DOWNLOAD_STREAM == efficient.DOWNLOAD_STREAM
+  assert compressed_backend.UPLOAD_STREAM == fedopt.UPLOAD_STREAM
+  assert compressed_backend.DOWNLOAD_STREAM == fedopt.DOWNLOAD_STREAM
 
 
 @pytest.fixture(scope='module')

@@ -15,7 +15,6 @@ import pytest
 
 from fedlite_jax import datasets
 from fedlite_jax import models
-from fedlite_jax.algorithms import ServerState
 from fedlite_jax.algorithms import federated_averaging
 
 
@@ -47,7 +46,7 @@ def _compare_rounds(ref, ours, params, clients, rounds, tol):
   ref_state = ref.init(params)
   diag = None
   for _ in range(rounds):
-    start = ServerState(ref_state.params, ref_state.opt_state)
+    start = ours.init(ref_state.params).replace(opt_state=ref_state.opt_state)
     our_state, diag = ours.apply(start, clients)
     ref_state, _ = ref.apply(ref_state, clients)
     assert _max_diff(ref_state.params, our_state.params) < tol

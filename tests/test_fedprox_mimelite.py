@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from fedlite_jax import datasets
-from fedlite_jax.algorithms import efficient
+from fedlite_jax.algorithms import fedopt
 
 
 @pytest.fixture(scope='module')
@@ -67,13 +67,13 @@ def test_fedprox_matches_fedjax(femnist, mu, server):
       fedjax.model_per_example_loss(model), fedjax.optimizers.sgd(0.1),
       fedjax.optimizers.create_optimizer_from_optax(server_opt), hp,
       proximal_weight=mu)
-  ours = efficient.efficient_federated_averaging(
+  ours = fedopt.efficient_federated_averaging(
       fedjax.model_grad(model), optax.sgd(0.1), server_opt, hp,
       fedprox_mu=mu, engine='loop')
   ref_state = ref.init(params)
   for r in range(2):
-    start = efficient.EfficientState(ref_state.params, ref_state.opt_state,
-                                     jnp.asarray(r, jnp.int32))
+    start = ours.init(ref_state.params).replace(
+        opt_state=ref_state.opt_state, round=jnp.asarray(r, jnp.int32))
     our_state, diag = ours.apply(start, femnist)
     ref_state, _ = ref.apply(ref_state, femnist)
     assert _max_diff(ref_state.params, our_state.params) < 2e-6
@@ -93,13 +93,13 @@ def test_mimelite_matches_fedjax(femnist, engine):
       fedjax.model_per_example_loss(model),
       fedjax.optimizers.create_optimizer_from_optax(base), hp,
       fedjax.PaddedBatchHParams(batch_size=64), server_learning_rate=0.7)
-  ours = efficient.efficient_mime_lite(
+  ours = fedopt.efficient_mime_lite(
       fedjax.model_grad(model), base, hp, grads_batch_size=64,
       server_learning_rate=0.7, engine=engine)
   ref_state = ref.init(params)
   for r in range(2):
-    start = efficient.EfficientState(ref_state.params, ref_state.opt_state,
-                                     jnp.asarray(r, jnp.int32))
+    start = ours.init(ref_state.params).replace(
+        opt_state=ref_state.opt_state, round=jnp.asarray(r, jnp.int32))
     our_state, diag = ours.apply(start, femnist)
     ref_state, _ = ref.apply(ref_state, femnist)
     assert _max_diff(ref_state.params, our_state.params) < 2e-6
@@ -137,7 +137,7 @@ def test_fedprox_closed_form_two_steps():
   counts = [4, 12]
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=None,
                                         num_steps=2, seed=0)
-  alg = efficient.efficient_federated_averaging(
+  alg = fedopt.efficient_federated_averaging(
       _quadratic_grad, optax.sgd(eta), optax.sgd(1.0), hp, fedprox_mu=mu,
       engine='loop')
   state, _ = alg.apply(alg.init({'w': jnp.asarray(w0)}),
@@ -159,7 +159,7 @@ def test_mimelite_closed_form_sgd_base():
   counts = [3, 5]
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=8, num_epochs=None,
                                         num_steps=1, seed=0)
-  alg = efficient.efficient_mime_lite(
+  alg = fedopt.efficient_mime_lite(
       _quadratic_grad, optax.sgd(eta), hp, grads_batch_size=4,
       server_learning_rate=s, engine='loop')
   state, _ = alg.apply(alg.init({'w': jnp.asarray(w0)}),
@@ -171,11 +171,11 @@ def test_mimelite_closed_form_sgd_base():
 
 def test_bad_settings_raise():
   with pytest.raises(ValueError, match='fedprox_mu'):
-    efficient.efficient_federated_averaging(
+    fedopt.efficient_federated_averaging(
         _quadratic_grad, optax.sgd(0.1), optax.sgd(1.0),
         fedjax.ShuffleRepeatBatchHParams(batch_size=2), fedprox_mu=-1.0)
   with pytest.raises(ValueError, match='grads_batch_size'):
-    efficient.efficient_mime_lite(
+    fedopt.efficient_mime_lite(
         _quadratic_grad, optax.sgd(0.1),
         fedjax.ShuffleRepeatBatchHParams(batch_size=2), grads_batch_size=0)
 
@@ -183,7 +183,7 @@ def test_bad_settings_raise():
 def test_nonfinite_update_is_a_clear_error():
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=None,
                                         num_steps=1, seed=0)
-  alg = efficient.efficient_federated_averaging(
+  alg = fedopt.efficient_federated_averaging(
       _quadratic_grad, optax.sgd(float('nan')), optax.sgd(1.0), hp,
       engine='loop')
   with pytest.raises(FloatingPointError, match='non-finite'):

@@ -24,9 +24,8 @@ from jax.flatten_util import ravel_pytree
 from fedlite_jax import datasets
 from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import batching
-from fedlite_jax.algorithms import compressed_sgd
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd
-from fedlite_jax.algorithms import local_delta
 
 LR = 0.5
 BATCH = 16
@@ -91,7 +90,7 @@ def _run(alg, params, rounds):
 def test_sgd_and_fedavg_local_steps_match_reference(setup, local_steps):
   grad_fn, params0, ids, _ = setup
   rounds = _rounds(setup, PATTERN[:3])
-  alg = compressed_sgd.compressed_sgd(
+  alg = fedopt.compressed_sgd(
       grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
       local_steps=local_steps, client_ids=ids, engine='loop')
   _, history, diags = _run(alg, params0, rounds)
@@ -112,7 +111,7 @@ def test_local_topk_matches_numpy_reference(setup, index_bits):
   grad_fn, params0, ids, _ = setup
   k = 300
   rounds = _rounds(setup, PATTERN[:3])
-  alg = compressed_sgd.compressed_sgd(
+  alg = fedopt.compressed_sgd(
       grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
       upload=tx.top_k(k, index_bits), download_accounting='changed',
       client_ids=ids, engine='loop')
@@ -188,25 +187,25 @@ def test_changed_counts_hand_computed():
   for changed in ([0, 1], [1, 2], [5]):
     new = theta[-1].copy()
     new[changed] += 1.0
-    last = np.asarray(local_delta.mark_changed(
+    last = np.asarray(fedopt.mark_changed(
         jnp.asarray(last), jnp.asarray(theta[-1]), jnp.asarray(new),
         jnp.asarray(len(theta) - 1)))
     theta.append(new)
   np.testing.assert_array_equal(last, [0, 1, 1, -1, -1, 2])
   # A client downloading at round 3 that last took part in round p (-1:
   # never, it knows theta_0) needs the weights changed by rounds p..2.
-  counts = local_delta.changed_counts(jnp.asarray(last),
-                                      jnp.asarray([-1, 0, 1, 2, 3]))
+  counts = fedopt.changed_counts(jnp.asarray(last),
+                                 jnp.asarray([-1, 0, 1, 2, 3]))
   np.testing.assert_array_equal(np.asarray(counts), [4, 4, 3, 1, 0])
   # The same in bits, and dense accounting: 32 x D for every client, also
   # when no participation history is kept (no client ids: W = 0 rows).
   np.testing.assert_array_equal(
-      local_delta.download_bits('changed', 6, 5, jnp.asarray(last),
-                                jnp.asarray([-1, 0, 1, 2, 3])),
+      fedopt.download_bits('changed', 32 * 6, 5, jnp.asarray(last),
+                           jnp.asarray([-1, 0, 1, 2, 3])),
       [128, 128, 96, 32, 0])
   np.testing.assert_array_equal(
-      local_delta.download_bits('dense', 6, 3, jnp.asarray(last),
-                                jnp.zeros((0,), jnp.int32)), [192] * 3)
+      fedopt.download_bits('dense', 32 * 6, 3, jnp.asarray(last),
+                           jnp.zeros((0,), jnp.int32)), [192] * 3)
 
 
 @pytest.mark.parametrize('method', ['topk', 'fetchsgd'])
@@ -214,7 +213,7 @@ def test_download_is_weights_changed_since_last_participation(setup, method):
   grad_fn, params0, ids, _ = setup
   rounds = _rounds(setup, PATTERN)
   if method == 'topk':
-    alg = compressed_sgd.compressed_sgd(
+    alg = fedopt.compressed_sgd(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(50), download_accounting='changed', client_ids=ids,
         engine='loop')
@@ -240,20 +239,20 @@ def test_bad_settings(setup):
     fetchsgd.fetchsgd(grad_fn, optax.sgd(LR), batch_size=BATCH, rows=3,
                       cols=10, k=D + 1, client_ids=ids).init(params0)
   with pytest.raises(ValueError, match='exceeds'):
-    compressed_sgd.compressed_sgd(
+    fedopt.compressed_sgd(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(D + 1)).init(params0)
   with pytest.raises(ValueError, match='stateless'):
-    compressed_sgd.compressed_sgd(
+    fedopt.compressed_sgd(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(5, error_feedback=True)).init(params0)
   with pytest.raises(ValueError, match='client_ids'):
-    compressed_sgd.compressed_sgd(
+    fedopt.compressed_sgd(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(5), download_accounting='changed')
   with pytest.raises(ValueError, match='momentum'):
     fetchsgd.fetchsgd(grad_fn, optax.sgd(LR), batch_size=BATCH, rows=3,
                       cols=10, k=5, momentum=1.0, download_accounting='dense')
   with pytest.raises(ValueError, match='local_steps'):
-    compressed_sgd.compressed_sgd(grad_fn, optax.sgd(LR), optax.sgd(1.0),
+    fedopt.compressed_sgd(grad_fn, optax.sgd(LR), optax.sgd(1.0),
                                   batch_size=BATCH, local_steps=0)

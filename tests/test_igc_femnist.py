@@ -18,7 +18,7 @@ import pytest
 
 from fedlite_jax import datasets
 from fedlite_jax import transforms as tx
-from fedlite_jax.algorithms import compressed_sgd
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd
 from fedlite_jax.algorithms import igc
 from fedlite_jax.training import algo_baselines  # noqa: F401
@@ -66,11 +66,11 @@ def _builders(grad_fn, ids, rpe):
   ig = lambda **kw: igc.intrinsic_gradient_compression(
       grad_fn, sgd(), server(), intrinsic_dim=2048, seed=1, **common, **kw)
   return {
-      'sgd': lambda: compressed_sgd.compressed_sgd(grad_fn, sgd(), server(),
+      'sgd': lambda: fedopt.compressed_sgd(grad_fn, sgd(), server(),
                                                    **common),
-      'fedavg_3_steps': lambda: compressed_sgd.compressed_sgd(
+      'fedavg_3_steps': lambda: fedopt.compressed_sgd(
           grad_fn, sgd(), server(), local_steps=3, **common),
-      'topk': lambda: compressed_sgd.compressed_sgd(
+      'topk': lambda: fedopt.compressed_sgd(
           grad_fn, sgd(), server(), upload=tx.top_k(2000),
           download_accounting='changed', **common),
       'fetchsgd': lambda: fetchsgd.fetchsgd(

@@ -15,12 +15,13 @@ import sys
 
 import jax
 import numpy as np
+import jax.numpy as jnp
 import optax
 import pytest
 
 from fedlite_jax import checkpoint
 from fedlite_jax import models
-from fedlite_jax.algorithms import ServerState
+from fedlite_jax.algorithms import FedOptState
 from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import init_params
@@ -31,6 +32,11 @@ from fedlite_jax.training import run
 TINY = dict(task='embedded_mnist', num_clients=100, clients_per_round=3,
             client_batch_size=20, eval_num_clients=5, progress=False, seed=3)
 
+
+def _server(params):
+  ints = jnp.zeros((0,), jnp.int32)
+  return FedOptState(params, optax.adam(1e-3).init(params),
+                     jnp.zeros((), jnp.int32), ints, ints)
 
 def _rows(out_dir):
   return [json.loads(l) for l in
@@ -183,7 +189,7 @@ def test_load_parameter_file_checks_structure_shape_dtype(tmp_path):
 
 
 def _server_state(params):
-  return {'server': ServerState(params, optax.adam(1e-3).init(params)),
+  return {'server': _server(params),
           'ledger': {'upload_bits': 1.0}}
 
 

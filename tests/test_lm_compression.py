@@ -17,8 +17,8 @@ import optax
 import pytest
 
 from fedlite_jax import transforms
-from fedlite_jax.algorithms import efficient
-from fedlite_jax.algorithms import pvt
+from fedlite_jax.algorithms import fedopt
+from fedlite_jax.transforms import pvt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.comm import lm_costs
 from fedlite_jax.training import algo_lm
@@ -52,15 +52,15 @@ HP = fedjax.ShuffleRepeatBatchHParams(batch_size=4, num_epochs=None,
 
 
 def _one_round(compression, centers=(1.5,)):
-  alg = efficient.efficient_federated_averaging(
+  alg = fedopt.efficient_federated_averaging(
       _grad_fn, optax.sgd(ETA), optax.sgd(1.0), HP, compression=compression,
       engine='loop')
   return alg.apply(alg.init(PARAMS), _clients(centers))
 
 
 def test_uniform_upload_error_bound_and_bits():
-  plain, _ = _one_round(efficient.Compression())
-  state, diag = _one_round(efficient.Compression(
+  plain, _ = _one_round(fedopt.Compression())
+  state, diag = _one_round(fedopt.Compression(
       upload=transforms.uniform_quantization(4)))
   sizes = [x.size for x in jax.tree.leaves(PARAMS)]
   (d,) = diag.values()
@@ -79,7 +79,7 @@ def test_uniform_upload_error_bound_and_bits():
 
 @pytest.mark.parametrize('clip', [None, 2.5])
 def test_terngrad_upload_values_and_bits(clip):
-  state, diag = _one_round(efficient.Compression(
+  state, diag = _one_round(fedopt.Compression(
       upload=transforms.terngrad(clip_std=clip)))
   sizes = [x.size for x in jax.tree.leaves(PARAMS)]
   (d,) = diag.values()
@@ -94,7 +94,7 @@ def test_download_quantization_clients_start_from_quantized_model():
   # One SGD step from the received model m: delta = eta * g(m), and g is
   # affine in m, so m = w0 - (w0 - w1) ... solved per leaf below. With 1-bit
   # download quantization every entry of m is the leaf's min or max.
-  state, diag = _one_round(efficient.Compression(
+  state, diag = _one_round(fedopt.Compression(
       download=transforms.uniform_quantization(1)), centers=(0.0,))
   sizes = [x.size for x in jax.tree.leaves(PARAMS)]
   (d,) = diag.values()
@@ -108,14 +108,13 @@ def test_download_quantization_clients_start_from_quantized_model():
 
 
 def test_download_quantization_is_fresh_per_round_and_unbiased():
-  comp = efficient.Compression(download=transforms.uniform_quantization(2))
-  alg = efficient.efficient_federated_averaging(
+  comp = fedopt.Compression(download=transforms.uniform_quantization(2))
+  alg = fedopt.efficient_federated_averaging(
       _grad_fn, optax.sgd(ETA), optax.sgd(1.0), HP, compression=comp,
       engine='loop')
   received = []
   for r in range(2):  # same server model, rounds 0 and 1
-    start = efficient.EfficientState(PARAMS, alg.init(PARAMS).opt_state,
-                                     jnp.asarray(r, jnp.int32))
+    start = alg.init(PARAMS).replace(round=jnp.asarray(r, jnp.int32))
     new, _ = alg.apply(start, _clients([0.0]))
     received.append([np.asarray((w0 - w1) / ETA) for w0, w1 in zip(
         jax.tree.leaves(PARAMS), jax.tree.leaves(new.params))])
@@ -124,7 +123,7 @@ def test_download_quantization_is_fresh_per_round_and_unbiased():
   t = transforms.uniform_quantization(2)
   encode = jax.jit(lambda k: t.encode(PARAMS, (), k)[0].values)
   keys = [jax.random.fold_in(jax.random.fold_in(
-      jax.random.PRNGKey(0), efficient.DOWNLOAD_STREAM), r) for r in range(200)]
+      jax.random.PRNGKey(0), fedopt.DOWNLOAD_STREAM), r) for r in range(200)]
   draws = [encode(k) for k in keys]
   mean = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs), 0), *draws)
   for w0, m in zip(jax.tree.leaves(PARAMS), jax.tree.leaves(mean)):
@@ -135,9 +134,9 @@ def test_download_quantization_is_fresh_per_round_and_unbiased():
 def test_mime_lite_with_pvt_and_quantization_bits():
   params = {'a': {'kernel': jnp.ones((3, 4))}, 'b': {'kernel': jnp.ones(6)},
             'c': {'bias': jnp.zeros(2)}}
-  alg = efficient.efficient_mime_lite(
+  alg = fedopt.efficient_mime_lite(
       _grad_fn, optax.adagrad(0.1), HP, grads_batch_size=2,
-      compression=efficient.Compression(
+      compression=fedopt.Compression(
           upload=transforms.uniform_quantization(8),
           download=transforms.uniform_quantization(16), pvt_fraction=0.6),
       engine='loop')
@@ -186,7 +185,7 @@ def test_table8_efficient_transformer_with_our_bit_accounting():
   # download: per-client bits summed by the ledger over 10K rounds.
   shapes = lm.param_shapes('transformer_large')
   plan = pvt.make_plan(shapes, 0.4)
-  leaf_bits = efficient.leaf_bits(transforms.uniform_quantization(8), shapes)
+  leaf_bits = pvt.leaf_bits(transforms.uniform_quantization(8), shapes)
   keys = jax.random.split(jax.random.PRNGKey(0), 10_000)
   masks = np.asarray(jax.jit(jax.vmap(lambda k: pvt.sample_mask(plan, k)))(
       keys))
@@ -238,8 +237,8 @@ def test_any_stateless_transform_chain_works_without_pvt():
   # the chain's static message size. Under PVT it is rejected clearly.
   up = transforms.chain(transforms.top_k(6),
                         transforms.uniform_quantization(8))
-  _, diag = _one_round(efficient.Compression(upload=up))
+  _, diag = _one_round(fedopt.Compression(upload=up))
   (d,) = diag.values()
   assert d['upload_bits'] == transforms.message_bits(up, PARAMS)
   with pytest.raises(ValueError, match='sum over'):
-    _one_round(efficient.Compression(upload=up, pvt_fraction=0.6))
+    _one_round(fedopt.Compression(upload=up, pvt_fraction=0.6))

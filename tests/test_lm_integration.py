@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedlite_jax.algorithms import fedavg
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.training import algo_lm
 from fedlite_jax.training import config as config_lib
@@ -97,22 +97,3 @@ def test_registry_algorithms_run_a_round(sp_task, algorithm, options):
   assert ledger.summary()['upload_compression'] > 1
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
 
-
-def test_fedavg_builder_is_plain_fedavg_without_compression(sp_task):
-  cfg, train, _, info = sp_task
-  opts = {o.name: o.default for o in algo_lm.COMPRESSION_OPTIONS}
-  config = types.SimpleNamespace(
-      options=opts, client_optimizer='sgd', client_lr=0.1,
-      client_clip_norm=0.0, server_optimizer='sgd', server_lr=1.0,
-      server_beta1=0.9, server_beta2=0.999, server_eps=None,
-      client_batch_size=16, client_epochs=1, round_engine='loop',
-      steps_per_call=1, seed=0)
-  split_model = lm_tasks.build_lm(cfg, info)
-  params = split_model.model.init(jax.random.PRNGKey(0))
-  ctx = registry.BuildContext(config=config, split_model=split_model,
-                              num_params=1, train_client_ids=(), info=info)
-  state = algo_lm.build_fedavg(ctx).init(params)
-  assert isinstance(state, fedavg.ServerState)
-  config.options = {**opts, 'upload_quantizer': 'uniform', 'upload_bits': 8}
-  state = algo_lm.build_fedavg(ctx).init(params)
-  assert not isinstance(state, fedavg.ServerState)

@@ -18,9 +18,9 @@ import optax
 import pytest
 
 from fedlite_jax import transforms
-from fedlite_jax.algorithms import efficient
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import federated_averaging
-from fedlite_jax.algorithms import pvt
+from fedlite_jax.transforms import pvt
 from fedlite_jax.models import lm
 
 
@@ -136,9 +136,9 @@ def test_pvt_100_percent_equals_fedavg(tiny_lm):
   server = optax.adam(1e-2)
   ref = federated_averaging(grad_fn, optax.sgd(0.1), server, hp,
                             engine='loop')
-  ours = efficient.efficient_federated_averaging(
+  ours = fedopt.efficient_federated_averaging(
       grad_fn, optax.sgd(0.1), server, hp,
-      compression=efficient.Compression(pvt_fraction=1.0), engine='loop')
+      compression=fedopt.Compression(pvt_fraction=1.0), engine='loop')
   ref_state, _ = ref.apply(ref.init(params), clients)
   our_state, diag = ours.apply(ours.init(params), clients)
   assert _max_diff(ref_state.params, our_state.params) < 1e-6  # float order
@@ -153,9 +153,9 @@ def test_pvt_upload_bits_and_frozen_variables(tiny_lm):
   model, params = tiny_lm
   clients = _token_clients(3, 128, seed=1)
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=16)
-  alg = efficient.efficient_federated_averaging(
+  alg = fedopt.efficient_federated_averaging(
       fedjax.model_grad(model), optax.sgd(0.5), optax.sgd(1.0), hp,
-      compression=efficient.Compression(
+      compression=fedopt.Compression(
           upload=transforms.uniform_quantization(8), pvt_fraction=0.4),
       engine='loop')
   leaves = jax.tree.leaves(params)
@@ -202,9 +202,9 @@ def test_server_averages_each_variable_over_its_trainers():
              for i, (c, n) in enumerate(zip(centers, counts))]
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=None,
                                         num_steps=1, seed=0)
-  alg = efficient.efficient_federated_averaging(
+  alg = fedopt.efficient_federated_averaging(
       grad_fn, optax.sgd(eta), optax.sgd(1.0), hp,
-      compression=efficient.Compression(pvt_fraction=0.5), engine='loop')
+      compression=fedopt.Compression(pvt_fraction=0.5), engine='loop')
   state, diag = alg.apply(alg.init(params), clients)
   masks = np.stack([np.asarray(diag[cid]['pvt_mask']) for cid, _, _ in
                     clients])
@@ -225,78 +225,3 @@ def _lm_batch(vocab, seed=0, batch=4, length=30):
   y = np.roll(x, -1, axis=1)
   y[:, -3:] = 0
   return {'x': x, 'y': y, '__mask__': np.ones(batch, bool)}
-
-
-@pytest.mark.parametrize('arch', ['transformer', 'lstm'])
-def test_gated_grad_equals_masked_full_gradient(arch):
-  # The split program runs the same primitives on the same inputs: equal to
-  # the masked full gradient (bit-identical on XLA:CPU here; tolerance for
-  # other platforms' fusion choices), for random masks and the all-True one.
-  config = (lm.LMConfig('transformer', 32, 64, 2, 2) if arch == 'transformer'
-            else lm.LMConfig('lstm', 16, 32, 1))
-  model = lm.create_lm(config, vocab_size=128).model
-  params = model.init(jax.random.PRNGKey(0))
-  grad_fn = fedjax.model_grad(model)
-  plan = pvt.make_plan(params, 0.4)
-  gated = jax.jit(pvt.gated_grad_fn(grad_fn, plan.freezable))
-  ref = jax.jit(lambda p, b, r, m: pvt.apply_mask(grad_fn(p, b, r), m))
-  batch = _lm_batch(128)
-  key = jax.random.PRNGKey(3)
-  masks = [np.asarray(pvt.sample_mask(plan, jax.random.PRNGKey(i)))
-           for i in range(6)] + [np.ones(len(plan.sizes), bool)]
-  assert len({m.tobytes() for m in masks}) > 2
-  for mask in masks:
-    got, want = gated(params, batch, key, mask), ref(params, batch, key, mask)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for g, w, m in zip(jax.tree.leaves(got), jax.tree.leaves(want), mask):
-      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
-      if not m:
-        assert not np.any(np.asarray(g))  # frozen: exactly zero
-
-
-def test_gated_grad_skips_frozen_weight_gradients():
-  # Structure: the weight-gradient matmul of each freezable dense kernel sits
-  # in a lax.cond (one per freezable leaf with backward work of its own).
-  model = lm.create_lm(lm.LMConfig('transformer', 32, 64, 1, 2),
-                       vocab_size=128).model
-  params = model.init(jax.random.PRNGKey(0))
-  plan = pvt.make_plan(params, 0.4)
-  gated = pvt.gated_grad_fn(fedjax.model_grad(model), plan.freezable)
-  mask = np.ones(len(plan.sizes), bool)
-  jaxpr = jax.make_jaxpr(gated)(params, _lm_batch(128), jax.random.PRNGKey(0),
-                                mask).jaxpr
-  conds = [e for e in jaxpr.eqns if e.primitive.name == 'cond']
-  kernels = [n for n, f in zip(plan.names, plan.freezable)
-             if f and n.endswith('kernel')]
-  assert len(conds) >= len(kernels)
-  for e in conds:  # each true branch does real work (a dot or scatter)
-    names = {q.primitive.name for q in e.params['branches'][1].jaxpr.eqns}
-    assert names & {'dot_general', 'scatter-add', 'mul', 'reduce_sum'}
-  with pytest.raises(ValueError, match='gate has'):
-    jax.make_jaxpr(pvt.gated_grad_fn(fedjax.model_grad(model), [True]))(
-        params, _lm_batch(128), jax.random.PRNGKey(0), mask)
-
-
-@pytest.mark.parametrize('engine', ['loop', 'vmap'])
-def test_pvt_skip_frozen_round_equals_masked_reference(tiny_lm, engine):
-  # A whole PVT 40% + 8-bit upload round: the gated client gradient and the
-  # masked full gradient give the same server model and diagnostics.
-  model, params = tiny_lm
-  clients = _token_clients(3, 128, seed=2)
-  hp = fedjax.ShuffleRepeatBatchHParams(batch_size=16)
-  states, diags = [], []
-  for skip in (True, False):
-    alg = efficient.efficient_federated_averaging(
-        fedjax.model_grad(model), optax.sgd(0.5), optax.adam(1e-2), hp,
-        compression=efficient.Compression(
-            upload=transforms.uniform_quantization(8), pvt_fraction=0.4,
-            pvt_skip_frozen=skip),
-        engine=engine)
-    state, diag = alg.apply(alg.init(params), clients)
-    states.append(state)
-    diags.append(diag)
-  assert _max_diff(states[0].params, states[1].params) < 1e-6
-  for cid, _, _ in clients:
-    np.testing.assert_array_equal(diags[0][cid]['pvt_mask'],
-                                  diags[1][cid]['pvt_mask'])
-    assert diags[0][cid]['upload_bits'] == diags[1][cid]['upload_bits']

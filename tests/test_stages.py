@@ -18,8 +18,7 @@ import optax
 import pytest
 
 from fedlite_jax import transforms as T
-from fedlite_jax.algorithms import compressed_sgd
-from fedlite_jax.algorithms import efficient
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.training import algo_lm
 from fedlite_jax.training.config import ConfigError
 
@@ -123,22 +122,22 @@ def test_efficient_accepts_read_only_and_refuses_error_feedback():
   grad = lambda p, b, r: p
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2)
   igc = T.chain(T.intrinsic_projection(8), T.uniform_quantization(8))
-  alg = efficient.efficient_federated_averaging(
+  alg = fedopt.efficient_federated_averaging(
       grad, optax.sgd(0.1), optax.sgd(1.0), hp,
-      compression=efficient.Compression(upload=igc))
+      compression=fedopt.Compression(upload=igc))
   alg.init(params)  # No "must be stateless" any more.
-  bad = efficient.efficient_federated_averaging(
+  bad = fedopt.efficient_federated_averaging(
       grad, optax.sgd(0.1), optax.sgd(1.0), hp,
-      compression=efficient.Compression(upload=T.top_k(
+      compression=fedopt.Compression(upload=T.top_k(
           5, error_feedback=True)))
   with pytest.raises(ValueError, match='upload transform updates its state'):
     bad.init(params)
-  sgd_bad = compressed_sgd.compressed_sgd(
+  sgd_bad = fedopt.compressed_sgd(
       grad, optax.sgd(0.1), optax.sgd(1.0), batch_size=2,
       upload=T.top_k(5, error_feedback=True))
   with pytest.raises(ValueError, match='updates its state'):
     sgd_bad.init(params)
-  compressed_sgd.compressed_sgd(
+  fedopt.compressed_sgd(
       grad, optax.sgd(0.1), optax.sgd(1.0), batch_size=2,
       upload=T.chain(T.top_k(5), T.uniform_quantization(8))).init(params)
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import local_delta
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
@@ -102,7 +102,7 @@ def fetchsgd_server_step(mean_sketch: jax.Array, momentum: jax.Array,
 
 
 def fetchsgd(
-    grad_fn: local_delta.GradFn,
+    grad_fn: fedopt.GradFn,
     client_optimizer: optax.GradientTransformation,
     *,
     batch_size: int,
@@ -150,40 +150,36 @@ def fetchsgd(
       every sketch non-finite (``'skip'``), or a non-finite server state
       (model, momentum or error accumulator).
   """
-  rows = local_delta.check_positive_int(rows, 'sketch_rows')
-  cols = local_delta.check_positive_int(cols, 'sketch_cols')
-  k = local_delta.check_positive_int(k, 'topk_k')
+  rows = fedopt.check_positive_int(rows, 'sketch_rows')
+  cols = fedopt.check_positive_int(cols, 'sketch_cols')
+  k = fedopt.check_positive_int(k, 'topk_k')
   if not 0 <= momentum < 1:
     raise ValueError(f'momentum must be in [0, 1); got {momentum}.')
   if not server_lr > 0:
     raise ValueError(f'server_lr must be > 0; got {server_lr}.')
-  local_delta.check_choice(download_accounting, local_delta.DOWNLOAD_ACCOUNTING,
+  fedopt.check_choice(download_accounting, fedopt.DOWNLOAD_ACCOUNTING,
                            'download_accounting')
   nonfinite_lib.check_policy(nonfinite)
-  index = local_delta.client_id_index(client_ids)
+  index = fedopt.client_id_index(client_ids)
   if download_accounting == 'changed' and not index:
     raise ValueError("download_accounting='changed' needs the training "
                      'client_ids.')
-  hparams = local_delta.batch_hparams(batch_size, local_steps)
+  hparams = fedopt.batch_hparams(batch_size, local_steps)
   upload = tx.count_sketch(rows, cols, seed)
   upload_bits = tx.sketch_message_bits(rows, cols)
 
-  def compress(shared, client_input, delta):
-    del shared
-    msg, _ = upload.encode(delta, (), local_delta.compression_key(client_input))
+  def compress(shared, client_input, delta, mask):
+    del shared, mask  # no PVT
+    msg, _ = upload.encode(delta, (), fedopt.compression_key(client_input))
     return msg.values, {}
 
   round_engine = make_engine(
-      engine, local_delta.delta_client_program(grad_fn, client_optimizer,
+      engine, fedopt.delta_client_program(grad_fn, client_optimizer,
                                                compress),
       steps_per_call=steps_per_call, step_bucket=step_bucket)
 
   def spec_of(params):
-    spec = tx.TreeSpec.of(params)
-    if k > spec.size:
-      raise ValueError(f'fetchsgd: topk_k={k} exceeds the number of model '
-                       f'parameters D={spec.size}.')
-    return spec
+    return fedopt.model_spec(params, k, 'fetchsgd: topk_k')
 
   @jax.jit
   def server_update(state, weighted_sum, total_weight):
@@ -193,7 +189,7 @@ def fetchsgd(
         weighted_sum / total_weight, state.momentum, state.error, k=k,
         rho=momentum, seed=seed, D=spec.size)
     new = old - server_lr * delta
-    last_changed = local_delta.mark_changed(state.last_changed, old, new,
+    last_changed = fedopt.mark_changed(state.last_changed, old, new,
                                             state.round)
     new_state = state.replace(params=spec.unravel(new), momentum=v, error=e,
                               last_changed=last_changed)
@@ -211,21 +207,22 @@ def fetchsgd(
   def apply(state: FetchSGDState, clients):
     D = spec_of(state.params).size
     round_num = int(state.round)
-    work = local_delta.make_work(clients, hparams)
-    positions = (local_delta.client_positions(index, work) if index
-                 else np.zeros((0,), np.int32))
-    download = local_delta.download_bits(
-        download_accounting, D, len(work), state.last_changed,
+    work = fedopt.make_work(clients, hparams)
+    positions = fedopt.client_positions(index, work)
+    download = fedopt.download_bits(
+        download_accounting, fedopt.FLOAT_BITS * D, len(work),
+        state.last_changed,
         state.last_round[positions])
     result = round_engine({'params': state.params}, work)
-    total, skipped = local_delta.skip_nonfinite(result, work, nonfinite,
+    total, skipped = fedopt.skip_nonfinite(result, work, nonfinite,
                                                 'fetchsgd', round_num)
     state, finite = server_update(state, result.weighted_sum,
                                   np.float32(total))
     nonfinite_lib.check_server_state(finite, 'fetchsgd', skipped, round_num)
-    return local_delta.finish_round(
-        state, work, result, upload_bits=upload_bits, download=download,
-        batch_size=hparams.batch_size, index=index, positions=positions,
-        round_num=round_num, skipped=skipped)
+    state = fedopt.participation(state, index, positions, round_num)
+    return state, fedopt.client_diagnostics(
+        work, result, upload_bits=upload_bits, download=download,
+        num_examples=[len(w.batches) * hparams.batch_size for w in work],
+        skipped=skipped)
 
   return fedjax.FederatedAlgorithm(init, apply)

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import local_delta
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.rounds import make_engine
@@ -113,8 +113,8 @@ class IGCState:
 def default_rounds_per_epoch(num_train_clients: int,
                              clients_per_round: int) -> int:
   """One epoch = one pass over the clients: ``ceil(N / W)`` rounds."""
-  n = local_delta.check_positive_int(num_train_clients, 'num_train_clients')
-  w = local_delta.check_positive_int(clients_per_round, 'clients_per_round')
+  n = fedopt.check_positive_int(num_train_clients, 'num_train_clients')
+  w = fedopt.check_positive_int(clients_per_round, 'clients_per_round')
   return -(-n // w)
 
 
@@ -154,7 +154,7 @@ def igc_upload_bits(d: int, num_subspaces: int = 1, *,
   Raises:
     ValueError: d < 1 or K < 1.
   """
-  d = local_delta.check_positive_int(d, 'intrinsic_dim (d)')
+  d = fedopt.check_positive_int(d, 'intrinsic_dim (d)')
   k_bits = tx.index_bits(num_subspaces) if count_index_bits else 0
   return float((FLOAT_BITS * d if value_bits is None else value_bits) + k_bits)
 
@@ -178,14 +178,14 @@ def igc_download_bits(D: int, d: int, num_subspaces: int = 1,
   Raises:
     ValueError: bad sizes or accounting.
   """
-  D = local_delta.check_positive_int(D, 'D')
-  d = local_delta.check_positive_int(d, 'intrinsic_dim (d)')
-  K = local_delta.check_positive_int(num_subspaces, 'num_subspaces (K)')
-  local_delta.check_choice(accounting, IGC_DOWNLOAD_ACCOUNTING,
+  D = fedopt.check_positive_int(D, 'D')
+  d = fedopt.check_positive_int(d, 'intrinsic_dim (d)')
+  K = fedopt.check_positive_int(num_subspaces, 'num_subspaces (K)')
+  fedopt.check_choice(accounting, IGC_DOWNLOAD_ACCOUNTING,
                            'download_accounting')
   if accounting == 'table1':
     return float(FLOAT_BITS * d * K * (2 if time_varying else 1))
-  vectors = local_delta.check_positive_int(vectors, 'vectors')
+  vectors = fedopt.check_positive_int(vectors, 'vectors')
   return float(FLOAT_BITS * min(vectors * d * K, D))
 
 
@@ -211,7 +211,7 @@ def igc_client_bits(D: int, d: int, num_subspaces: int = 1,
 
 
 def intrinsic_gradient_compression(
-    grad_fn: local_delta.GradFn,
+    grad_fn: fedopt.GradFn,
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation,
     *,
@@ -281,22 +281,22 @@ def intrinsic_gradient_compression(
     FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
       every update non-finite (``'skip'``), or a non-finite server state.
   """
-  d = local_delta.check_positive_int(intrinsic_dim, 'intrinsic_dim (d)')
-  K = local_delta.check_positive_int(num_subspaces, 'num_subspaces (K)')
-  local_delta.check_choice(download_accounting, IGC_DOWNLOAD_ACCOUNTING,
+  d = fedopt.check_positive_int(intrinsic_dim, 'intrinsic_dim (d)')
+  K = fedopt.check_positive_int(num_subspaces, 'num_subspaces (K)')
+  fedopt.check_choice(download_accounting, IGC_DOWNLOAD_ACCOUNTING,
                            'download_accounting')
   nonfinite_lib.check_policy(nonfinite)
   if time_varying:
     if rounds_per_epoch is None:
       raise ValueError('time_varying=True needs rounds_per_epoch (one epoch '
                        '= one pass over the clients).')
-    rounds_per_epoch = local_delta.check_positive_int(rounds_per_epoch,
+    rounds_per_epoch = fedopt.check_positive_int(rounds_per_epoch,
                                                       'rounds_per_epoch')
-  index = local_delta.client_id_index(client_ids)
+  index = fedopt.client_id_index(client_ids)
   if download_accounting == 'exact' and not index:
     raise ValueError("download_accounting='exact' needs the training "
                      'client_ids.')
-  hparams = local_delta.batch_hparams(batch_size, local_steps)
+  hparams = fedopt.batch_hparams(batch_size, local_steps)
   projection = tx.intrinsic_projection(d, K, seed, scale, count_index_bits)
   coord_shape = jax.ShapeDtypeStruct((d,), jnp.float32)
   if upload_transform is not None:
@@ -316,8 +316,9 @@ def intrinsic_gradient_compression(
           (False, True): 'igc_time_varying',
           (True, True): 'igc_k_subspace_time_varying'}[(K > 1, time_varying)]
 
-  def compress(shared, client_input, delta):
-    key = local_delta.compression_key(client_input)
+  def compress(shared, client_input, delta, mask):
+    del mask  # no PVT
+    key = fedopt.compression_key(client_input)
     k_proj, k_tail = jax.random.split(key)
     msg, _ = projection.encode(delta, tx.IntrinsicState(shared['fastfood']),
                                k_proj)
@@ -329,9 +330,10 @@ def intrinsic_gradient_compression(
     out = jax.nn.one_hot(k, K, dtype=coords.dtype)[:, None] * coords[None, :]
     return out, {'subspace': k}
 
-  def defer_projection(shared, client_input, delta):
+  def defer_projection(shared, client_input, delta, mask):
+    del mask  # no PVT
     # The same subspace draw as projection.encode (same key split).
-    k_proj, _ = jax.random.split(local_delta.compression_key(client_input))
+    k_proj, _ = jax.random.split(fedopt.compression_key(client_input))
     k = tx.sample_subspace(k_proj, K)
     if K == 1:  # The delta pytree itself: no per-client ravel or mask.
       return delta, {'subspace': k}
@@ -347,7 +349,7 @@ def intrinsic_gradient_compression(
     return tx.project_subspaces(fastfood, per_subspace_sums)
 
   round_engine = make_engine(
-      engine, local_delta.delta_client_program(
+      engine, fedopt.delta_client_program(
           grad_fn, client_optimizer,
           defer_projection if project_on_server else compress),
       steps_per_call=steps_per_call, step_bucket=step_bucket)
@@ -361,11 +363,7 @@ def intrinsic_gradient_compression(
     return cache['fastfood']
 
   def spec_of(params):
-    spec = tx.TreeSpec.of(params)
-    if d > spec.size:
-      raise ValueError(f'intrinsic_dim d={d} exceeds the number of model '
-                       f'parameters D={spec.size}: nothing to compress.')
-    return spec
+    return fedopt.model_spec(params, d, 'intrinsic_dim d')
 
   @jax.jit
   def server_update(state, fastfood, weighted_sum, total_weight):
@@ -399,10 +397,10 @@ def intrinsic_gradient_compression(
                             opt_state=server_optimizer.init(sigma),
                             epoch=jnp.asarray(epoch, jnp.int32))
     fastfood = subspaces(D, epoch)
-    work = local_delta.make_work(clients, hparams)
+    work = fedopt.make_work(clients, hparams)
     result = round_engine({'params': state.params, 'fastfood': fastfood},
                           work)
-    total, skipped = local_delta.skip_nonfinite(result, work, nonfinite,
+    total, skipped = fedopt.skip_nonfinite(result, work, nonfinite,
                                                 name, round_num)
     weighted_sum = result.weighted_sum
     if project_on_server:
@@ -411,28 +409,23 @@ def intrinsic_gradient_compression(
                                   np.float32(total))
     nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     last_epoch = np.asarray(state.last_epoch)
-    positions = (local_delta.client_positions(index, work) if index
-                 else np.zeros((0,), np.int32))
-    diagnostics = {}
-    for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
-      prev = int(last_epoch[positions[i]]) if index else -1
-      bits = igc_client_bits(
-          D, d, K, time_varying, accounting=download_accounting, epoch=epoch,
-          last_epoch=prev, value_bits=value_bits,
-          count_index_bits=count_index_bits)
-      diagnostics[w.client_id] = {
-          **bits,
-          'num_examples': float(len(w.batches) * hparams.batch_size),
-          'subspace': int(diag['subspace']),
-          'epoch': epoch,
-          'delta_l2_norm': float(diag['delta_l2_norm']),
-          'finite': bool(diag['finite']),
-      }
+    positions = fedopt.client_positions(index, work)
+    prev = [int(last_epoch[p]) for p in positions] if index else [-1] * len(work)
+    bits = [igc_client_bits(
+        D, d, K, time_varying, accounting=download_accounting, epoch=epoch,
+        last_epoch=p, value_bits=value_bits,
+        count_index_bits=count_index_bits) for p in prev]
+    diagnostics = fedopt.client_diagnostics(
+        work, result, upload_bits=bits[0]['upload_bits'],
+        download=[b['download_bits'] for b in bits],
+        num_examples=[len(w.batches) * hparams.batch_size for w in work],
+        skipped=skipped, extra=lambda diag: {
+            'subspace': int(diag['subspace']), 'epoch': epoch})
     if index:
       last_epoch = last_epoch.copy()
       last_epoch[positions] = epoch
     state = state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
                           last_epoch=jnp.asarray(last_epoch))
-    return state, nonfinite_lib.mark_skipped(diagnostics, skipped)
+    return state, diagnostics
 
   return fedjax.FederatedAlgorithm(init, apply)

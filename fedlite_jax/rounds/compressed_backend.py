@@ -14,7 +14,7 @@ backend: it runs the algorithm UNMODIFIED on a base backend (FedJAX's
   params) is encoded once per call and every client starts from the
   decoded copy ``Q(w)`` -- both ``client_init`` and ``client_final`` see
   it, so fed_avg's delta is ``Q(w) - w_client`` (as in
-  :func:`fedlite_jax.algorithms.efficient.efficient_federated_averaging`);
+  :func:`fedlite_jax.algorithms.fedopt.efficient_federated_averaging`);
 * upload: each client's ``client_final`` output (fed_avg / fed_prox /
   MimeLite training: the model delta; MimeLite's gradient pass:
   ``(sum of num * grads, num)``) is encoded by the client and the
@@ -96,7 +96,7 @@ from fedlite_jax.rounds import fedjax_backend
 
 PyTree = Any
 
-# The stream constants of fedlite_jax.algorithms.efficient (same values, so
+# The stream constants of fedlite_jax.algorithms.fedopt (same values, so
 # that both derive the same keys; tests/test_compressed_backend.py checks).
 UPLOAD_STREAM = 0x75706C64  # 'upld'
 DOWNLOAD_STREAM = 0x646F776E  # 'down'

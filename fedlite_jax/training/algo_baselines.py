@@ -12,7 +12,7 @@ Wang (2022), Table 2 / Figure 1.
   + top-k (``--topk_k``). Uses ``--server_lr`` with
   ``--server_optimizer=sgd`` (its server step is its own).
 
-See :mod:`fedlite_jax.algorithms.compressed_sgd` and
+See :mod:`fedlite_jax.algorithms.fedopt` and
 :mod:`fedlite_jax.algorithms.fetchsgd`.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fedjax
 
-from fedlite_jax.algorithms import compressed_sgd
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd as fetchsgd_lib
 from fedlite_jax.training import algo_lm
 from fedlite_jax.training import compression_options as common
@@ -64,7 +64,7 @@ def _check_common(ctx: registry.BuildContext) -> None:
 def _build_sgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   config = ctx.config
-  return compressed_sgd.compressed_sgd(
+  return fedopt.compressed_sgd(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
@@ -91,7 +91,7 @@ def _build_topk(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   opts = config.options
   upload = _topk_upload(opts)
-  return compressed_sgd.compressed_sgd(
+  return fedopt.compressed_sgd(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),

@@ -3,32 +3,15 @@
 With the compression flags of :mod:`fedlite_jax.training.algo_lm`
 (``--download_bits``, ``--upload_quantizer``, ``--pvt_fraction``, ...) it
 becomes the efficient FedAvg of Ro et al. (2022); with their defaults it is
-exactly :func:`fedlite_jax.algorithms.federated_averaging`.
+exactly :func:`fedlite_jax.algorithms.federated_averaging` (one FedOpt
+builder either way).
 """
 
 from __future__ import annotations
 
-import fedjax
-
-from fedlite_jax.algorithms import fedavg
 from fedlite_jax.training import algo_lm
 from fedlite_jax.training import compression_options
-from fedlite_jax.training import optimizers
 from fedlite_jax.training import registry
-
-
-def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
-  config = ctx.config
-  return fedavg.federated_averaging(
-      fedjax.model_grad(ctx.split_model.model),
-      optimizers.client_optimizer(config),
-      optimizers.server_optimizer(config),
-      optimizers.client_batch_hparams(config),
-      engine=config.round_engine,
-      steps_per_call=config.steps_per_call,
-      nonfinite=config.options.get(
-          compression_options.NONFINITE_UPDATES.name,
-          compression_options.NONFINITE_UPDATES.default))
 
 
 registry.register(registry.AlgorithmSpec(

@@ -3,7 +3,7 @@
 Ro et al., "Scaling Language Model Size in Cross-Device Federated Learning"
 (2022): FedAdam / FedProx / MimeLite, each combinable with download
 quantization, upload quantization (uniform k-level, zero-centred, TernGrad
-with/without clipping) and PVT. See :mod:`fedlite_jax.algorithms.efficient`.
+with/without clipping) and PVT. See :mod:`fedlite_jax.algorithms.fedopt`.
 
 Flags (one shared set; the same :class:`registry.Option` objects are listed by
 every algorithm that takes them):
@@ -45,8 +45,7 @@ import optax
 
 from fedlite_jax import quantization
 from fedlite_jax import transforms
-from fedlite_jax.algorithms import efficient
-from fedlite_jax.algorithms import fedavg
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import registry
@@ -181,8 +180,8 @@ def check_no_legacy(options, option: Option,
         f'{" ".join(given)}: give one or the other.')
 
 
-def compression_from_options(options) -> efficient.Compression:
-  """A :class:`efficient.Compression` from resolved option values.
+def compression_from_options(options) -> fedopt.Compression:
+  """A :class:`fedopt.Compression` from resolved option values.
 
   ``--upload`` / ``--download`` (stage strings,
   :func:`fedlite_jax.transforms.parse_chain`) take precedence; when empty,
@@ -237,31 +236,19 @@ def compression_from_options(options) -> efficient.Compression:
     upload = transforms.terngrad(
         clip_std=(quantization.DEFAULT_CLIP_STD
                   if _opt(options, TERNGRAD_CLIP) else None), generator=rng)
-  return efficient.Compression(download=download, upload=upload,
+  return fedopt.Compression(download=download, upload=upload,
                                pvt_fraction=float(fraction))
-
-
-def _is_uncompressed(c: efficient.Compression) -> bool:
-  return c.download is None and c.upload is None and c.pvt_fraction == 1.0
 
 
 def build_fedavg(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
   """``--algorithm=fedavg`` with the compression flags.
 
-  Uncompressed: exactly ``fedavg.federated_averaging`` (its ServerState);
-  otherwise :func:`efficient.efficient_federated_averaging`.
+  One FedOpt round (:mod:`fedlite_jax.algorithms.fedopt`); uncompressed it
+  is FedAvg / FedAdam exactly.
   """
   config = ctx.config
   compression = compression_from_options(config.options)
-  if _is_uncompressed(compression):
-    return fedavg.federated_averaging(
-        fedjax.model_grad(ctx.split_model.model),
-        optimizers.client_optimizer(config),
-        optimizers.server_optimizer(config),
-        optimizers.client_batch_hparams(config),
-        engine=config.round_engine, steps_per_call=config.steps_per_call,
-        nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
-  return efficient.efficient_federated_averaging(
+  return fedopt.efficient_federated_averaging(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
@@ -273,7 +260,7 @@ def build_fedavg(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
 
 def build_fedprox(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
   config = ctx.config
-  return efficient.efficient_federated_averaging(
+  return fedopt.efficient_federated_averaging(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
@@ -300,7 +287,7 @@ def mime_base_optimizer(config) -> optax.GradientTransformation:
 
 def build_mime_lite(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
   config = ctx.config
-  return efficient.efficient_mime_lite(
+  return fedopt.efficient_mime_lite(
       fedjax.model_grad(ctx.split_model.model),
       mime_base_optimizer(config),
       optimizers.client_batch_hparams(config),

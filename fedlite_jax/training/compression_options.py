@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 
-from fedlite_jax.algorithms import local_delta
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import nonfinite
 from fedlite_jax.training import registry
 
@@ -51,7 +51,7 @@ DOWNLOAD_ACCOUNTING = Option(
     'Download bits of topk/fetchsgd: changed = 32 bits per weight changed '
     'since the client last participated (FetchSGD/CommEfficient), dense = '
     '32 bits x all parameters.',
-    choices=local_delta.DOWNLOAD_ACCOUNTING)
+    choices=fedopt.DOWNLOAD_ACCOUNTING)
 
 
 def local_steps(options) -> int:

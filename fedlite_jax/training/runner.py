@@ -47,7 +47,7 @@ import numpy as np
 import tqdm
 
 from fedlite_jax import checkpoint
-from fedlite_jax.algorithms import fedavg
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import evaluation
@@ -292,14 +292,14 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     try:
       algorithm = build_algorithm(registry.BuildContext(
           config=config, split_model=split_model,
-          num_params=fedavg.num_params(params),
+          num_params=fedopt.num_params(params),
           train_client_ids=tuple(train_fd.client_ids()), info=info))
     except ValueError as e:
       if 'round_engine' in str(e):
         raise ConfigError(str(e)) from None
       raise
   state = algorithm.init(params)
-  ledger = CommLedger(fedavg.num_params(params), extra_bits={
+  ledger = CommLedger(fedopt.num_params(params), extra_bits={
       k: 0.0 for k in spec.communication_keys})
 
   start_round, rows = 0, []

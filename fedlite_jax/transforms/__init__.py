@@ -109,6 +109,7 @@ from fedlite_jax.transforms.topk import scatter
 from fedlite_jax.transforms.topk import top_k
 from fedlite_jax.transforms.topk import topk_abs
 from fedlite_jax.transforms.topk import topk_message_bits
+from fedlite_jax.transforms import pvt
 
 __all__ = [
     'CommTransform',

@@ -1,4 +1,4 @@
-"""Partial Variable Training (PVT) masks, per client per round.
+"""Partial Variable Training (PVT): per-client, per-round masks of variables.
 
 Sources: Yang, Xiao, Wang, et al., "Partial Variable Training for Efficient
 On-Device Federated Learning" (2021), the per-client-per-round (PCPR)
@@ -9,23 +9,28 @@ embedding and weights of the LSTM, and for the Transformer, the weights of
 the MLP layer, attention matrices, layer normalization in each block, and
 embedding") so that the trainable share of the parameters is 10%..90%; only
 the trained variables are uploaded, and the server averages each variable
-over the clients that trained it. Ro et al. note that "the number of
-trainable variables might average to the desired percentage" and varies a
-lot per round for the LSTM (few, large variables): the target is met in
-expectation, not per client.
+over the clients that trained it. The target is met in expectation, not per
+client (Ro et al.: "the number of trainable variables might average to the
+desired percentage").
 
-Pure functions over pytrees (no FedJAX, jittable where stated), used by
-:mod:`fedlite_jax.algorithms.efficient`:
+PVT is the one compression stage whose message size is random: it depends on
+the client's mask. So it is not a :class:`~fedlite_jax.transforms.CommTransform`
+(whose sizes are static) but a transform of the *upload*: :func:`masked_upload`
+encodes only the trained variables with any per-variable CommTransform chain,
+and :func:`masked_bits` sums the per-variable message sizes
+(:func:`leaf_bits`) of the trained variables. The mask also freezes local
+training (:func:`apply_mask` on gradients and updates), which is the
+algorithm's job (:mod:`fedlite_jax.algorithms.fedopt`).
+
+Pure functions over pytrees (no FedJAX; jittable where stated):
 
 * :func:`make_plan` (host): which leaves are freezable, their sizes, and the
   inclusion probability ``p`` of a freezable leaf.
 * :func:`sample_mask` (jittable): a ``bool[num_leaves]`` mask from a PRNG key.
-* :func:`mask_tree`, :func:`apply_mask`: the mask as a pytree of scalars.
-* :func:`trained_params`, :func:`realized_fraction`, :func:`masked_bits`
-  (host): what a mask trains and what its upload costs;
-  :func:`expected_masked_bits`: its expectation over masks.
-* :func:`gated_grad_fn` (jittable): a gradient function that does not
-  compute the weight gradients of frozen variables (see "Compute savings").
+* :func:`apply_mask`, :func:`mask_tree`: the mask applied to / as a pytree.
+* :func:`masked_upload` (jittable): encode + decode the trained leaves.
+* :func:`leaf_bits`, :func:`masked_bits`, :func:`expected_masked_bits`,
+  :func:`trained_params`, :func:`realized_fraction` (host): sizes.
 
 Sampling (exact in expectation). Let ``N`` be all parameters, ``A`` those of
 leaves that are never frozen (biases, LayerNorm offsets, the output bias),
@@ -41,33 +46,20 @@ independent coin flips, and never 0 when ``n p >= 1``). ``f = 1`` trains
 everything (``p = 1``: the mask is all True, a static special case), so PVT
 100% is plain FedAvg.
 
-Compute savings (:func:`gated_grad_fn`). A client's mask is sampled inside
-its compiled program (it is data, not structure: one compiled step serves
-every mask), so "differentiate only w.r.t. the trained variables" cannot be a
-different ``jax.grad`` per client without one compilation per mask. Instead
-the gradient program is split by data flow: the backward-pass operations
-whose results reach ONLY the gradient of one freezable variable (its weight
-gradient ``x^T dy`` of a dense layer, the scatter-add of an embedding, and
-the whole backward chain below the first layer when only the embedding needs
-it) are moved into a ``lax.cond`` on that variable's mask bit, whose false
-branch returns zeros. Everything reaching another variable's gradient (the
-activation gradients ``dy W^T``) runs as before. On XLA:CPU/GPU a
-``lax.cond`` with an unbatched predicate executes one branch, so a frozen
-variable's weight-gradient matmuls are skipped (the round engine's ``loop``
-path, one client per call). Under ``jax.vmap`` over clients (the ``vmap``
-engine) the predicate is batched, ``cond`` becomes a select that evaluates
-both branches, and nothing is saved (results are still exact). Higher-order
-operations (``lax.scan`` of the LSTM, ``custom_vjp`` calls, ...) are not
-split: a weight gradient computed inside the LSTM's backward scan is always
-computed. The forward pass and the activation gradients are always needed,
-so the saving is at most the weight-gradient share of a step (about a third
-of the FLOPs of a dense layer).
+Client compute: a frozen variable's gradient is computed and then zeroed
+(one compiled step serves every mask, because the mask is data). Skipping
+the frozen weight-gradient matmuls would need a gradient program split per
+variable; it saved about 14% CPU per round for a small Transformer on the
+one-client-per-call engine only (nothing under ``vmap``, nothing for the
+LSTM), so it is not done.
 
 Bad input (``ValueError`` naming the value): ``f`` outside (0, 1]; no
 freezable leaf while ``f < 1``; ``f N < A`` (the target is below the
 always-trained share); ``n p < 1`` on a model with no always-trained
 parameter (some clients would train nothing); an explicit mask that trains
-no variable (:func:`check_mask`).
+no variable (:func:`check_mask`); an upload chain that cannot encode one
+variable on its own, or whose size is not a sum over variables
+(:func:`leaf_bits`).
 """
 
 from __future__ import annotations
@@ -77,10 +69,10 @@ import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+
+from fedlite_jax.transforms import base
 
 PyTree = Any
 Path = tuple[Any, ...]
@@ -328,206 +320,67 @@ def expected_masked_bits(plan: PVTPlan, leaf_bits: Sequence[float]) -> float:
                    for b, f in zip(leaf_bits, plan.freezable)))
 
 
-# ---------------------------------------------------------------------------
-# Gradients that skip frozen variables (module docstring, "Compute savings").
-
-# Call-like primitives whose body is inlined before the split (FedJAX's
-# ``model_grad`` and flax/our models wrap their computations in ``jax.jit``,
-# so without inlining the whole backward pass is ONE opaque equation).
-_INLINE_PRIMITIVES = ('jit', 'pjit', 'closed_call', 'core_call')
+def _shape_struct(tree: PyTree) -> PyTree:
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
-@dataclasses.dataclass
-class _Node:
-  """One primitive application of the flattened gradient program."""
-  primitive: Any
-  params: dict
-  inputs: list  # of refs: ('in', k) | ('lit', value) | ('node', j, out)
-  num_outputs: int
-  ctx: Any  # the equation's context (e.g. its compute type), re-entered
-
-
-def _flatten_jaxpr(jaxpr: Any, consts: Sequence[Any], in_refs: list,
-                   nodes: list[_Node]) -> list:
-  """Appends ``jaxpr``'s equations to ``nodes`` (inlining calls); out refs."""
-  env = {}
-  for var, value in zip(jaxpr.constvars, consts):
-    env[var] = ('lit', value)
-  for var, ref in zip(jaxpr.invars, in_refs):
-    env[var] = ref
-
-  def read(v):
-    if isinstance(v, jex.core.Literal):
-      return ('lit', v.val)
-    return env[v]
-
-  for eqn in jaxpr.eqns:
-    refs = [read(v) for v in eqn.invars]
-    inner = eqn.params.get('jaxpr') if eqn.primitive.name in (
-        _INLINE_PRIMITIVES) else None
-    if inner is not None:
-      if isinstance(inner, jex.core.ClosedJaxpr):
-        inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
-      else:
-        inner_jaxpr, inner_consts = inner, ()
-      outs = _flatten_jaxpr(inner_jaxpr, inner_consts, refs, nodes)
-    else:
-      nodes.append(_Node(eqn.primitive, dict(eqn.params), refs,
-                         len(eqn.outvars), getattr(eqn, 'ctx', None)))
-      j = len(nodes) - 1
-      outs = [('node', j, o) for o in range(len(eqn.outvars))]
-    for var, ref in zip(eqn.outvars, outs):
-      if not isinstance(var, jex.core.DropVar):
-        env[var] = ref
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(node: _Node, values: Sequence[Any]) -> list:
-  """Applies one primitive as ``jax.core.eval_jaxpr`` does (JAX 0.10)."""
-  params = node.primitive.get_bind_params(node.params)
-  if isinstance(params, tuple):  # older JAX: (subfuns, params)
-    subfuns, params = params
-    values = [*subfuns, *values]
-  manager = getattr(node.ctx, 'manager', None)
-  if manager is None:
-    out = node.primitive.bind(*values, **params)
-  else:
-    with manager:
-      out = node.primitive.bind(*values, **params)
-  return list(out) if node.primitive.multiple_results else [out]
-
-
-def _split_program(nodes: list[_Node], out_refs: list, gated: Sequence[bool]
-                   ) -> list[int]:
-  """Owner of each node: -1 = shared/main, i = only output i needs it.
-
-  ``reach[j]`` is the set (a bit mask) of outputs node ``j`` contributes to;
-  bit ``len(out_refs)`` stands for every output that is not gated. A node is
-  owned by gated output ``i`` iff it reaches output ``i`` and nothing else.
-  Nodes that reach nothing are dead (owner -2).
-  """
-  n_out = len(out_refs)
-  shared_bit = 1 << n_out
-  reach = [0] * len(nodes)
-  for i, ref in enumerate(out_refs):
-    if ref[0] == 'node':
-      reach[ref[1]] |= (1 << i) if gated[i] else shared_bit
-  for j in range(len(nodes) - 1, -1, -1):
-    r = reach[j]
-    if r:
-      for ref in nodes[j].inputs:
-        if ref[0] == 'node':
-          reach[ref[1]] |= r
-  owner = []
-  for r in reach:
-    if r == 0:
-      owner.append(-2)
-    elif r & shared_bit or r & (r - 1):
-      owner.append(-1)
-    else:
-      owner.append(r.bit_length() - 1)
-  return owner
-
-
-def gated_grad_fn(grad_fn: Callable[..., PyTree],
-                  gate: Optional[Sequence[bool]] = None
-                  ) -> Callable[..., PyTree]:
-  """``grad_fn`` that skips the gradient work of masked-out variables.
-
-  Returns ``g(params, *args, mask)`` equal to ``apply_mask(grad_fn(params,
-  *args), mask)``, where the backward-pass operations that contribute only to
-  the gradient of a gated variable ``i`` run inside ``lax.cond(mask[i], ...,
-  zeros)`` (module docstring, "Compute savings"; under ``vmap`` both branches
-  run). The same primitives run on the same inputs as in ``grad_fn``, so
-  results agree with the masked full gradient to float rounding (XLA may fuse
-  the split program differently; ``tests/test_pvt.py`` checks it).
+def leaf_bits(transform: Optional[base.CommTransform], params: PyTree,
+              name: str = 'PVT') -> tuple[float, ...]:
+  """Message size of each variable encoded alone, ``jax.tree.leaves`` order.
 
   Args:
-    grad_fn: ``(params, *args) -> grads`` with ``grads`` shaped like
-      ``params`` (e.g. ``fedjax.model_grad(model)``, called as ``(params,
-      batch, rng)``); traced once per input shapes with
-      ``jax.make_jaxpr``.
-    gate: per leaf (``jax.tree.leaves(params)`` order), whether the leaf may
-      be masked out (e.g. ``plan.freezable``); default: every leaf. Leaves
-      that are not gated are always computed (and still masked).
+    transform: a stateless per-variable CommTransform chain (e.g.
+      ``uniform_quantization(8)``), or None (32 bits per float32 value).
+    params: pytree of arrays or ``jax.ShapeDtypeStruct``.
+    name: the algorithm, for error messages.
 
   Returns:
-    ``(params, *args, mask) -> grads`` with ``mask`` ``bool[num_leaves]``
-    (traced data: one compiled program serves every mask). Frozen leaves
-    are exactly zero.
+    Bits per leaf (Python floats).
 
   Raises:
-    ValueError: if ``grad_fn``'s output does not have one leaf per
-      parameter leaf, or ``gate`` has the wrong length.
+    ValueError: the transform cannot encode a single variable (e.g. a top-k
+      whose k exceeds a variable), or its size for the whole model is not
+      the sum of the per-variable sizes.
   """
+  example = _shape_struct(params)
+  leaves = jax.tree.leaves(example)
+  if transform is None:
+    return tuple(float(base.dtype_bits(x.dtype) * math.prod(x.shape))
+                 for x in leaves)
+  try:
+    bits = tuple(float(base.message_bits(transform, [x])) for x in leaves)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f'{name}: PVT needs an upload transform that encodes each variable '
+        f'on its own, with a size that is a sum over variables; this one '
+        f'cannot encode a single variable ({e})') from None
+  whole = float(base.message_bits(transform, example))
+  if not np.isclose(whole, sum(bits), rtol=1e-9, atol=0):
+    raise ValueError(
+        f'{name}: PVT needs an upload transform whose size is a sum over '
+        f'variables; this one sends {whole} bits for the model but '
+        f'{sum(bits)} for its variables one by one.')
+  return bits
 
-  def gated(params, *args):
-    *args, mask = args
-    flat_in, _ = jax.tree.flatten((params, *args))
-    num = len(jax.tree.leaves(params))
-    gates = [True] * num if gate is None else [bool(g) for g in gate]
-    if len(gates) != num:
-      raise ValueError(f'gate has {len(gates)} entries; params have {num} '
-                       'leaves.')
-    closed, out_shape = jax.make_jaxpr(grad_fn, return_shape=True)(
-        params, *args)
-    out_leaves, out_def = jax.tree.flatten(out_shape)
-    if len(out_leaves) != num:
-      raise ValueError(f'grad_fn returned {len(out_leaves)} leaves for '
-                       f'{num} parameter leaves.')
-    gates = [g and jnp.issubdtype(o.dtype, jnp.floating)
-             for g, o in zip(gates, out_leaves)]
-    nodes: list[_Node] = []
-    out_refs = _flatten_jaxpr(closed.jaxpr, closed.consts,
-                              [('in', k) for k in range(len(flat_in))], nodes)
-    owner = _split_program(nodes, out_refs, gates)
-    values: dict[int, list] = {}
 
-    def read(ref, local=None):
-      if ref[0] == 'in':
-        return flat_in[ref[1]]
-      if ref[0] == 'lit':
-        return ref[1]
-      if local is not None and ref[1] in local:
-        return local[ref[1]][ref[2]]
-      return values[ref[1]][ref[2]]
+def masked_upload(transform: Optional[base.CommTransform], state: Any,
+                  tree: PyTree, mask: jax.Array, key: jax.Array) -> PyTree:
+  """What the server receives from a PVT client (jittable).
 
-    for j, node in enumerate(nodes):  # shared part, in program order
-      if owner[j] == -1:
-        values[j] = _bind(node, [read(r) for r in node.inputs])
-    groups: dict[int, list[int]] = {}
-    for j, o in enumerate(owner):
-      if o >= 0:
-        groups.setdefault(o, []).append(j)
-    grads = []
-    for i, ref in enumerate(out_refs):
-      group = groups.get(i)
-      if not group:  # not gated, or nothing of its own to skip
-        grads.append(read(ref))
-        continue
-      members = set(group)
-      external = sorted({r for j in group for r in nodes[j].inputs
-                         if r[0] == 'in' or (r[0] == 'node' and
-                                             r[1] not in members)})
-      aval = out_leaves[i]
+  Args:
+    transform: the upload CommTransform (stateless or read-only state), or
+      None (sent as is).
+    state: its state.
+    tree: the client's update pytree.
+    mask: ``bool[num_leaves]`` (:func:`sample_mask`).
+    key: the upload quantizer's key.
 
-      def compute(ops, group=group, external=external, ref=ref, aval=aval):
-        ext = dict(zip(external, ops))
-        local = {}
-        for j in group:
-          local[j] = _bind(nodes[j], [
-              r[1] if r[0] == 'lit' else ext.get(r) if r in ext else
-              local[r[1]][r[2]] for r in nodes[j].inputs])
-        return jnp.asarray(read(ref, local), aval.dtype)
-
-      def zeros(ops, aval=aval):
-        del ops
-        return jnp.zeros(aval.shape, aval.dtype)
-
-      grads.append(lax.cond(mask[i], compute, zeros,
-                            tuple(read(r) for r in external)))
-    grads = [jnp.where(mask[i], g, jnp.zeros_like(g))
-             for i, g in enumerate(grads)]
-    return jax.tree.unflatten(out_def, grads)
-
-  return gated
+  Returns:
+    ``decode(encode(tree))`` with the frozen leaves exactly zero (their
+    values are never sent; :func:`masked_bits` counts only trained leaves).
+  """
+  if transform is not None:
+    message, _ = transform.encode(tree, state, key)
+    tree, _ = transform.decode(message, state)
+  return apply_mask(tree, mask)
