@@ -17,7 +17,8 @@ Modules, one job each:
 * ``schema``, ``cache``: feature specs; the cache directory and atomic writes.
 * ``emnist``, ``shakespeare``, ``stackoverflow``, ``embedded_mnist``: datasets.
 * ``vocab``, ``word_pipeline``: training-split vocabularies; numpy versions of
-  FedJAX's word tokenizer and TFF's tag-prediction features.
+  FedJAX's word tokenizer (and the next-word task loader) and TFF's
+  tag-prediction features.
 * ``partition``: the Dirichlet label-skew partitioner.
 """
 

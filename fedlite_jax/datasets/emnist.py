@@ -27,6 +27,7 @@ the NIST digit partition.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from absl import logging
@@ -49,34 +50,18 @@ _SUBDIRS = ('femnist105', 'emnist')
 _DERIVE_VERSION = 'digits_label_lt_10_v1'
 
 
-def _downloader(only_digits: bool) -> sources.Downloader:
-  def download(split: str, cache_dir: str) -> fedjax.FederatedData:
-    return fedjax_emnist.load_split(split, only_digits=only_digits,
-                                    cache_dir=cache_dir)
-  return download
-
-
 EMNIST = sources.DatasetSource(
-    locate.DatasetFiles(
-        name='emnist',
-        fedjax_sqlite={s: f'federated_emnist_{s}.sqlite' for s in SPLITS},
-        tff_sqlite='emnist_all.sqlite',
-        tff_sqlite_splits={'train': 'all_train', 'test': 'all_test'},
-        tff_hdf5={s: f'fed_emnist_{s}.h5' for s in SPLITS},
-        subdirs=_SUBDIRS),
-    SPECS, _downloader(only_digits=False))
+    locate.DatasetFiles.by_convention(
+        'emnist', SPLITS, 'federated_emnist', 'emnist_all.sqlite',
+        'fed_emnist', _SUBDIRS, {'train': 'all_train', 'test': 'all_test'}),
+    SPECS, functools.partial(fedjax_emnist.load_split, only_digits=False))
 
 EMNIST_DIGITS = sources.DatasetSource(
-    locate.DatasetFiles(
-        name='emnist_digits',
-        fedjax_sqlite={
-            s: f'federated_emnist_digitsonly_{s}.sqlite' for s in SPLITS},
-        tff_sqlite='emnist_all.sqlite',
-        tff_sqlite_splits={'train': 'digits_only_train',
-                           'test': 'digits_only_test'},
-        tff_hdf5={s: f'fed_emnist_digitsonly_{s}.h5' for s in SPLITS},
-        subdirs=_SUBDIRS),
-    SPECS, _downloader(only_digits=True))
+    locate.DatasetFiles.by_convention(
+        'emnist_digits', SPLITS, 'federated_emnist_digitsonly',
+        'emnist_all.sqlite', 'fed_emnist_digitsonly', _SUBDIRS,
+        {'train': 'digits_only_train', 'test': 'digits_only_test'}),
+    SPECS, functools.partial(fedjax_emnist.load_split, only_digits=True))
 
 
 def _derive_digits(opened: sources.Opened,
@@ -84,8 +69,6 @@ def _derive_digits(opened: sources.Opened,
   """Keeps label < 10 of 62-class splits, cached as FedJAX SQLite."""
   splits, cached = {}, {}
   for split, fd in opened.splits.items():
-    src = opened.cached.get(split) or opened.paths[split]
-
     def produce(fd=fd):
       for client_id, dataset in fd.clients():
         examples = dataset.raw_examples
@@ -93,7 +76,7 @@ def _derive_digits(opened: sources.Opened,
         if keep.any():
           yield client_id, {k: v[keep] for k, v in examples.items()}
 
-    key = cache.fingerprint([src], _DERIVE_VERSION)
+    key = cache.fingerprint([opened.read_path(split)], _DERIVE_VERSION)
     path = cache.cached_fedjax_sqlite(
         f'emnist_digits_derived_{split}.{key}.sqlite', produce, cache_dir)
     splits[split] = fedjax.SQLiteFederatedData.new(path)
@@ -180,18 +163,8 @@ def load_data(only_digits: bool = False,
                              cache_dir=cache_dir)
   train = fedjax_emnist.preprocess_split(opened.splits['train'])
   test = fedjax_emnist.preprocess_split(opened.splits['test'])
-  files = tuple(dict.fromkeys(opened.paths[s] for s in SPLITS))
-  info = info_lib.DatasetInfo(
-      task='emnist_digits' if only_digits else 'emnist',
-      num_classes=10 if only_digits else 62,
-      input_shape=(28, 28, 1),
-      x_dtype='float32',
-      y_dtype='int32',
-      num_train_clients=train.num_clients(),
-      num_test_clients=test.num_clients(),
-      format=opened.format,
-      source=os.path.dirname(files[0]),
-      files=files,
-      cached_files=tuple(opened.cached.values()),
-      derived=derived)
+  info = opened.dataset_info(
+      train, test, task='emnist_digits' if only_digits else 'emnist',
+      num_classes=10 if only_digits else 62, input_shape=(28, 28, 1),
+      x_dtype='float32', y_dtype='int32', derived=derived)
   return train, test, info

@@ -59,3 +59,13 @@ class DatasetInfo:
   sequence_length: int | None = None
   vocab_size: int | None = None
   oov_id: int | None = None
+
+
+def next_token_fields(tokenizer, sequence_length: int) -> dict[str, object]:
+  """:class:`DatasetInfo` keyword arguments of next-token prediction: x, y
+  int32 [sequence_length], ids of ``tokenizer`` (a word or sub-word tokenizer:
+  ``num_ids`` = num_classes, ``vocab_size``, ``oov_id``)."""
+  return dict(num_classes=tokenizer.num_ids, input_shape=(sequence_length,),
+              x_dtype='int32', y_dtype='int32',
+              sequence_length=sequence_length,
+              vocab_size=tokenizer.vocab_size, oov_id=tokenizer.oov_id)

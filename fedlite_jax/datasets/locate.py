@@ -59,6 +59,22 @@ class DatasetFiles:
   tff_hdf5: Mapping[str, str]
   subdirs: tuple[str, ...] = ()
 
+  @classmethod
+  def by_convention(cls, name: str, splits: Sequence[str], fedjax_stem: str,
+                    tff_sqlite: str, tff_hdf5_stem: str,
+                    subdirs: tuple[str, ...],
+                    tff_sqlite_splits: Mapping[str, str] | None = None
+                    ) -> DatasetFiles:
+    """Files named as FedJAX and TFF name their downloads.
+
+    FedJAX SQLite ``{fedjax_stem}_{split}.sqlite``, TFF SQLite ``tff_sqlite``
+    (its split names default to the splits' own), TFF legacy HDF5
+    ``{tff_hdf5_stem}_{split}.h5``; the other arguments are attributes.
+    """
+    return cls(name, {s: f'{fedjax_stem}_{s}.sqlite' for s in splits},
+               tff_sqlite, tff_sqlite_splits or {s: s for s in splits},
+               {s: f'{tff_hdf5_stem}_{s}.h5' for s in splits}, subdirs)
+
   def file_names(self, fmt: str, splits: Sequence[str]) -> list[str]:
     """The file names that format ``fmt`` needs for ``splits``."""
     if fmt == FEDJAX_SQLITE:

@@ -24,9 +24,10 @@ What this module does:
   training option; it never downloads anything.
 * :class:`SubwordTokenizer` maps text to ``x``/``y`` int32 ``[B, L]`` with the
   word pipeline's conventions.
-* :func:`load_shakespeare_sp`, :func:`load_stackoverflow_sp` (and the
-  dispatcher :func:`load_sentencepiece_data`) return ``(train, test, info)``
-  like :func:`fedlite_jax.datasets.load_federated_data`.
+* ``load_shakespeare_sp``, ``load_stackoverflow_sp`` (each a
+  :class:`SentencePieceTask`; the dispatcher :func:`load_sentencepiece_data`)
+  return ``(train, test, info)`` like
+  :func:`fedlite_jax.datasets.load_federated_data`.
 
 Id layout (configured in the SentencePiece trainer, checked when a model is
 loaded): PAD 0 (``<pad>``), BOS 1 (``<s>``), EOS 2 (``</s>``), UNK/OOV 3
@@ -47,7 +48,8 @@ Training text:
   case kept), so a verse line is one SentencePiece "sentence"; examples are
   whole snippets with whitespace (newlines included) collapsed to one space.
 * StackOverflow: the raw ``tokens`` feature (already lowercased and
-  space-separated by TFF), one post per sentence.
+  space-separated by TFF), one post per sentence; clients keep FedJAX's
+  ``domain_id`` (``stackoverflow.preprocess_client``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ import sentencepiece as spm
 from fedlite_jax.datasets import cache
 from fedlite_jax.datasets import info as info_lib
 from fedlite_jax.datasets import shakespeare
+from fedlite_jax.datasets import sources
 from fedlite_jax.datasets import stackoverflow
 
 PAD_ID = 0
@@ -381,131 +384,103 @@ def _check_length(sequence_length: int) -> None:
                      f'{sequence_length!r}.')
 
 
-def _info(task: str, tokenizer: SubwordTokenizer, sequence_length: int,
-          train: fedjax.FederatedData, test: fedjax.FederatedData,
-          opened, model_path: str, derived: str) -> info_lib.DatasetInfo:
-  files = tuple(dict.fromkeys(opened.paths[s] for s in ('train', 'test')))
-  return info_lib.DatasetInfo(
-      task=task,
-      num_classes=tokenizer.num_ids,
-      input_shape=(sequence_length,),
-      x_dtype='int32',
-      y_dtype='int32',
-      num_train_clients=train.num_clients(),
-      num_test_clients=test.num_clients(),
-      format=opened.format,
-      source=os.path.dirname(files[0]),
-      files=files,
-      cached_files=tuple(opened.cached.values()) + (model_path,),
-      derived=derived,
-      sequence_length=sequence_length,
-      vocab_size=tokenizer.vocab_size,
-      oov_id=tokenizer.oov_id)
+@dataclasses.dataclass(frozen=True)
+class SentencePieceTask:
+  """Next-sub-word prediction on one text dataset; call it to load the data.
 
+  A call trains a SentencePiece model on the training split's ``feature``
+  (once; then :func:`cached_sentencepiece_model` reuses it) and encodes the
+  train and test splits with :class:`SubwordTokenizer`, one example per
+  snippet / post (its first L tokens).
 
-def load_shakespeare_sp(
-    data_dir: str | os.PathLike[str] | None = None,
-    *,
-    sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
-    config: SentencePieceConfig = SentencePieceConfig(),
-    allow_download: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None
-) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
-  """Shakespeare next-sub-word prediction with a SentencePiece vocabulary.
-
-  Args:
-    data_dir: explicit data directory (see :mod:`fedlite_jax.datasets.locate`).
-    sequence_length: L (default 30, Ro et al. App. A).
-    config: SentencePiece options (default: 4,096 ids, unigram, seed 0).
-    allow_download: let FedJAX download its copy if nothing is found locally
-      (the SentencePiece model itself is always trained here).
-    cache_dir: cache for conversions and the SentencePiece model.
-
-  Returns:
-    (train, test, info). Batches: ``x``, ``y`` int32 [B, L] in
-    [0, config.vocab_size); ``info.num_classes = config.vocab_size``,
-    ``info.oov_id = 3``, ``info.vocab_size = config.vocab_size - 4``.
-
-  Raises:
-    DatasetNotFoundError: no Shakespeare files found.
-    ValueError: a bad sequence_length or config, or a vocab_size the training
-      split cannot support.
+  Attributes:
+    task: the ``DatasetInfo.task`` name, e.g. 'shakespeare_sp'.
+    source: the dataset (:class:`fedlite_jax.datasets.sources.DatasetSource`).
+    feature: the raw text feature ('snippets', 'tokens').
+    split_lines: train on each line of an example separately.
+    model_name: file-name prefix of the cached ``.model`` file.
+    derivation: how the training sentences are made (part of the cache key).
+    client: ``preprocess_client`` function applied before encoding (e.g.
+      FedJAX's ``stackoverflow.preprocess_client``, which adds
+      ``domain_id``), or None.
+    describe: (config, sequence_length) -> ``DatasetInfo.derived``.
   """
-  _check_length(sequence_length)
-  config.validate()
-  train_raw, test_raw, opened = shakespeare.load_snippets(
-      data_dir, allow_download=allow_download, cache_dir=cache_dir)
-  source = [opened.cached.get('train') or opened.paths['train']]
-  proto, model_path = cached_sentencepiece_model(
-      lambda: split_sentences(train_raw, 'snippets', split_lines=True),
-      'shakespeare_train', source, 'snippets lines, whitespace collapsed',
-      config, cache_dir)
-  tokenizer = SubwordTokenizer(proto)
-  preprocess = tokenizer.as_preprocess_batch('snippets', sequence_length)
-  train = train_raw.preprocess_batch(preprocess)
-  test = test_raw.preprocess_batch(preprocess)
-  return train, test, _info(
-      'shakespeare_sp', tokenizer, sequence_length, train, test, opened,
-      model_path,
-      f'sub-word next-token prediction: SentencePiece {config.model_type} '
-      f'{config.vocab_size} ids trained on the training snippets '
-      f'(seed {config.seed}); one example per snippet, first '
-      f'{sequence_length} tokens')
+  task: str
+  source: sources.DatasetSource
+  feature: str
+  split_lines: bool
+  model_name: str
+  derivation: str
+  client: Callable[[bytes, Examples], Examples] | None
+  describe: Callable[[SentencePieceConfig, int], str]
+
+  def __call__(
+      self,
+      data_dir: str | os.PathLike[str] | None = None,
+      *,
+      sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+      config: SentencePieceConfig = SentencePieceConfig(),
+      allow_download: bool = False,
+      cache_dir: str | os.PathLike[str] | None = None
+  ) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
+    """Loads the task (a download, if allowed, fetches only the dataset).
+
+    Args:
+      sequence_length: L (default 30, Ro et al. App. A).
+      config: SentencePiece options (default: 4,096 ids, unigram, seed 0).
+      data_dir, allow_download, cache_dir: as for
+        :func:`fedlite_jax.datasets.load_federated_data` (the cache also
+        holds the SentencePiece model).
+
+    Returns:
+      (train, test, info). Batches: ``x``, ``y`` int32 [B, L] in
+      [0, config.vocab_size), plus what ``client`` adds (``domain_id`` int32
+      [B] for StackOverflow); ``info.num_classes = config.vocab_size``,
+      ``info.oov_id = 3``, ``info.vocab_size = config.vocab_size - 4``.
+
+    Raises:
+      DatasetNotFoundError: no files of the dataset found.
+      ValueError: a bad sequence_length or config, or a vocab_size the
+        training split cannot support.
+    """
+    _check_length(sequence_length)
+    config.validate()
+    opened = sources.open_splits(self.source, ('train', 'test'), data_dir,
+                                 allow_download=allow_download,
+                                 cache_directory=cache_dir)
+    train_raw = opened.splits['train']
+    proto, model_path = cached_sentencepiece_model(
+        lambda: split_sentences(train_raw, self.feature, self.split_lines),
+        self.model_name, [opened.read_path('train')], self.derivation,
+        config, cache_dir)
+    tokenizer = SubwordTokenizer(proto)
+    train, test = opened.preprocess(
+        tokenizer.as_preprocess_batch(self.feature, sequence_length),
+        self.client)
+    return train, test, opened.dataset_info(
+        train, test, (model_path,), task=self.task,
+        derived=self.describe(config, sequence_length),
+        **info_lib.next_token_fields(tokenizer, sequence_length))
 
 
-def load_stackoverflow_sp(
-    data_dir: str | os.PathLike[str] | None = None,
-    *,
-    sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
-    config: SentencePieceConfig = SentencePieceConfig(),
-    allow_download: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None
-) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
-  """StackOverflow next-sub-word prediction (Ro et al. 2022, Sec. 3).
+load_shakespeare_sp = SentencePieceTask(
+    'shakespeare_sp', shakespeare.SHAKESPEARE, 'snippets', True,
+    'shakespeare_train', 'snippets lines, whitespace collapsed', None,
+    lambda c, length: (
+        f'sub-word next-token prediction: SentencePiece {c.model_type} '
+        f'{c.vocab_size} ids trained on the training snippets (seed '
+        f'{c.seed}); one example per snippet, first {length} tokens'))
 
-  The SentencePiece model is trained on the training split's ``tokens``
-  (streamed once; ``config.input_sentence_size`` posts are kept by the
-  trainer's seeded reservoir sample), then cached. Clients keep FedJAX's
-  ``domain_id`` (``stackoverflow.preprocess_client``).
-
-  Args:
-    data_dir: explicit data directory.
-    sequence_length: L (default 30).
-    config: SentencePiece options.
-    allow_download: let FedJAX download StackOverflow if nothing is local.
-    cache_dir: cache for conversions and the SentencePiece model.
-
-  Returns:
-    (train, test, info) as :func:`load_shakespeare_sp`, plus ``domain_id``
-    int32 [B] in batches.
-
-  Raises:
-    DatasetNotFoundError: no StackOverflow files found.
-    ValueError: as :func:`load_shakespeare_sp`.
-  """
-  _check_length(sequence_length)
-  config.validate()
-  opened = stackoverflow.load_raw(('train', 'test'), data_dir,
-                                  allow_download=allow_download,
-                                  cache_dir=cache_dir)
-  train_raw = opened.splits['train']
-  source = [opened.cached.get('train') or opened.paths['train']]
-  proto, model_path = cached_sentencepiece_model(
-      lambda: split_sentences(train_raw, 'tokens', split_lines=False),
-      'stackoverflow_train', source, "raw 'tokens', one post per sentence",
-      config, cache_dir)
-  tokenizer = SubwordTokenizer(proto)
-  preprocess = tokenizer.as_preprocess_batch('tokens', sequence_length)
-  train, test = (
-      opened.splits[s].preprocess_client(
-          fedjax_stackoverflow.preprocess_client).preprocess_batch(preprocess)
-      for s in ('train', 'test'))
-  return train, test, _info(
-      'stackoverflow_sp', tokenizer, sequence_length, train, test, opened,
-      model_path,
-      f'sub-word next-token prediction: SentencePiece {config.model_type} '
-      f'{config.vocab_size} ids trained on the training posts (seed '
-      f'{config.seed}, <= {config.input_sentence_size} sampled posts)')
+# Ro et al. 2022, Sec. 3; the trainer keeps config.input_sentence_size posts
+# (seeded reservoir sample).
+load_stackoverflow_sp = SentencePieceTask(
+    'stackoverflow_sp', stackoverflow.STACKOVERFLOW, 'tokens', False,
+    'stackoverflow_train', "raw 'tokens', one post per sentence",
+    fedjax_stackoverflow.preprocess_client,
+    lambda c, length: (
+        f'sub-word next-token prediction: SentencePiece {c.model_type} '
+        f'{c.vocab_size} ids trained on the training posts (seed {c.seed}, '
+        f'<= {c.input_sentence_size} sampled posts)'))
 
 
 SP_TASKS = {'shakespeare': load_shakespeare_sp,

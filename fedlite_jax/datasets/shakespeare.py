@@ -49,19 +49,11 @@ TOKENIZER_VERSION = 'so_style_words_v1'
 _WORD_RE = re.compile(r"[^\W_]+(?:['\-][^\W_]+)*|\S")
 
 
-def _download(split: str, cache_dir: str) -> fedjax.FederatedData:
-  return fedjax_shakespeare.load_split(split, cache_dir=cache_dir)
-
-
 SHAKESPEARE = sources.DatasetSource(
-    locate.DatasetFiles(
-        name='shakespeare',
-        fedjax_sqlite={s: f'shakespeare_{s}.sqlite' for s in SPLITS},
-        tff_sqlite='shakespeare.sqlite',
-        tff_sqlite_splits={'train': 'train', 'test': 'test'},
-        tff_hdf5={s: f'shakespeare_{s}.h5' for s in SPLITS},
-        subdirs=('shakespeare', 'tff_shakespeare_h5')),
-    SPECS, _download)
+    locate.DatasetFiles.by_convention(
+        'shakespeare', SPLITS, 'shakespeare', 'shakespeare.sqlite',
+        'shakespeare', ('shakespeare', 'tff_shakespeare_h5')),
+    SPECS, fedjax_shakespeare.load_split)
 
 
 def words_from_text(text: bytes) -> bytes:
@@ -114,69 +106,11 @@ def load_snippets(data_dir: str | os.PathLike[str] | None = None,
   return opened.splits['train'], opened.splits['test'], opened
 
 
-def load_word_data(data_dir: str | os.PathLike[str] | None = None,
-                   *,
-                   sequence_length: int = 20,
-                   vocab_size: int = 10000,
-                   vocab_ranking: str = 'occurrences',
-                   allow_download: bool = False,
-                   cache_dir: str | os.PathLike[str] | None = None
-                   ) -> tuple[fedjax.FederatedData, fedjax.FederatedData,
-                              info_lib.DatasetInfo]:
-  """Loads Shakespeare as word-level next-word prediction.
-
-  Args:
-    data_dir: explicit data directory.
-    sequence_length: L, length of x and y (default 20, FedJAX's StackOverflow
-      training length).
-    vocab_size: vocabulary slots: the most frequent training words (ranked by
-      ``vocab_ranking``, ties by bytes) get ids 3..; OOV is vocab_size + 3.
-    vocab_ranking: 'occurrences' or 'clients' (see :mod:`vocab`).
-    allow_download: let FedJAX download its copy if nothing is found locally.
-    cache_dir: cache for conversions and token counts.
-
-  Returns:
-    (train, test, info). Batches: ``x``, ``y`` int32 [B, L] in
-    [0, vocab_size + 4).
-
-  Raises:
-    DatasetNotFoundError: no files found.
-    ValueError: sequence_length or vocab_size < 1, or a bad vocab_ranking.
-  """
-  if sequence_length < 1 or vocab_size < 1:
-    raise ValueError('sequence_length and vocab_size must be >= 1, got '
-                     f'{sequence_length}, {vocab_size}.')
-  vocab_lib.check_ranking(vocab_ranking)
-  train_raw, test_raw, opened = load_snippets(
-      data_dir, allow_download=allow_download, cache_dir=cache_dir)
-  train_tokens = train_raw.preprocess_client(snippets_to_tokens)
-  counts, counts_path = vocab_lib.cached_token_counts(
-      train_tokens, 'tokens', b' ', 'shakespeare_train_words',
-      [opened.cached.get('train') or opened.paths['train']],
-      TOKENIZER_VERSION, cache_dir)
-  tokenizer = word_pipeline.WordTokenizer(
-      counts.top(vocab_size, by=vocab_ranking), vocab_size)
-  preprocess = tokenizer.as_preprocess_batch(sequence_length)
-  train = train_tokens.preprocess_batch(preprocess)
-  test = test_raw.preprocess_client(snippets_to_tokens).preprocess_batch(
-      preprocess)
-  files = tuple(dict.fromkeys(opened.paths[s] for s in SPLITS))
-  info = info_lib.DatasetInfo(
-      task='shakespeare',
-      num_classes=tokenizer.num_ids,
-      input_shape=(sequence_length,),
-      x_dtype='int32',
-      y_dtype='int32',
-      num_train_clients=train.num_clients(),
-      num_test_clients=test.num_clients(),
-      format=opened.format,
-      source=os.path.dirname(files[0]),
-      files=files,
-      cached_files=tuple(opened.cached.values()) + (counts_path,),
-      derived=('word-level next-word prediction: snippets tokenized '
-               f'StackOverflow-style ({TOKENIZER_VERSION}), vocabulary = top '
-               f'{vocab_size} training words by {vocab_ranking}'),
-      sequence_length=sequence_length,
-      vocab_size=vocab_size,
-      oov_id=tokenizer.oov_id)
-  return train, test, info
+# Word-level next-word prediction (see the module docstring).
+load_word_data = word_pipeline.NextWordTask(
+    'shakespeare', SHAKESPEARE, snippets_to_tokens, 'shakespeare_train_words',
+    TOKENIZER_VERSION,
+    lambda vocab_size, vocab_ranking: (
+        'word-level next-word prediction: snippets tokenized '
+        f'StackOverflow-style ({TOKENIZER_VERSION}), vocabulary = top '
+        f'{vocab_size} training words by {vocab_ranking}'))

@@ -37,6 +37,7 @@ from fedjax.core import sqlite_federated_data
 
 from fedlite_jax.datasets import cache
 from fedlite_jax.datasets import errors
+from fedlite_jax.datasets import info as info_lib
 from fedlite_jax.datasets import locate
 from fedlite_jax.datasets import schema
 from fedlite_jax.datasets import sqlite_header
@@ -48,7 +49,9 @@ DOWNLOAD_HOST = 'storage.googleapis.com'
 # Bump when the conversion's output changes, to invalidate old cache files.
 _CONVERSION_VERSION = 'v1'
 
-Downloader = Callable[[str, str], fedjax.FederatedData]
+# Called as ``download(split, cache_dir=directory)``, like FedJAX's
+# ``load_split`` functions.
+Downloader = Callable[..., fedjax.FederatedData]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +61,9 @@ class DatasetSource:
   Attributes:
     files: expected file names per format (:class:`locate.DatasetFiles`).
     specs: the raw features, in FedJAX's schema.
-    download: (split, FedJAX cache dir) -> FederatedData, calling FedJAX's own
-      ``load_split`` (hence ``downloads.maybe_download``); None if FedJAX has
-      no copy to download.
+    download: FedJAX's own ``load_split`` (hence
+      ``downloads.maybe_download``), called as ``download(split,
+      cache_dir=directory)``; None if FedJAX has no copy to download.
   """
   files: locate.DatasetFiles
   specs: Mapping[str, schema.FeatureSpec]
@@ -84,6 +87,36 @@ class Opened:
   paths: Mapping[str, str]
   cached: Mapping[str, str]
   origin: str
+
+  def read_path(self, split: str) -> str:
+    """The file ``split`` is read from: its converted cache file, else its
+    source file (what keys caches derived from the split)."""
+    return self.cached.get(split) or self.paths[split]
+
+  def dataset_info(self, train: fedjax.FederatedData,
+                   test: fedjax.FederatedData, cached: Sequence[str] = (),
+                   **fields) -> info_lib.DatasetInfo:
+    """The :class:`~fedlite_jax.datasets.info.DatasetInfo` of a task loaded
+    from these splits: the task's own ``fields`` (task, num_classes, ...),
+    client counts of ``train`` and ``test``, and format, source directory,
+    files and cached files from this object plus ``cached`` (token counts,
+    models)."""
+    files = tuple(dict.fromkeys(self.paths[s] for s in ('train', 'test')))
+    return info_lib.DatasetInfo(
+        num_train_clients=train.num_clients(),
+        num_test_clients=test.num_clients(), format=self.format,
+        source=os.path.dirname(files[0]), files=files,
+        cached_files=tuple(self.cached.values()) + tuple(cached), **fields)
+
+  def preprocess(self, batch: Callable[..., dict],
+                 client: Callable[..., dict] | None = None
+                 ) -> tuple[fedjax.FederatedData, fedjax.FederatedData]:
+    """(train, test): ``preprocess_client(client)`` (if given), then
+    ``preprocess_batch(batch)``, on the train and test splits."""
+    train, test = (self.splits[s] if client is None else
+                   self.splits[s].preprocess_client(client)
+                   for s in ('train', 'test'))
+    return train.preprocess_batch(batch), test.preprocess_batch(batch)
 
 
 def network_reachable(host: str = DOWNLOAD_HOST, port: int = 443,
@@ -223,7 +256,7 @@ def _download(source: DatasetSource, splits: Sequence[str], message: str,
     logging.warning('fedlite_jax.datasets: downloading %s %s split with '
                     'FedJAX into %s', source.files.name, split, target)
     try:
-      opened[split] = source.download(split, target)
+      opened[split] = source.download(split, cache_dir=target)
     except Exception as e:  # pylint: disable=broad-except
       raise errors.DatasetNotFoundError(
           f'{message}\nDownload: FedJAX download of the {split!r} split into '

@@ -17,6 +17,11 @@ time, logged with absl): words from ``tokens`` split on ' ', tags from
 (``gs://gresearch/fedjax/stackoverflow/stackoverflow.word_count``) needs
 TensorFlow's GCS reader, so it is not used; with ``vocab_ranking='clients'``
 the ranking follows TFF's published word counts (users per word).
+
+Next-word prediction (:data:`load_word_prediction`): client preprocessing is
+FedJAX's ``stackoverflow.preprocess_client`` (keeps ``tokens``, adds
+``domain_id`` = 1 for answers); batch preprocessing is
+:class:`~fedlite_jax.datasets.word_pipeline.WordTokenizer`.
 """
 
 from __future__ import annotations
@@ -48,20 +53,12 @@ _WORDS_DERIVATION = "raw 'tokens' split on b' '"
 _TAGS_DERIVATION = "raw 'tags' split on b'|'"
 
 
-def _download(split: str, cache_dir: str) -> fedjax.FederatedData:
-  return fedjax_stackoverflow.load_split(split, cache_dir=cache_dir)
-
-
 STACKOVERFLOW = sources.DatasetSource(
-    locate.DatasetFiles(
-        name='stackoverflow',
-        fedjax_sqlite={s: f'stackoverflow_{s}.sqlite' for s in SPLITS},
-        tff_sqlite='stackoverflow.sqlite',
-        tff_sqlite_splits={'train': 'train', 'held_out': 'heldout',
-                           'test': 'test'},
-        tff_hdf5={s: f'stackoverflow_{s}.h5' for s in SPLITS},
-        subdirs=('stackoverflow',)),
-    SPECS, _download)
+    locate.DatasetFiles.by_convention(
+        'stackoverflow', SPLITS, 'stackoverflow', 'stackoverflow.sqlite',
+        'stackoverflow', ('stackoverflow',),
+        {'train': 'train', 'held_out': 'heldout', 'test': 'test'}),
+    SPECS, fedjax_stackoverflow.load_split)
 
 
 def load_raw(splits: Sequence[str] = ('train', 'test'),
@@ -99,86 +96,17 @@ def _train_counts(opened: sources.Opened, feature: str, sep: bytes,
                                                        str]:
   return vocab_lib.cached_token_counts(
       opened.splits['train'], feature, sep,
-      f'stackoverflow_train_{feature}',
-      [opened.cached.get('train') or opened.paths['train']], derivation,
-      cache_dir)
+      f'stackoverflow_train_{feature}', [opened.read_path('train')],
+      derivation, cache_dir)
 
 
-def _info(opened: sources.Opened, train: fedjax.FederatedData,
-          test: fedjax.FederatedData, cached: Sequence[str],
-          **kwargs) -> info_lib.DatasetInfo:
-  files = tuple(dict.fromkeys(opened.paths[s] for s in ('train', 'test')))
-  return info_lib.DatasetInfo(
-      num_train_clients=train.num_clients(),
-      num_test_clients=test.num_clients(),
-      format=opened.format,
-      source=os.path.dirname(files[0]),
-      files=files,
-      cached_files=tuple(opened.cached.values()) + tuple(cached),
-      **kwargs)
-
-
-def load_word_prediction(
-    data_dir: str | os.PathLike[str] | None = None,
-    *,
-    sequence_length: int = 20,
-    vocab_size: int = 10000,
-    vocab_ranking: str = 'occurrences',
-    allow_download: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None
-) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
-  """StackOverflow next-word prediction, as FedJAX's ``as_preprocess_batch``.
-
-  Client preprocessing is FedJAX's ``stackoverflow.preprocess_client``
-  (keeps ``tokens``, adds ``domain_id`` = 1 for answers); batch preprocessing
-  is :class:`~fedlite_jax.datasets.word_pipeline.WordTokenizer`.
-
-  Args:
-    data_dir: explicit data directory.
-    sequence_length: L, length of x and y (default 20, FedJAX's training
-      length; FedJAX evaluates with 30).
-    vocab_size: vocabulary slots (default 10,000): ids 3 .. vocab_size + 2;
-      OOV = vocab_size + 3; output size vocab_size + 4.
-    vocab_ranking: 'occurrences' (default) or 'clients' (TFF's ranking).
-    allow_download: let FedJAX download its copy if nothing is found locally.
-    cache_dir: cache for conversions and token counts.
-
-  Returns:
-    (train, test, info). Batches: ``x``, ``y`` int32 [B, L]; ``domain_id``
-    int32 [B].
-
-  Raises:
-    DatasetNotFoundError: no files found.
-    ValueError: sequence_length or vocab_size < 1, or a bad vocab_ranking.
-  """
-  if sequence_length < 1 or vocab_size < 1:
-    raise ValueError('sequence_length and vocab_size must be >= 1, got '
-                     f'{sequence_length}, {vocab_size}.')
-  vocab_lib.check_ranking(vocab_ranking)
-  opened = load_raw(('train', 'test'), data_dir,
-                    allow_download=allow_download, cache_dir=cache_dir)
-  counts, counts_path = _train_counts(opened, 'tokens', b' ',
-                                      _WORDS_DERIVATION, cache_dir)
-  tokenizer = word_pipeline.WordTokenizer(
-      counts.top(vocab_size, by=vocab_ranking), vocab_size)
-  preprocess = tokenizer.as_preprocess_batch(sequence_length)
-  train, test = (
-      opened.splits[s].preprocess_client(
-          fedjax_stackoverflow.preprocess_client).preprocess_batch(preprocess)
-      for s in ('train', 'test'))
-  info = _info(
-      opened, train, test, (counts_path,),
-      task='stackoverflow_nwp',
-      num_classes=tokenizer.num_ids,
-      input_shape=(sequence_length,),
-      x_dtype='int32',
-      y_dtype='int32',
-      sequence_length=sequence_length,
-      vocab_size=vocab_size,
-      oov_id=tokenizer.oov_id,
-      derived=(f'vocabulary = top {vocab_size} training words by '
-               f'{vocab_ranking} (built here, not FedJAX\'s vocabulary file)'))
-  return train, test, info
+# Next-word prediction, as FedJAX's ``as_preprocess_batch``.
+load_word_prediction = word_pipeline.NextWordTask(
+    'stackoverflow_nwp', STACKOVERFLOW, fedjax_stackoverflow.preprocess_client,
+    'stackoverflow_train_tokens', _WORDS_DERIVATION,
+    lambda vocab_size, vocab_ranking: (
+        f'vocabulary = top {vocab_size} training words by {vocab_ranking} '
+        '(built here, not FedJAX\'s vocabulary file)'))
 
 
 def _keep_tag_features(
@@ -218,10 +146,8 @@ def load_tag_prediction(
     DatasetNotFoundError: no files found.
     ValueError: a vocabulary size < 1 or a bad vocab_ranking.
   """
-  if word_vocab_size < 1 or tag_vocab_size < 1:
-    raise ValueError('word_vocab_size and tag_vocab_size must be >= 1, got '
-                     f'{word_vocab_size}, {tag_vocab_size}.')
-  vocab_lib.check_ranking(vocab_ranking)
+  vocab_lib.check_options(vocab_ranking, word_vocab_size=word_vocab_size,
+                          tag_vocab_size=tag_vocab_size)
   opened = load_raw(('train', 'test'), data_dir,
                     allow_download=allow_download, cache_dir=cache_dir)
   words, words_path = _train_counts(opened, 'tokens', b' ', _WORDS_DERIVATION,
@@ -232,18 +158,12 @@ def load_tag_prediction(
       words.top(word_vocab_size, by=vocab_ranking),
       tags.top(tag_vocab_size, by=vocab_ranking),
       num_words=word_vocab_size, num_tags=tag_vocab_size)
-  preprocess = encoder.as_preprocess_batch()
-  train, test = (
-      opened.splits[s].preprocess_client(_keep_tag_features).preprocess_batch(
-          preprocess) for s in ('train', 'test'))
-  info = _info(
-      opened, train, test, (words_path, tags_path),
-      task='stackoverflow_tag',
-      num_classes=tag_vocab_size,
-      input_shape=(word_vocab_size,),
-      x_dtype='float32',
-      y_dtype='float32',
-      vocab_size=word_vocab_size,
+  train, test = opened.preprocess(encoder.as_preprocess_batch(),
+                                  _keep_tag_features)
+  info = opened.dataset_info(
+      train, test, (words_path, tags_path), task='stackoverflow_tag',
+      num_classes=tag_vocab_size, input_shape=(word_vocab_size,),
+      x_dtype='float32', y_dtype='float32', vocab_size=word_vocab_size,
       derived=(f'bag of words over the top {word_vocab_size} training words, '
                f'multi-hot over the top {tag_vocab_size} training tags (by '
                f'{vocab_ranking})'))

@@ -40,6 +40,15 @@ def check_ranking(by: str) -> None:
     raise ValueError(f'vocab_ranking must be one of {RANKINGS}, got {by!r}.')
 
 
+def check_options(vocab_ranking: str, **sizes: int) -> None:
+  """Raises ValueError unless every one of ``sizes`` (name=value) is >= 1
+  and ``vocab_ranking`` is one of RANKINGS."""
+  if min(sizes.values()) < 1:
+    raise ValueError(f'{" and ".join(sizes)} must be >= 1, got '
+                     f'{", ".join(str(v) for v in sizes.values())}.')
+  check_ranking(vocab_ranking)
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenCounts:
   """Token counts over one split.

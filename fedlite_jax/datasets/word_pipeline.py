@@ -12,6 +12,9 @@ with one OOV bucket:
 * ``ids = [BOS] + words + [EOS]``, ``x = ids[:-1]``, ``y = ids[1:]``, each cut
   to ``max_length`` and right-padded with PAD.
 
+:class:`NextWordTask` loads a dataset's next-word prediction this way
+(Shakespeare's and StackOverflow's loaders are instances).
+
 Tag prediction mirrors TFF's ``tag_prediction_preprocessing.build_to_ids_fn``
 (the StackOverflow logistic-regression baseline): words of ``tokens + ' ' +
 title`` split on whitespace; ``x[j]`` = (occurrences of vocabulary word j) /
@@ -21,11 +24,16 @@ vocabulary tag j (a multi-hot vector for the usual distinct tags).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Callable, Mapping, Sequence
 
+import fedjax
 import numpy as np
 
 from fedlite_jax.datasets import info as info_lib
+from fedlite_jax.datasets import sources
+from fedlite_jax.datasets import vocab as vocab_lib
 
 Examples = Mapping[str, np.ndarray]
 BatchPreprocessor = Callable[[Examples], dict[str, np.ndarray]]
@@ -206,3 +214,81 @@ class TagPredictionEncoder:
       return {'x': x, 'y': y}
 
     return preprocess_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class NextWordTask:
+  """Word-level next-word prediction on one dataset; call it to load the data.
+
+  A call opens the dataset's train and test splits, gives every client a
+  ``tokens`` feature with ``to_tokens``, takes the top training words (counted
+  once over ``tokens`` split on b' ' and cached,
+  :func:`fedlite_jax.datasets.vocab.cached_token_counts`) and encodes both
+  splits with :class:`WordTokenizer`.
+
+  Attributes:
+    task: the ``DatasetInfo.task`` name.
+    source: the dataset (:class:`fedlite_jax.datasets.sources.DatasetSource`).
+    to_tokens: ``preprocess_client`` function giving clients ``tokens`` ([N]
+      space-separated bytes), e.g. FedJAX's ``stackoverflow.preprocess_client``
+      (which also adds ``domain_id``).
+    counts_name: file-name prefix of the cached word counts.
+    derivation: how ``tokens`` is made (part of the counts' cache key).
+    describe: (vocab_size, vocab_ranking) -> ``DatasetInfo.derived``.
+  """
+  task: str
+  source: sources.DatasetSource
+  to_tokens: Callable[[bytes, Examples], Examples]
+  counts_name: str
+  derivation: str
+  describe: Callable[[int, str], str]
+
+  def __call__(
+      self,
+      data_dir: str | os.PathLike[str] | None = None,
+      *,
+      sequence_length: int = 20,
+      vocab_size: int = 10000,
+      vocab_ranking: str = 'occurrences',
+      allow_download: bool = False,
+      cache_dir: str | os.PathLike[str] | None = None
+  ) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
+    """Loads the task.
+
+    Args:
+      sequence_length: L, length of x and y (default 20, FedJAX's
+        StackOverflow training length; FedJAX evaluates with 30).
+      vocab_size: vocabulary slots (default 10,000): the most frequent
+        training words (ties by bytes) get ids 3 .. vocab_size + 2; OOV =
+        vocab_size + 3; output size vocab_size + 4.
+      vocab_ranking: 'occurrences' (default) or 'clients' (TFF's ranking; see
+        :mod:`fedlite_jax.datasets.vocab`).
+      data_dir, allow_download, cache_dir: as for
+        :func:`fedlite_jax.datasets.load_federated_data`.
+
+    Returns:
+      (train, test, info). Batches: ``x``, ``y`` int32 [B, L] in
+      [0, vocab_size + 4), plus what ``to_tokens`` adds (``domain_id`` int32
+      [B] for StackOverflow).
+
+    Raises:
+      DatasetNotFoundError: no files found.
+      ValueError: sequence_length or vocab_size < 1, or a bad vocab_ranking.
+    """
+    vocab_lib.check_options(vocab_ranking, sequence_length=sequence_length,
+                            vocab_size=vocab_size)
+    opened = sources.open_splits(self.source, ('train', 'test'), data_dir,
+                                 allow_download=allow_download,
+                                 cache_directory=cache_dir)
+    counts, counts_path = vocab_lib.cached_token_counts(
+        opened.splits['train'].preprocess_client(self.to_tokens), 'tokens',
+        b' ', self.counts_name, [opened.read_path('train')], self.derivation,
+        cache_dir)
+    tokenizer = WordTokenizer(counts.top(vocab_size, by=vocab_ranking),
+                              vocab_size)
+    train, test = opened.preprocess(
+        tokenizer.as_preprocess_batch(sequence_length), self.to_tokens)
+    return train, test, opened.dataset_info(
+        train, test, (counts_path,), task=self.task,
+        derived=self.describe(vocab_size, vocab_ranking),
+        **info_lib.next_token_fields(tokenizer, sequence_length))

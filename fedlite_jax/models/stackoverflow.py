@@ -67,6 +67,10 @@ BOS_ID = 1
 EOS_ID = 2
 NUM_SPECIAL_TOKENS = 4  # PAD, BOS, EOS, OOV.
 CUT_LAYER = 'projection'
+# The model's sizes in FedJAX's create_lstm_model (Reddi et al., 2020).
+DEFAULT_VOCAB_SIZE = 10000
+DEFAULT_EMBED_SIZE = 96
+DEFAULT_LSTM_HIDDEN_SIZE = 670
 
 
 def oov_id(vocab_size: int) -> int:
@@ -90,11 +94,11 @@ class StackOverflowClient(nn.Module):
     projection_size: output size of each projection (the cut size).
     lstm_unroll: ``unroll`` of the time scan (speed only).
   """
-  vocab_size: int = 10000
-  embed_size: int = 96
-  lstm_hidden_size: int = 670
+  vocab_size: int = DEFAULT_VOCAB_SIZE
+  embed_size: int = DEFAULT_EMBED_SIZE
+  lstm_hidden_size: int = DEFAULT_LSTM_HIDDEN_SIZE
   lstm_num_layers: int = 1
-  projection_size: int = 96
+  projection_size: int = DEFAULT_EMBED_SIZE
   lstm_unroll: int = 1
 
   @nn.compact
@@ -126,7 +130,7 @@ class StackOverflowServer(nn.Module):
   Attributes:
     vocab_size: number of words (without the 4 special tokens).
   """
-  vocab_size: int = 10000
+  vocab_size: int = DEFAULT_VOCAB_SIZE
 
   @nn.compact
   def __call__(self, activations: Array, batch: Batch, train: bool) -> Array:
@@ -188,9 +192,9 @@ def eval_metrics(vocab_size: int) -> dict[str, fedjax.metrics.Metric]:
   }
 
 
-def create_stackoverflow_lstm(vocab_size: int = 10000,
-                              embed_size: int = 96,
-                              lstm_hidden_size: int = 670,
+def create_stackoverflow_lstm(vocab_size: int = DEFAULT_VOCAB_SIZE,
+                              embed_size: int = DEFAULT_EMBED_SIZE,
+                              lstm_hidden_size: int = DEFAULT_LSTM_HIDDEN_SIZE,
                               lstm_num_layers: int = 1,
                               projection_size: Optional[int] = None,
                               expected_length: Optional[float] = None,
