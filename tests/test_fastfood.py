@@ -233,6 +233,21 @@ def test_bad_arguments_rejected(kwargs, exc):
     ff.fastfood_params(**kwargs)
 
 
+def test_check_int_and_check_seed():
+  assert ff.check_int(np.int64(5), 'n') == 5
+  assert type(ff.check_int(np.int64(5), 'n')) is int
+  assert ff.check_int(0, 'n', 0) == 0
+  with pytest.raises(ValueError, match=r'^n must be >= 1; got 0\.$'):
+    ff.check_int(0, 'n')
+  with pytest.raises(TypeError, match=r'^n must be an integer; got 2\.0\.$'):
+    ff.check_int(2.0, 'n')
+  assert ff.check_seed(2**32 - 1) == 2**32 - 1
+  with pytest.raises(ValueError, match=r'^s must be < 2\*\*32; got 4294967296'):
+    ff.check_seed(2**32, 's')
+  with pytest.raises(ValueError, match='>= 0'):
+    ff.check_seed(-1)
+
+
 def test_wrong_input_length_rejected():
   p = ff.fastfood_params(0, 10, 3)
   with pytest.raises(ValueError, match='10'):

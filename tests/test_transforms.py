@@ -12,6 +12,7 @@ import pytest
 from fedlite_jax import quantization
 from fedlite_jax import transforms as tx
 from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import sketch as sketch_lib
 
 
 def _tree(seed=0):
@@ -112,6 +113,14 @@ def _fmix32_np(x):
   x = (x * np.uint32(0xC2B2AE35)).astype(np.uint32)
   x ^= x >> np.uint32(16)
   return x
+
+
+def test_fmix32_int_matches_numpy_reference():
+  xs = [0, 1, 2, 12345, 2**31, 2**32 - 1]
+  got = [sketch_lib.fmix32_int(x) for x in xs]
+  assert got == [int(v) for v in _fmix32_np(np.asarray(xs, np.uint32))]
+  assert got[0] == 0 and len(set(got)) == len(xs)
+  assert sketch_lib.fmix32_int(2**32 + 7) == sketch_lib.fmix32_int(7)
 
 
 def _np_hashes(seed, rows, cols, D):

@@ -10,8 +10,10 @@ integer seed.
   re-exported here, where its name would shadow the submodule).
 * :mod:`fedlite_jax.igc.fastfood`: ``A`` (``fastfood_params``) and its
   products ``A s`` (``fastfood_lift``) and ``A^T g`` (``fastfood_project``).
-* :mod:`fedlite_jax.igc.intrinsic`: ``theta = theta_0 + A theta'`` over a
-  whole parameter pytree.
+* :mod:`fedlite_jax.igc.reparameterization`: ``theta = theta_0 + A theta'``
+  over a whole parameter pytree (a model reparameterization; the
+  communication transform is
+  :func:`fedlite_jax.transforms.intrinsic_projection`).
 """
 
 from fedlite_jax.igc import fwht  # the submodule
@@ -21,12 +23,12 @@ from fedlite_jax.igc.fastfood import fastfood_params
 from fedlite_jax.igc.fastfood import fastfood_project
 from fedlite_jax.igc.fastfood import padded_length
 from fedlite_jax.igc.fastfood import SCALES
-from fedlite_jax.igc.intrinsic import intrinsic_lift
-from fedlite_jax.igc.intrinsic import intrinsic_project
-from fedlite_jax.igc.intrinsic import intrinsic_subspace
-from fedlite_jax.igc.intrinsic import intrinsic_to_params
-from fedlite_jax.igc.intrinsic import IntrinsicSubspace
-from fedlite_jax.igc.intrinsic import make_intrinsic
+from fedlite_jax.igc.reparameterization import intrinsic_lift
+from fedlite_jax.igc.reparameterization import intrinsic_project
+from fedlite_jax.igc.reparameterization import intrinsic_subspace
+from fedlite_jax.igc.reparameterization import intrinsic_to_params
+from fedlite_jax.igc.reparameterization import IntrinsicSubspace
+from fedlite_jax.igc.reparameterization import make_intrinsic
 
 __all__ = [
     'FastfoodParams',

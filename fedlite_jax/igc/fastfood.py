@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,8 @@ from fedlite_jax.igc.fwht import is_power_of_two
 __all__ = [
     'SCALES',
     'FastfoodParams',
+    'check_int',
+    'check_seed',
     'fastfood_params',
     'fastfood_lift',
     'fastfood_project',
@@ -132,6 +134,46 @@ class FastfoodParams:
   scale_convention: str
 
 
+def check_int(value: Any, name: str, minimum: int = 1) -> int:
+  """``value`` as a Python int, checked to be ``>= minimum``.
+
+  The one integer-argument check of :mod:`fedlite_jax.igc` and
+  :mod:`fedlite_jax.transforms` (sizes, counts, seeds, top-k's k).
+
+  Args:
+    value: anything with ``__index__`` (Python and NumPy integers).
+    name: the argument's name in the error message.
+    minimum: the smallest allowed value.
+
+  Returns:
+    ``operator.index(value)``.
+
+  Raises:
+    TypeError: if ``value`` is not an integer (a float, a string, a tracer).
+    ValueError: if it is below ``minimum``.
+  """
+  try:
+    i = operator.index(value)
+  except TypeError as e:
+    raise TypeError(f'{name} must be an integer; got {value!r}.') from e
+  if i < minimum:
+    raise ValueError(f'{name} must be >= {minimum}; got {i}.')
+  return i
+
+
+def check_seed(seed: Any, name: str = 'seed') -> int:
+  """A 32-bit seed: ``seed`` as a Python int in ``[0, 2**32)``.
+
+  Raises:
+    TypeError: if ``seed`` is not an integer.
+    ValueError: if it is negative or ``>= 2**32``.
+  """
+  seed = check_int(seed, name, 0)
+  if seed >= 2**32:
+    raise ValueError(f'{name} must be < 2**32; got {seed}.')
+  return seed
+
+
 def padded_length(D: int, d: int) -> int:
   """``L = 2**ceil(log2(max(D, d)))``, the smallest admissible Fastfood length.
 
@@ -145,19 +187,9 @@ def padded_length(D: int, d: int) -> int:
   Raises:
     ValueError: if D or d is not a positive integer.
   """
-  D = _positive_int(D, 'D')
-  d = _positive_int(d, 'd')
+  D = check_int(D, 'D')
+  d = check_int(d, 'd')
   return 1 << (max(D, d) - 1).bit_length()
-
-
-def _positive_int(v: int, name: str) -> int:
-  try:
-    i = operator.index(v)
-  except TypeError as e:
-    raise TypeError(f'{name} must be an integer; got {v!r}.') from e
-  if i < 1:
-    raise ValueError(f'{name} must be >= 1; got {i}.')
-  return i
 
 
 @functools.partial(jax.jit, static_argnames=('d', 'L'))
@@ -227,15 +259,15 @@ def fastfood_params(seed: int,
     raise ValueError(
         f'seed must be in [0, 2**32) (jax.random.key keeps 32 bits without '
         f'jax_enable_x64, so larger seeds would collide); got {seed}.')
-  D = _positive_int(D, 'D')
-  d = _positive_int(d, 'd')
+  D = check_int(D, 'D')
+  d = check_int(d, 'd')
   if scale not in SCALES:
     raise ValueError(f'scale must be one of {SCALES}; got {scale!r}.')
   min_len = padded_length(D, d)
   if L is None:
     L = min_len
   else:
-    L = _positive_int(L, 'L')
+    L = check_int(L, 'L')
     if L < max(D, d):
       raise ValueError(
           f'Fastfood length L={L} is smaller than max(D, d)={max(D, d)} '
@@ -259,10 +291,17 @@ def _block_length(d: int) -> int:
   return 1 << (d - 1).bit_length()
 
 
-def _check_last(x: jax.Array, n: int, what: str, name: str) -> None:
+def _floating_input(x: jax.Array, n: int, what: str, name: str) -> jax.Array:
+  """``x`` as a floating array (non-floating -> float32) of shape ``[..., n]``.
+
+  Raises:
+    ValueError: if the last axis of ``x`` is not ``n``.
+  """
+  x = jnp.asarray(x)
   if x.ndim == 0 or x.shape[-1] != n:
     raise ValueError(
         f'{what} expects {name} of shape [..., {n}]; got shape {x.shape}.')
+  return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32)
 
 
 def _lift_impl(params: FastfoodParams, s: jax.Array) -> jax.Array:
@@ -294,51 +333,42 @@ def _project_impl(params: FastfoodParams, g: jax.Array) -> jax.Array:
   return out * params.scale.astype(out.dtype)
 
 
-# Reverse mode uses the other operator explicitly: JAX's own transpose of the
-# permutation gather is a scatter-add, which made grad(lift) 2x slower than
-# project (29 vs 14 ms at L = 2**21). A is a fixed random matrix, so the
-# cotangent for `params` is zero. Cost: no forward mode (jax.jvp) through
-# these two functions.
-@jax.custom_vjp
-def _lift_vjp(params: FastfoodParams, s: jax.Array) -> jax.Array:
-  return _lift_impl(params, s)
-
-
-def _lift_fwd(params, s):
-  return _lift_impl(params, s), (params, jnp.zeros((), s.dtype))
-
-
-def _lift_bwd(res, ct):
-  params, like = res
-  return (_zero_cotangent(params),
-          _project_impl(params, ct).astype(like.dtype))
-
-
-_lift_vjp.defvjp(_lift_fwd, _lift_bwd)
-
-
-@jax.custom_vjp
-def _project_vjp(params: FastfoodParams, g: jax.Array) -> jax.Array:
-  return _project_impl(params, g)
-
-
-def _project_fwd(params, g):
-  return _project_impl(params, g), (params, jnp.zeros((), g.dtype))
-
-
-def _project_bwd(res, ct):
-  params, like = res
-  return (_zero_cotangent(params),
-          _lift_impl(params, ct).astype(like.dtype))
-
-
-_project_vjp.defvjp(_project_fwd, _project_bwd)
-
-
 def _zero_cotangent(params: FastfoodParams) -> FastfoodParams:
   return jax.tree.map(
       lambda x: (jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.inexact)
                  else np.zeros(x.shape, jax.dtypes.float0)), params)
+
+
+_Product = Callable[[FastfoodParams, jax.Array], jax.Array]
+
+
+def _with_transpose_vjp(product: _Product, transpose: _Product) -> _Product:
+  """``product(params, x)`` whose VJP is ``transpose(params, cotangent)``.
+
+  Reverse mode uses the other operator explicitly: JAX's own transpose of the
+  permutation gather is a scatter-add, which made grad(lift) 2x slower than
+  project (29 vs 14 ms at L = 2**21). A is a fixed random matrix, so the
+  cotangent for ``params`` is zero. Cost: no forward mode (``jax.jvp``).
+  """
+
+  @jax.custom_vjp
+  def f(params: FastfoodParams, x: jax.Array) -> jax.Array:
+    return product(params, x)
+
+  def fwd(params, x):
+    return product(params, x), (params, jnp.zeros((), x.dtype))
+
+  def bwd(res, ct):
+    params, like = res
+    return (_zero_cotangent(params),
+            transpose(params, ct).astype(like.dtype))
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+_lift_vjp = _with_transpose_vjp(_lift_impl, _project_impl)
+_project_vjp = _with_transpose_vjp(_project_impl, _lift_impl)
 
 
 @jax.jit
@@ -364,11 +394,7 @@ def fastfood_lift(params: FastfoodParams, s: jax.Array) -> jax.Array:
   Raises:
     ValueError: if the last axis of ``s`` is not d.
   """
-  s = jnp.asarray(s)
-  _check_last(s, params.d, 'fastfood_lift', 's')
-  if not jnp.issubdtype(s.dtype, jnp.floating):
-    s = s.astype(jnp.float32)
-  return _lift_vjp(params, s)
+  return _lift_vjp(params, _floating_input(s, params.d, 'fastfood_lift', 's'))
 
 
 @jax.jit
@@ -387,18 +413,14 @@ def fastfood_project(params: FastfoodParams, g: jax.Array) -> jax.Array:
   :func:`fastfood_lift` of the cotangent; ``params`` get a zero cotangent.
 
   Args:
-    params: from :func:`fastfood_params` (unbatched; use ``jax.vmap`` for a
-      stack of matrices).
-    g: ``float32[..., D]``; leading axes are batch axes.
+    params: as for :func:`fastfood_lift`.
+    g: ``float32[..., D]``.
 
   Returns:
-    ``float32[..., d]``.
+    ``float32[..., d]``, with the leading (batch) axes of ``g``.
 
   Raises:
     ValueError: if the last axis of ``g`` is not D.
   """
-  g = jnp.asarray(g)
-  _check_last(g, params.D, 'fastfood_project', 'g')
-  if not jnp.issubdtype(g.dtype, jnp.floating):
-    g = g.astype(jnp.float32)
-  return _project_vjp(params, g)
+  return _project_vjp(
+      params, _floating_input(g, params.D, 'fastfood_project', 'g'))

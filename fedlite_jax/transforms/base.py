@@ -25,8 +25,10 @@ __all__ = [
     'Encoded',
     'TreeSpec',
     'chain',
+    'decode_values',
     'identity',
     'message_bits',
+    'no_state',
     'dtype_bits',
     'init_read_only',
     'state_is_read_only',
@@ -171,16 +173,27 @@ def _floating_spec(x: PyTree, what: str) -> TreeSpec:
   return spec
 
 
+def no_state(example: PyTree) -> State:
+  """``init`` of a stateless transform: the empty state ``()``."""
+  del example
+  return ()
+
+
+def decode_values(message: Encoded, state: State) -> tuple[PyTree, State]:
+  """``decode`` returning ``message.values`` unchanged.
+
+  For transforms whose ``values`` already are the reconstruction of the
+  input (:func:`identity`, the quantizers).
+  """
+  return message.values, state
+
+
 def identity() -> CommTransform:
   """No compression: every value sent at its dtype width (float32: 32 bits).
 
   ``value_bits = sum over leaves of size * itemsize * 8``; ``decode`` returns
   the values unchanged.
   """
-
-  def init(example):
-    del example
-    return ()
 
   def encode(x, state, key):
     del key
@@ -189,10 +202,7 @@ def identity() -> CommTransform:
                      for s, t in zip(spec.shapes, spec.dtypes)))
     return Encoded(x, (), bits, 0.0, None), state
 
-  def decode(message, state):
-    return message.values, state
-
-  return CommTransform(init, encode, decode)
+  return CommTransform(no_state, encode, decode_values)
 
 
 def chain(*transforms: CommTransform) -> CommTransform:

@@ -21,14 +21,16 @@ it, as the paper's Table 2 does).
 
 from __future__ import annotations
 
+import functools
 import operator
-from typing import Any, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.transforms import base
+from fedlite_jax.transforms import sketch
 
 PyTree = Any
 
@@ -54,34 +56,6 @@ class IntrinsicState(NamedTuple):
   fastfood: ff.FastfoodParams
 
 
-def _fmix32(x: int) -> int:
-  """MurmurHash3's 32-bit finalizer: a bijection of [0, 2**32) with 0 -> 0."""
-  x &= 0xFFFFFFFF
-  x ^= x >> 16
-  x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-  x ^= x >> 13
-  x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-  x ^= x >> 16
-  return x
-
-
-def _nonneg_int(v: Any, name: str) -> int:
-  try:
-    i = operator.index(v)
-  except TypeError as e:
-    raise TypeError(f'{name} must be an integer; got {v!r}.') from e
-  if i < 0:
-    raise ValueError(f'{name} must be >= 0; got {i}.')
-  return i
-
-
-def _positive_int(v: Any, name: str) -> int:
-  i = _nonneg_int(v, name)
-  if i < 1:
-    raise ValueError(f'{name} must be >= 1; got {i}.')
-  return i
-
-
 def subspace_seed(seed: int, epoch: int, index: int) -> int:
   """Fastfood seed of subspace ``index`` in ``epoch`` (see module docstring).
 
@@ -99,16 +73,14 @@ def subspace_seed(seed: int, epoch: int, index: int) -> int:
       does not fit 32 bits.
     TypeError: non-integer arguments.
   """
-  seed = _nonneg_int(seed, 'seed')
-  if seed >= 2**32:
-    raise ValueError(f'seed must be < 2**32; got {seed}.')
-  epoch = _nonneg_int(epoch, 'epoch')
-  index = _nonneg_int(index, 'index')
+  seed = ff.check_seed(seed)
+  epoch = ff.check_int(epoch, 'epoch', 0)
+  index = ff.check_int(index, 'index', 0)
   pair = (epoch + index) * (epoch + index + 1) // 2 + index  # Cantor pairing.
   if pair >= 2**32:
     raise ValueError(f'(epoch={epoch}, index={index}) is too large for a '
                      '32-bit subspace seed.')
-  return seed ^ _fmix32(pair)
+  return seed ^ sketch.fmix32_int(pair)
 
 
 def make_subspaces(D: int, d: int, num_subspaces: int, seed: int,
@@ -134,8 +106,8 @@ def make_subspaces(D: int, d: int, num_subspaces: int, seed: int,
   Raises:
     ValueError: d, D or K < 1, bad seed/epoch, unknown scale.
   """
-  d = _positive_int(d, 'd (intrinsic dimension)')
-  num_subspaces = _positive_int(num_subspaces, 'num_subspaces (K)')
+  d = ff.check_int(d, 'd (intrinsic dimension)')
+  num_subspaces = ff.check_int(num_subspaces, 'num_subspaces (K)')
   mats = [ff.fastfood_params(subspace_seed(seed, epoch, k), D, d, scale=scale)
           for k in range(num_subspaces)]
   return jax.tree.map(lambda *xs: jnp.stack(xs), *mats)
@@ -150,7 +122,7 @@ def intrinsic_state(D: int, d: int, num_subspaces: int, seed: int,
 
 def index_bits(num_subspaces: int) -> int:
   """Bits to send a subspace index: ``ceil(log2 K)`` (0 for K = 1)."""
-  num_subspaces = _positive_int(num_subspaces, 'num_subspaces (K)')
+  num_subspaces = ff.check_int(num_subspaces, 'num_subspaces (K)')
   return (num_subspaces - 1).bit_length()
 
 
@@ -164,6 +136,24 @@ def select_subspace(fastfood: ff.FastfoodParams,
 
 def _num_subspaces(fastfood: ff.FastfoodParams) -> int:
   return int(fastfood.signs.shape[0])
+
+
+def _each_subspace(product: Callable[[ff.FastfoodParams, jax.Array], jax.Array],
+                   fastfood: ff.FastfoodParams, rows: jax.Array, name: str,
+                   width: int) -> Iterator[jax.Array]:
+  """``product(A^(k), rows[k])`` for k = 0..K-1, one at a time.
+
+  Unrolled and lazy: K products of O(L) memory each, not K at once.
+
+  Raises:
+    ValueError: (here, not at the first product) if ``rows`` is not
+      ``[K, width]``.
+  """
+  K = _num_subspaces(fastfood)
+  if rows.shape != (K, width):
+    raise ValueError(f'{name} must have shape ({K}, {width}); got '
+                     f'{rows.shape}.')
+  return (product(select_subspace(fastfood, k), rows[k]) for k in range(K))
 
 
 @jax.jit
@@ -194,13 +184,8 @@ def project_subspaces(fastfood: ff.FastfoodParams,
   Raises:
     ValueError: if ``vectors`` is not ``[K, D]``.
   """
-  K = _num_subspaces(fastfood)
-  if vectors.shape != (K, fastfood.D):
-    raise ValueError(f'vectors must have shape ({K}, {fastfood.D}); got '
-                     f'{vectors.shape}.')
-  return jnp.stack([
-      ff.fastfood_project(select_subspace(fastfood, k), vectors[k])
-      for k in range(K)])  # Unrolled, like lift_subspaces: O(L) memory each.
+  return jnp.stack(list(_each_subspace(ff.fastfood_project, fastfood,
+                                        vectors, 'vectors', fastfood.D)))
 
 
 def lift_subspaces(fastfood: ff.FastfoodParams,
@@ -220,16 +205,8 @@ def lift_subspaces(fastfood: ff.FastfoodParams,
   Raises:
     ValueError: if ``sigma`` is not ``[K, d]``.
   """
-  K = _num_subspaces(fastfood)
-  if sigma.shape != (K, fastfood.d):
-    raise ValueError(f'sigma must have shape ({K}, {fastfood.d}); got '
-                     f'{sigma.shape}.')
-  total = None
-  for k in range(K):  # Unrolled: K lifts of O(L) memory each, not K at once.
-    a = jax.tree.map(lambda x, k=k: x[k], fastfood)
-    v = ff.fastfood_lift(a, sigma[k])
-    total = v if total is None else total + v
-  return total
+  return functools.reduce(operator.add, _each_subspace(
+      ff.fastfood_lift, fastfood, sigma, 'sigma', fastfood.d))
 
 
 def intrinsic_projection(d: int,
@@ -263,8 +240,8 @@ def intrinsic_projection(d: int,
     ValueError: d < 1, K < 1, bad seed or scale (here); at ``init``, also a
       model without parameters.
   """
-  d = _positive_int(d, 'd (intrinsic dimension)')
-  num_subspaces = _positive_int(num_subspaces, 'num_subspaces (K)')
+  d = ff.check_int(d, 'd (intrinsic dimension)')
+  num_subspaces = ff.check_int(num_subspaces, 'num_subspaces (K)')
   subspace_seed(seed, 0, 0)  # Validates the seed.
   if scale not in ff.SCALES:
     raise ValueError(f'scale must be one of {ff.SCALES}; got {scale!r}.')

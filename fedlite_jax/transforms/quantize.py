@@ -14,12 +14,35 @@ bit count; ``decode`` is the identity on those values. One leaf = one layer
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 from fedlite_jax import quantization
+from fedlite_jax.quantization import rng as quantization_rng
 from fedlite_jax.transforms import base
 
 __all__ = ['terngrad', 'uniform_quantization']
+
+
+def _quantizer(quantize_tree: Callable[..., quantization.Quantized],
+               clip_std: Optional[float], generator: str) -> base.CommTransform:
+  """A stateless transform sending ``quantize_tree``'s dequantized values.
+
+  ``encode`` returns ``quantize_tree(x, key, clip_std=clip_std,
+  generator=generator)``'s values and bit count; ``decode`` is the identity.
+
+  Raises:
+    ValueError: ``clip_std <= 0`` or an unknown ``generator``.
+  """
+  if clip_std is not None and not clip_std > 0:
+    raise ValueError(f'clip_std must be None or > 0; got {clip_std!r}.')
+  quantization_rng.validate_generator(generator)
+
+  def encode(x, state, key):
+    q = quantize_tree(x, key, clip_std=clip_std, generator=generator)
+    return base.Encoded(q.values, (), float(q.num_bits), 0.0, None), state
+
+  return base.CommTransform(base.no_state, encode, base.decode_values)
 
 
 def uniform_quantization(bits: int,
@@ -40,29 +63,13 @@ def uniform_quantization(bits: int,
 
   Raises:
     TypeError, ValueError: as :func:`fedlite_jax.quantization.validate_bits`
-      (here), and for non-floating inputs (at ``encode``).
+      (here), ``clip_std <= 0``, an unknown ``generator``, and non-floating
+      inputs (at ``encode``).
   """
   bits = quantization.validate_bits(bits)
-  if clip_std is not None and not clip_std > 0:
-    raise ValueError(f'clip_std must be None or > 0; got {clip_std!r}.')
-  if generator not in quantization.GENERATORS:
-    raise ValueError(f'generator must be one of {quantization.GENERATORS}; '
-                     f'got {generator!r}.')
-
-  def init(example):
-    del example
-    return ()
-
-  def encode(x, state, key):
-    q = quantization.uniform_quantize_tree(
-        x, key, bits, zero_center=zero_center, clip_std=clip_std,
-        generator=generator)
-    return base.Encoded(q.values, (), float(q.num_bits), 0.0, None), state
-
-  def decode(message, state):
-    return message.values, state
-
-  return base.CommTransform(init, encode, decode)
+  return _quantizer(
+      functools.partial(quantization.uniform_quantize_tree, bits=bits,
+                        zero_center=zero_center), clip_std, generator)
 
 
 def terngrad(*, clip_std: Optional[float] = quantization.DEFAULT_CLIP_STD,
@@ -75,23 +82,8 @@ def terngrad(*, clip_std: Optional[float] = quantization.DEFAULT_CLIP_STD,
 
   Returns:
     A :class:`~fedlite_jax.transforms.CommTransform`.
+
+  Raises:
+    ValueError: ``clip_std <= 0`` or an unknown ``generator``.
   """
-  if clip_std is not None and not clip_std > 0:
-    raise ValueError(f'clip_std must be None or > 0; got {clip_std!r}.')
-  if generator not in quantization.GENERATORS:
-    raise ValueError(f'generator must be one of {quantization.GENERATORS}; '
-                     f'got {generator!r}.')
-
-  def init(example):
-    del example
-    return ()
-
-  def encode(x, state, key):
-    q = quantization.terngrad_quantize_tree(x, key, clip_std=clip_std,
-                                            generator=generator)
-    return base.Encoded(q.values, (), float(q.num_bits), 0.0, None), state
-
-  def decode(message, state):
-    return message.values, state
-
-  return base.CommTransform(init, encode, decode)
+  return _quantizer(quantization.terngrad_quantize_tree, clip_std, generator)

@@ -29,18 +29,20 @@ Bits: ``32 * rows * cols`` per sketch (float32 table), as in FetchSGD.
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlite_jax.igc.fastfood import check_int
+from fedlite_jax.igc.fastfood import check_seed
 from fedlite_jax.transforms import base
 from fedlite_jax.transforms import topk as topk_lib
 
 __all__ = [
     'count_sketch',
+    'fmix32_int',
     'hashes_at',
     'median_rows',
     'sketch_hashes',
@@ -52,7 +54,12 @@ __all__ = [
 _MEDIAN_NETWORK_MAX_ROWS = 15
 
 
-def _fmix32_int(x: int) -> int:
+def fmix32_int(x: int) -> int:
+  """MurmurHash3's 32-bit finalizer of ``x mod 2**32``, as a Python int.
+
+  A bijection of ``[0, 2**32)`` with ``0 -> 0``; :func:`hashes_at` and
+  :func:`fedlite_jax.transforms.subspace_seed` derive their keys with it.
+  """
   x &= 0xFFFFFFFF
   x ^= x >> 16
   x = (x * 0x85EBCA6B) & 0xFFFFFFFF
@@ -71,22 +78,10 @@ def _fmix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def _check_int(v: Any, name: str, minimum: int = 1) -> int:
-  try:
-    i = operator.index(v)
-  except TypeError as e:
-    raise TypeError(f'{name} must be an integer; got {v!r}.') from e
-  if i < minimum:
-    raise ValueError(f'{name} must be >= {minimum}; got {i}.')
-  return i
-
-
 def _row_keys(seed: int, rows: int) -> tuple[list[int], list[int]]:
-  seed = _check_int(seed, 'sketch seed', 0)
-  if seed >= 2**32:
-    raise ValueError(f'sketch seed must be < 2**32; got {seed}.')
-  kb = [_fmix32_int(seed ^ _fmix32_int(2 * r + 1)) for r in range(rows)]
-  ks = [_fmix32_int(seed ^ _fmix32_int(2 * r + 2)) for r in range(rows)]
+  seed = check_seed(seed, 'sketch seed')
+  kb = [fmix32_int(seed ^ fmix32_int(2 * r + 1)) for r in range(rows)]
+  ks = [fmix32_int(seed ^ fmix32_int(2 * r + 2)) for r in range(rows)]
   return kb, ks
 
 
@@ -107,7 +102,7 @@ def sketch_hashes(seed: int, rows: int, cols: int,
   Raises:
     ValueError: non-positive sizes or a bad seed.
   """
-  D = _check_int(D, 'D')
+  D = check_int(D, 'D')
   return hashes_at(seed, rows, cols, jnp.arange(D, dtype=jnp.int32))
 
 
@@ -119,8 +114,8 @@ def hashes_at(seed: int, rows: int, cols: int,
     ``(buckets int32[rows, *indices.shape], signs float32[rows,
     *indices.shape])``.
   """
-  rows = _check_int(rows, 'sketch rows')
-  cols = _check_int(cols, 'sketch cols')
+  rows = check_int(rows, 'sketch rows')
+  cols = check_int(cols, 'sketch cols')
   kb, ks = _row_keys(seed, rows)
   i = jnp.asarray(indices).astype(jnp.uint32)[None]
   shape = (rows,) + (1,) * (i.ndim - 1)
@@ -133,8 +128,8 @@ def hashes_at(seed: int, rows: int, cols: int,
 
 def sketch_message_bits(rows: int, cols: int) -> float:
   """Bits of one sketch: ``32 * rows * cols`` (float32 table)."""
-  return float(32 * _check_int(rows, 'sketch rows') *
-               _check_int(cols, 'sketch cols'))
+  return float(32 * check_int(rows, 'sketch rows') *
+               check_int(cols, 'sketch cols'))
 
 
 def sketch_vector(v: jax.Array, seed: int, rows: int,
@@ -217,11 +212,11 @@ def count_sketch(rows: int, cols: int, seed: int = 0,
     ValueError: non-positive sizes, bad seed, k < 1 (here) or k > D (at
       ``init`` / ``encode``).
   """
-  rows = _check_int(rows, 'sketch rows')
-  cols = _check_int(cols, 'sketch cols')
+  rows = check_int(rows, 'sketch rows')
+  cols = check_int(cols, 'sketch cols')
   _row_keys(seed, rows)
   if k is not None:
-    k = _check_int(k, 'k')
+    k = check_int(k, 'k')
   bits = sketch_message_bits(rows, cols)
 
   def init(example):

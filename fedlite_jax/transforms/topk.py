@@ -27,12 +27,12 @@ the algorithms in :mod:`fedlite_jax.algorithms` do not use it (see
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from fedlite_jax.igc.fastfood import check_int
 from fedlite_jax.transforms import base
 
 PyTree = Any
@@ -43,12 +43,7 @@ __all__ = ['INDEX_BITS', 'top_k', 'topk_abs', 'topk_message_bits', 'scatter']
 
 
 def _check_k(k: Any, D: int | None = None) -> int:
-  try:
-    k = operator.index(k)
-  except TypeError as e:
-    raise TypeError(f'k must be an integer; got {k!r}.') from e
-  if k < 1:
-    raise ValueError(f'top-k: k must be >= 1; got k={k}.')
+  k = check_int(k, 'top-k: k')
   if D is not None and k > D:
     raise ValueError(f'top-k: k={k} exceeds the number of entries D={D}.')
   return k
@@ -66,8 +61,7 @@ def topk_message_bits(k: int, D: int, index_bits: str = 'log2') -> float:
   Raises:
     ValueError: bad k, D or index_bits.
   """
-  if D < 1:
-    raise ValueError(f'D must be >= 1; got {D}.')
+  D = check_int(D, 'D')
   k = _check_k(k, D)
   if index_bits not in INDEX_BITS:
     raise ValueError(f'index_bits must be one of {INDEX_BITS}; got '

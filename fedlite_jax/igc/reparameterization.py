@@ -17,6 +17,10 @@ with respect to ``t'`` is ``A^T ravel(grad_theta loss)`` =
 ``fastfood_project(A, ravel(grad))`` (tested). Reverse mode only: the
 Fastfood products carry a ``custom_vjp`` (see :func:`fastfood_lift`), so
 ``jax.jvp`` through ``to_params`` is not supported.
+
+This module reparameterizes a model; the communication transform that sends
+``A^T x`` instead of an update is
+:func:`fedlite_jax.transforms.intrinsic_projection`.
 """
 
 from __future__ import annotations
