@@ -1,4 +1,4 @@
-"""The package's layering, read from the source (no module is imported).
+"""The package's layering, read from the source, and the algorithm registry.
 
 Layers, bottom to top: ``fedlite_jax.transforms`` (compression, plain JAX)
 -> ``fedlite_jax.algorithms`` (FedJAX algorithm builders) ->
@@ -7,7 +7,12 @@ These tests check that
 
   * the graph of import-time imports among ``fedlite_jax`` modules has no
     cycle (an import inside a function body runs later and is not an edge);
-  * no layer imports one above it, at import time or inside a function.
+  * no layer imports one above it, at import time or inside a function;
+  * no module registers an algorithm at import: the built-in algorithms are
+    the ``SPECS`` of the modules in ``registry.BUILTIN_MODULES``, and
+    ``registry.register`` adds a user's own at run time.
+
+Only the registry tests import the package; the others read files with ast.
 """
 
 from __future__ import annotations
@@ -157,6 +162,14 @@ def violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
   return out
 
 
+def _import_time_statements(tree: ast.Module) -> Iterator[ast.stmt]:
+  """Top-level statements, without function and class definitions."""
+  for node in tree.body:
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                             ast.ClassDef)):
+      yield node
+
+
 # --- the helpers themselves, on a small tree -------------------------------
 
 def test_find_cycle_reports_the_cycle_and_none_for_a_dag():
@@ -266,3 +279,57 @@ def test_algorithm_modules_of_training_do_not_import_each_other():
          if t in algo or t == 'fedlite_jax.training.registry']
   assert not bad, ('an algorithm module imports another one or the '
                    'registry: ' + '; '.join(bad))
+
+
+def test_no_module_registers_at_import():
+  """Built-in algorithms are data (``SPECS``), not import-time calls."""
+  bad = []
+  for module, path in package_modules().items():
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in _import_time_statements(tree):
+      for call in ast.walk(node):
+        if (isinstance(call, ast.Call) and
+            getattr(call.func, 'attr', getattr(call.func, 'id', None))
+            == 'register'):
+          bad.append(f'{module}:{call.lineno}')
+  assert not bad, 'register() called at import time: ' + ', '.join(bad)
+
+
+# --- the registry built from SPECS -------------------------------------------
+
+def test_registry_lists_the_specs_of_its_modules_in_order():
+  from fedlite_jax.training import registry
+  assert list(registry.algorithms()) == [
+      'fedavg', 'fedprox', 'mime_lite', 'sgd', 'topk', 'fetchsgd',
+      'igc_static', 'igc_k_subspace', 'igc_time_varying',
+      'igc_k_subspace_time_varying', 'splitfed', 'fedlite']
+  for module in registry.BUILTIN_MODULES:
+    for spec in module.SPECS:
+      assert registry.get(spec.name) is spec
+
+
+def test_register_adds_a_users_algorithm_and_refuses_clashes(monkeypatch):
+  from fedlite_jax.training import compression_options
+  from fedlite_jax.training import registry
+  monkeypatch.setattr(registry, '_ADDED', {})
+  builtin = dict(registry.algorithms())
+  mine = registry.AlgorithmSpec(
+      name='my_sgd', description='test', build=lambda ctx: None,
+      options=(compression_options.LOCAL_STEPS,  # shared, identical: allowed
+               registry.Option('my_option', 3, 'help')))
+  assert registry.register(mine) is mine
+  assert registry.get('my_sgd') is mine
+  assert list(registry.algorithms()) == list(builtin) + ['my_sgd']
+  assert registry.all_options()['my_option'].default == 3
+  with pytest.raises(ValueError, match="'my_sgd' is already registered"):
+    registry.register(mine)
+  with pytest.raises(ValueError, match="'fedavg' is already registered"):
+    registry.register(builtin['fedavg'])
+  changed = registry.Option('local_steps', 1, 'other default')
+  with pytest.raises(ValueError, match='--local_steps of .other.'):
+    registry.register(registry.AlgorithmSpec(
+        name='other', description='test', build=lambda ctx: None,
+        options=(changed,)))
+  assert 'other' not in registry.algorithms()
+  with pytest.raises(ValueError, match="allowed values are fedavg, "):
+    registry.get('nope')
