@@ -9,7 +9,7 @@ with/without clipping) and PVT. See :mod:`fedlite_jax.algorithms.efficient`.
 Flags: the compression flags shared by the three
 (:data:`fedlite_jax.training.compression_options.COMPRESSION_OPTIONS`:
 ``--upload`` / ``--download`` stages, or the legacy ``--download_bits``,
-``--upload_quantizer``, ``--upload_bits``, ...,  ``--pvt_fraction``,
+``--upload_quantizer``, ``--upload_bits``, ..., ``--pvt_fraction``,
 ``--quantizer_rng``); ``--local_steps`` (fedavg); ``--fedprox_mu``;
 ``--mime_base_optimizer``, ``--mime_base_eps``, ``--mime_grads_batch_size``.
 
