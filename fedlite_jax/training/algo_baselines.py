@@ -22,14 +22,13 @@ import fedjax
 
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd as fetchsgd_lib
-from fedlite_jax.training import algo_lm
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
-from fedlite_jax.training import registry
-from fedlite_jax.training.config import ConfigError
+from fedlite_jax.training import spec
 from fedlite_jax import transforms
 
-Option = registry.Option
+ConfigError = spec.ConfigError
+Option = spec.Option
 
 TOPK_INDEX_BITS = Option(
     'topk_index_bits', 'log2',
@@ -50,7 +49,7 @@ SKETCH_SEED = Option(
     lower_bound=-1, upper_bound=2**32 - 1)
 
 
-def _check_common(ctx: registry.BuildContext) -> None:
+def _check_common(ctx: spec.BuildContext) -> None:
   config = ctx.config
   if config.client_epochs != 1:
     raise ConfigError(f'{config.algorithm} takes --local_steps, not '
@@ -61,7 +60,7 @@ def _check_common(ctx: registry.BuildContext) -> None:
                       'parameters.')
 
 
-def _build_sgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   config = ctx.config
   return fedopt.compressed_sgd(
@@ -78,15 +77,15 @@ def _build_sgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
 
 def _topk_upload(opts) -> transforms.CommTransform:
   """``--upload`` stages if given (not with --topk_k/--topk_index_bits)."""
-  algo_lm.check_no_legacy(opts, algo_lm.UPLOAD, (common.TOPK_K,
+  common.check_no_legacy(opts, common.UPLOAD, (common.TOPK_K,
                                                   TOPK_INDEX_BITS))
-  upload = algo_lm.stages_from_option(opts, algo_lm.UPLOAD)
+  upload = common.stages_from_option(opts, common.UPLOAD)
   if upload is None:
     upload = transforms.top_k(opts['topk_k'], opts['topk_index_bits'])
   return upload
 
 
-def _build_topk(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+def _build_topk(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   config = ctx.config
   opts = config.options
@@ -104,7 +103,7 @@ def _build_topk(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
       engine=config.round_engine, steps_per_call=config.steps_per_call)
 
 
-def _build_fetchsgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   config = ctx.config
   opts = config.options
@@ -129,27 +128,29 @@ def _build_fetchsgd(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
       engine=config.round_engine, steps_per_call=config.steps_per_call)
 
 
-registry.register(registry.AlgorithmSpec(
-    name='sgd',
-    description='Uncompressed SGD: one local step per round (--local_steps > '
-    '1: FedAvg with local iterations); 32 bits/param each way.',
-    build=_build_sgd,
-    options=(common.LOCAL_STEPS, common.NONFINITE_UPDATES)))
-
-registry.register(registry.AlgorithmSpec(
-    name='topk',
-    description='Local Top-K of the client update (--topk_k); download = '
-    'weights changed since last participation.',
-    build=_build_topk,
-    options=(algo_lm.UPLOAD, common.TOPK_K, TOPK_INDEX_BITS,
-             common.DOWNLOAD_ACCOUNTING,
-             common.LOCAL_STEPS, common.NONFINITE_UPDATES)))
-
-registry.register(registry.AlgorithmSpec(
-    name='fetchsgd',
-    description='FetchSGD (Rothchild et al. 2020): count sketch upload, '
-    'server momentum + error feedback + top-k.',
-    build=_build_fetchsgd,
-    options=(SKETCH_ROWS, SKETCH_COLS, common.TOPK_K, SKETCH_MOMENTUM,
-             SKETCH_SEED, common.DOWNLOAD_ACCOUNTING, common.LOCAL_STEPS,
-             common.NONFINITE_UPDATES)))
+SPECS = (
+    spec.AlgorithmSpec(
+        name='sgd',
+        description='Uncompressed SGD: one local step per round '
+        '(--local_steps > 1: FedAvg with local iterations); 32 bits/param '
+        'each way.',
+        build=_build_sgd,
+        options=(common.LOCAL_STEPS, common.NONFINITE_UPDATES)),
+    spec.AlgorithmSpec(
+        name='topk',
+        description='Local Top-K of the client update (--topk_k); download = '
+        'weights changed since last participation.',
+        build=_build_topk,
+        options=(common.UPLOAD, common.TOPK_K, TOPK_INDEX_BITS,
+                 common.DOWNLOAD_ACCOUNTING,
+                 common.LOCAL_STEPS, common.NONFINITE_UPDATES)),
+    spec.AlgorithmSpec(
+        name='fetchsgd',
+        description='FetchSGD (Rothchild et al. 2020): count sketch upload, '
+        'server momentum + error feedback + top-k.',
+        build=_build_fetchsgd,
+        options=(SKETCH_ROWS, SKETCH_COLS, common.TOPK_K, SKETCH_MOMENTUM,
+                 SKETCH_SEED, common.DOWNLOAD_ACCOUNTING, common.LOCAL_STEPS,
+                 common.NONFINITE_UPDATES)),
+)
+"""The algorithms of this module, collected by the registry."""

@@ -16,12 +16,12 @@ import fedjax
 from fedlite_jax.algorithms import igc
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
-from fedlite_jax.training import registry
-from fedlite_jax.training.config import ConfigError
+from fedlite_jax.training import spec
 from fedlite_jax.igc import fastfood
 from fedlite_jax import transforms
 
-Option = registry.Option
+ConfigError = spec.ConfigError
+Option = spec.Option
 
 INTRINSIC_DIM = Option(
     'intrinsic_dim', 4096,
@@ -74,7 +74,7 @@ _COMMON = (INTRINSIC_DIM, SCALE, SEED, DOWNLOAD, INDEX_BITS,
 
 def _builder(num_subspaces_option: bool, time_varying: bool):
 
-  def build(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+  def build(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
     config = ctx.config
     opts = config.options
     name = config.algorithm
@@ -122,27 +122,27 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
   return build
 
 
-registry.register(registry.AlgorithmSpec(
-    name='igc_static',
-    description='Static intrinsic gradient compression (Melas-Kyriazi & '
-    'Wang 2022, Alg. 1): upload/download d floats.',
-    build=_builder(False, False), options=_COMMON))
-
-registry.register(registry.AlgorithmSpec(
-    name='igc_k_subspace',
-    description='K-subspace intrinsic gradient compression (Alg. 2): upload '
-    'd floats + index, download dK.',
-    build=_builder(True, False), options=_COMMON + (NUM_SUBSPACES,)))
-
-registry.register(registry.AlgorithmSpec(
-    name='igc_time_varying',
-    description='Time-varying intrinsic gradient compression (Alg. 3): new '
-    'subspace each epoch; upload d, download 2d.',
-    build=_builder(False, True), options=_COMMON + (ROUNDS_PER_EPOCH,)))
-
-registry.register(registry.AlgorithmSpec(
-    name='igc_k_subspace_time_varying',
-    description='K-subspace + time-varying intrinsic gradient compression '
-    '(described in Sec. 3.2): upload d + index, download 2dK.',
-    build=_builder(True, True),
-    options=_COMMON + (NUM_SUBSPACES, ROUNDS_PER_EPOCH)))
+SPECS = (
+    spec.AlgorithmSpec(
+        name='igc_static',
+        description='Static intrinsic gradient compression (Melas-Kyriazi & '
+        'Wang 2022, Alg. 1): upload/download d floats.',
+        build=_builder(False, False), options=_COMMON),
+    spec.AlgorithmSpec(
+        name='igc_k_subspace',
+        description='K-subspace intrinsic gradient compression (Alg. 2): '
+        'upload d floats + index, download dK.',
+        build=_builder(True, False), options=_COMMON + (NUM_SUBSPACES,)),
+    spec.AlgorithmSpec(
+        name='igc_time_varying',
+        description='Time-varying intrinsic gradient compression (Alg. 3): new '
+        'subspace each epoch; upload d, download 2d.',
+        build=_builder(False, True), options=_COMMON + (ROUNDS_PER_EPOCH,)),
+    spec.AlgorithmSpec(
+        name='igc_k_subspace_time_varying',
+        description='K-subspace + time-varying intrinsic gradient compression '
+        '(described in Sec. 3.2): upload d + index, download 2dK.',
+        build=_builder(True, True),
+        options=_COMMON + (NUM_SUBSPACES, ROUNDS_PER_EPOCH)),
+)
+"""The algorithms of this module, collected by the registry."""

@@ -25,11 +25,11 @@ from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.algorithms import splitfed
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
-from fedlite_jax.training import registry
-from fedlite_jax.training.config import ConfigError
+from fedlite_jax.training import spec
 from fedlite_jax.fedlite import pq
 
-Option = registry.Option
+ConfigError = spec.ConfigError
+Option = spec.Option
 
 #: Subvector size used when ``--num_subvectors=0`` (FEMNIST: 9,216 / 8 =
 #: 1,152, the paper's headline q).
@@ -118,7 +118,7 @@ def auto_num_subvectors(cut_size: int) -> int:
   return cut_size
 
 
-def _common_kwargs(ctx: registry.BuildContext) -> dict:
+def _common_kwargs(ctx: spec.BuildContext) -> dict:
   config, opts = ctx.config, ctx.config.options
   server_name = opts['split_server_optimizer']
   if server_name == 'same':
@@ -136,7 +136,7 @@ def _common_kwargs(ctx: registry.BuildContext) -> dict:
       nonfinite=opts[common.NONFINITE_UPDATES.name])
 
 
-def build_splitfed(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+def build_splitfed(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   """``--algorithm=splitfed``.
 
   Raises:
@@ -148,7 +148,7 @@ def build_splitfed(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
     raise ConfigError(f'splitfed: {e}') from None
 
 
-def quantizer_from_options(ctx: registry.BuildContext
+def quantizer_from_options(ctx: spec.BuildContext
                            ) -> splitfed.QuantizerConfig:
   """The :class:`~fedlite_jax.algorithms.splitfed.QuantizerConfig` of a run.
 
@@ -187,7 +187,7 @@ def quantizer_from_options(ctx: registry.BuildContext
   return quantizer
 
 
-def build_fedlite(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
+def build_fedlite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   """``--algorithm=fedlite``.
 
   Raises:
@@ -200,25 +200,27 @@ def build_fedlite(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
     raise ConfigError(f'fedlite: {e}') from None
 
 
-def _spec(**kwargs) -> registry.AlgorithmSpec:
+def _spec(**kwargs) -> spec.AlgorithmSpec:
   # Run-level ratios (activation_compression, ...) for summary.json through
-  # the registry's communication hook. One process only: the split program
+  # AlgorithmSpec's communication hook. One process only: the split program
   # reads every client's batch itself (several devices of one process work).
   kwargs['communication_keys'] = split_accounting.BIT_KEYS
   kwargs['communication_summary'] = split_accounting.communication_summary
-  return registry.AlgorithmSpec(multi_process=False,
-                                ignored_fields=IGNORED_FIELDS, **kwargs)
+  return spec.AlgorithmSpec(multi_process=False,
+                            ignored_fields=IGNORED_FIELDS, **kwargs)
 
 
-registry.register(_spec(
-    name='splitfed',
-    description='SplitFed (Thapa et al. 2020; FedLite Sec. 3): split '
-    'learning, one batch per client per round, server steps on all '
-    'activations, client gradients averaged.',
-    build=build_splitfed, options=SPLIT_OPTIONS))
-
-registry.register(_spec(
-    name='fedlite',
-    description='FedLite (Wang et al. 2022): SplitFed + grouped product '
-    'quantization of the uploaded activations + gradient correction.',
-    build=build_fedlite, options=SPLIT_OPTIONS + FEDLITE_OPTIONS))
+SPECS = (
+    _spec(
+        name='splitfed',
+        description='SplitFed (Thapa et al. 2020; FedLite Sec. 3): split '
+        'learning, one batch per client per round, server steps on all '
+        'activations, client gradients averaged.',
+        build=build_splitfed, options=SPLIT_OPTIONS),
+    _spec(
+        name='fedlite',
+        description='FedLite (Wang et al. 2022): SplitFed + grouped product '
+        'quantization of the uploaded activations + gradient correction.',
+        build=build_fedlite, options=SPLIT_OPTIONS + FEDLITE_OPTIONS),
+)
+"""The algorithms of this module, collected by the registry."""

@@ -21,6 +21,10 @@ import os
 from typing import Any, Iterable, Mapping, Optional
 
 from fedlite_jax.models import lm
+from fedlite_jax.training import registry
+from fedlite_jax.training import spec
+
+ConfigError = spec.ConfigError
 
 CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
 SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
@@ -54,10 +58,6 @@ TASK_FIELDS: Mapping[str, tuple[str, ...]] = {
     'model': TEXT_TASKS,
     'lm_loss_reduction': TEXT_TASKS,
 }
-
-
-class ConfigError(ValueError):
-  """A bad flag value (one clear line, no traceback from the binary)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,6 @@ class RunConfig:
 
   def fingerprint(self) -> dict[str, Any]:
     """The result-determining settings (stored in and checked by checkpoints)."""
-    from fedlite_jax.training import registry  # pylint: disable=g-import-not-at-top
     known = registry.all_options()
     out = {k: v for k, v in dataclasses.asdict(self).items()
            if k not in self.NON_RESULT_FIELDS and k != 'options'}
@@ -196,7 +195,6 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   explicit = _explicit_fields(config, task_defaults)
   filled = {k: (task_defaults[k] if v is None and k in task_defaults else v)
             for k, v in dataclasses.asdict(config).items()}
-  from fedlite_jax.training import registry  # pylint: disable=g-import-not-at-top
   try:
     spec = registry.get(filled['algorithm'])
   except ValueError as e:
@@ -319,7 +317,6 @@ def check_explicit(config: RunConfig, names: Iterable[str]) -> None:
     ConfigError: naming the first such setting and the tasks, algorithms or
       settings it belongs to; an unknown option name.
   """
-  from fedlite_jax.training import registry  # pylint: disable=g-import-not-at-top
   specs = registry.algorithms()
   spec = specs[config.algorithm]
   own = {o.name for o in spec.options}

@@ -7,7 +7,9 @@ from typing import Optional
 import fedjax
 import optax
 
-from fedlite_jax.training.config import ConfigError
+from fedlite_jax.training import spec
+
+ConfigError = spec.ConfigError
 
 
 def make_optimizer(name: str, lr: float, *, beta1: float = 0.9,

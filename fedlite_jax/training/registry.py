@@ -1,136 +1,88 @@
 """Algorithm registry: how ``--algorithm=<name>`` becomes a FedJAX algorithm.
 
-Each algorithm module registers an :class:`AlgorithmSpec` with its builder and
-its own options (which ``experiments/run_experiment.py`` turns into absl
-flags, and :class:`~fedlite_jax.training.config.RunConfig` carries in
-``options``). New algorithms add a module under ``fedlite_jax/training/``
-that calls :func:`register`; nothing else in the runner changes.
+Each built-in algorithm module (``algo_*.py``) declares its algorithms as
+data, a module constant ``SPECS: tuple[AlgorithmSpec, ...]`` (see
+:mod:`fedlite_jax.training.spec`); this module collects them from the
+explicit list :data:`BUILTIN_MODULES`, in that order. Importing a module
+registers nothing, so no result depends on import order. Each
+:class:`Option` of a spec becomes an absl flag of
+``experiments/run_experiment.py`` and is carried in
+:class:`~fedlite_jax.training.config.RunConfig` ``options``.
 
-Contract of a built algorithm (``fedjax.FederatedAlgorithm``):
-  * ``init(params) -> state``; ``apply(state, clients) -> (state, diags)``
-    with FedJAX's ``clients = [(client_id, ClientDataset, PRNGKey)]``.
-  * ``diags[client_id]`` holds at least ``upload_bits`` and
-    ``download_bits`` (the communication ledger reads them).
-  * ``spec.eval_params(state)`` gives the model parameters to evaluate.
+Adding an algorithm:
+  * to the library: write ``fedlite_jax/training/algo_<name>.py`` with its
+    builders and ``SPECS``, importing only ``spec``, ``optimizers``,
+    ``compression_options`` and ``fedlite_jax`` packages below ``training``
+    (not another ``algo_*`` module, not this one), and add the module to
+    :data:`BUILTIN_MODULES`;
+  * from your own code, without editing the package: call
+    :func:`register` with an :class:`AlgorithmSpec` before the run is
+    configured (before :func:`fedlite_jax.training.run`, or before the
+    binary defines its flags if you build your own binary).
+
+The contract of a built algorithm is in :mod:`fedlite_jax.training.spec`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence
+import types
 
-import fedjax
+from fedlite_jax.training import algo_baselines
+from fedlite_jax.training import algo_igc
+from fedlite_jax.training import algo_lm
+from fedlite_jax.training import algo_splitfed
+from fedlite_jax.training import spec as spec_lib
 
+Option = spec_lib.Option
+BuildContext = spec_lib.BuildContext
+AlgorithmSpec = spec_lib.AlgorithmSpec
 
-@dataclasses.dataclass(frozen=True)
-class Option:
-  """An algorithm-specific setting, exposed as ``--<name>``.
-
-  Attributes:
-    name: flag name (globally unique; prefix with the method, e.g. 'igc_dim').
-    default: default value; its type (bool, int, float, str) is the flag type.
-    help: flag help text (units, source).
-    choices: allowed values for a string enum, else None.
-    lower_bound: inclusive lower bound for numbers, else None.
-    affects_result: False for options that do not change the trained result
-      (excluded from checkpoint fingerprints).
-    upper_bound: inclusive upper bound for numbers, else None.
-
-  Float options must be finite (NaN and +-inf are rejected).
-  """
-  name: str
-  default: Any
-  help: str
-  choices: Optional[Sequence[str]] = None
-  lower_bound: Optional[float] = None
-  affects_result: bool = True
-  upper_bound: Optional[float] = None
+#: The modules whose ``SPECS`` are the built-in algorithms, in ``--help``
+#: order.
+BUILTIN_MODULES: tuple[types.ModuleType, ...] = (
+    algo_lm, algo_baselines, algo_igc, algo_splitfed)
 
 
-@dataclasses.dataclass(frozen=True)
-class BuildContext:
-  """Everything an algorithm builder may need.
-
-  Attributes:
-    config: the resolved RunConfig (options in ``config.options``).
-    split_model: the task's SplitModel (``.model`` is the fedjax.Model).
-    num_params: number of scalar model parameters (D).
-    train_client_ids: the training clients' ids, in FedJAX order.
-    info: the task's dataset info (``fedlite_jax.training.tasks.LoadedInfo``).
-  """
-  config: Any
-  split_model: Any
-  num_params: int
-  train_client_ids: tuple[bytes, ...]
-  info: Any
+def _builtin_specs() -> tuple[AlgorithmSpec, ...]:
+  specs = tuple(s for module in BUILTIN_MODULES for s in module.SPECS)
+  spec_lib.check_compatible(specs)
+  return specs
 
 
-@dataclasses.dataclass(frozen=True)
-class AlgorithmSpec:
-  """A runnable algorithm.
-
-  Attributes:
-    name: the ``--algorithm`` value.
-    description: one line for ``--help``.
-    build: ``BuildContext -> fedjax.FederatedAlgorithm``.
-    options: its own settings (see :class:`Option`).
-    eval_params: ``state -> params`` of the model to evaluate.
-    communication_keys: per-client diagnostics keys (bits) that the ledger
-      sums over the run, beside ``upload_bits`` / ``download_bits``.
-    communication_summary: ``totals -> dict`` merged into
-      ``summary['communication']``; ``totals`` maps each of
-      ``communication_keys`` to its sum over all client-rounds.
-    multi_process: runs with ``--num_processes > 1`` (its clients go
-      through a round engine, so each process loads only its own clients'
-      data). Several devices of one process work for every algorithm.
-    ignored_fields: RunConfig fields (flags) the algorithm does not read;
-      setting one explicitly is an error naming the algorithm.
-  """
-  name: str
-  description: str
-  build: Callable[[BuildContext], fedjax.FederatedAlgorithm]
-  options: tuple[Option, ...] = ()
-  eval_params: Callable[[Any], Any] = lambda state: state.params
-  communication_keys: tuple[str, ...] = ()
-  communication_summary: Optional[
-      Callable[[Mapping[str, float]], dict[str, float]]] = None
-  multi_process: bool = True
-  ignored_fields: tuple[str, ...] = ()
-
-
-_REGISTRY: dict[str, AlgorithmSpec] = {}
+_BUILTIN: tuple[AlgorithmSpec, ...] = _builtin_specs()
+# Algorithms added at run time by users through register(), in call order.
+_ADDED: dict[str, AlgorithmSpec] = {}
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
-  """Adds ``spec``.
+  """Adds a user-defined algorithm ``spec`` for the rest of the process.
 
-  An option name may be used by several algorithms only with an identical
+  The built-in algorithms need no call (see :data:`BUILTIN_MODULES`). An
+  option name may be shared with other algorithms only with an identical
   :class:`Option` (same default, help, choices, bounds): it is one flag
   (e.g. ``--intrinsic_dim`` for all intrinsic-compression variants).
+
+  Returns:
+    ``spec``.
 
   Raises:
     ValueError: duplicate algorithm name, or an option name defined
       differently by another algorithm.
   """
-  if spec.name in _REGISTRY:
-    raise ValueError(f'Algorithm {spec.name!r} is already registered.')
-  taken = {o.name: o for s in _REGISTRY.values() for o in s.options}
-  for o in spec.options:
-    if o.name in taken and taken[o.name] != o:
-      raise ValueError(f'Option --{o.name} of {spec.name!r} is already '
-                       'defined differently by another algorithm.')
-  _REGISTRY[spec.name] = spec
+  spec_lib.check_compatible(tuple(algorithms().values()) + (spec,))
+  _ADDED[spec.name] = spec
   return spec
 
 
 def algorithms() -> dict[str, AlgorithmSpec]:
-  """All registered algorithms (imports the built-in ones first)."""
-  from fedlite_jax.training import builtin_algorithms  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  return dict(_REGISTRY)
+  """All algorithms by name: the built-in ones, then the registered ones."""
+  out = {s.name: s for s in _BUILTIN}
+  out.update(_ADDED)
+  return out
 
 
 def all_options() -> dict[str, Option]:
-  """Every registered option by name."""
+  """Every algorithm option by name."""
   return {o.name: o for s in algorithms().values() for o in s.options}
 
 
