@@ -9,16 +9,13 @@ clients (SentencePiece 4,096 ids) and the same cohorts, batches and PRNG keys:
 
 * a round of plain FedAvg (``fedlite_jax.algorithms.federated_averaging``),
 * a round of ``efficient_federated_averaging`` with PVT 40% + 8-bit uniform
-  upload, client gradients gated per frozen variable
-  (``Compression.pvt_skip_frozen=True``, the default: the frozen variables'
-  weight-gradient work runs inside a ``lax.cond`` that is skipped), and
-* the same with the masked full gradient (``pvt_skip_frozen=False``, the
-  reference implementation),
+  upload (the client computes the full gradient and zeroes the frozen
+  variables),
 
 and reports each round's time and its overhead in percent over FedAvg
 (negative = faster), then one client step (gradient + clipped SGD update, one
-batch) for the full model vs the PVT step over several sampled masks (gated
-and masked-full), as ratios. Rounds and steps are interleaved round-robin so
+batch) for the full model vs the PVT step over several sampled masks, as
+ratios. Rounds and steps are interleaved round-robin so
 that machine noise hits every variant alike; compile time is excluded
 (``--warmup`` rounds on other cohorts). On a shared machine compare the
 ratios, not the absolute times (docs/DESIGN_NOTES.md).
@@ -115,20 +112,15 @@ def _step_fns(grad_fn: Callable, plan: pvt.PVTPlan,
       updates = pvt.apply_mask(updates, mask)
     return optax.apply_updates(params, updates), opt_state
 
-  gated = pvt.gated_grad_fn(grad_fn, plan.freezable)
-
   def full(params, opt_state, batch, rng, mask):
     del mask
     return update(params, opt_state, grad_fn(params, batch, rng))
-
-  def pvt_gated(params, opt_state, batch, rng, mask):
-    return update(params, opt_state, gated(params, batch, rng, mask), mask)
 
   def pvt_masked(params, opt_state, batch, rng, mask):
     grads = pvt.apply_mask(grad_fn(params, batch, rng), mask)
     return update(params, opt_state, grads, mask)
 
-  return {'full step': jax.jit(full), 'PVT step, gated': jax.jit(pvt_gated),
+  return {'full step': jax.jit(full),
           'PVT step, masked full grad': jax.jit(pvt_masked)}
 
 
@@ -198,15 +190,10 @@ def main() -> None:
   algs = {
       'FedAvg': federated_averaging(grad_fn, client_opt, server_opt, hp,
                                     engine=args.engine),
-      f'{label}, gated grads': fedopt.efficient_federated_averaging(
+      label: fedopt.efficient_federated_averaging(
           grad_fn, client_opt, server_opt, hp, engine=args.engine,
           compression=fedopt.Compression(upload=upload,
-                                            pvt_fraction=args.pvt)),
-      f'{label}, masked full grads': fedopt.efficient_federated_averaging(
-          grad_fn, client_opt, server_opt, hp, engine=args.engine,
-          compression=fedopt.Compression(upload=upload,
-                                            pvt_fraction=args.pvt,
-                                            pvt_skip_frozen=False)),
+                                         pvt_fraction=args.pvt)),
   }
   cohorts = _cohorts(train, args)
   steps = [sum(-(-len(cds) // args.batch_size) for _, cds, _ in c)
@@ -262,13 +249,11 @@ def main() -> None:
     print(f'{name:30s}{med:10.1f}{min(ts) * 1e3:8.1f}{step_cpu[name]:8.1f}'
           f'{med / full:10.3f}{min(ts) / full_min:8.3f}'
           f'{step_cpu[name] / step_cpu["full step"]:8.3f}')
-  for name in ('PVT step, gated', 'PVT step, masked full grad'):
-    print(f'ratio {name} / full step = '
-          f'{_median_ms(step_times[name]) / full:.3f} (median wall), '
-          f'{min(step_times[name]) / full_min:.3f} (min wall), '
-          f'{step_cpu[name] / step_cpu["full step"]:.3f} (CPU)')
-  print(f'ratio PVT step gated / masked = '
-        f'{_median_ms(step_times["PVT step, gated"]) / _median_ms(step_times["PVT step, masked full grad"]):.3f}')
+  name = 'PVT step, masked full grad'
+  print(f'ratio {name} / full step = '
+        f'{_median_ms(step_times[name]) / full:.3f} (median wall), '
+        f'{min(step_times[name]) / full_min:.3f} (min wall), '
+        f'{step_cpu[name] / step_cpu["full step"]:.3f} (CPU)')
   print(f'loadavg at end={os.getloadavg()[0]:.2f}')
 
 
