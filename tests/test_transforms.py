@@ -314,3 +314,22 @@ def test_chain_vmaps_over_clients_and_needs_a_stage():
   assert msgs.bits == pytest.approx(16 * np.log2(3) + 32 + 1)
   with pytest.raises(ValueError, match='at least one'):
     tx.chain()
+
+
+def test_product_quantization_is_fedlites_grouped_pq_message():
+  # The transform sends exactly grouped_pq's codebook + codewords, and its
+  # size is the paper's phi d R L / q + B q log2 L (Section 4.1), by hand:
+  # B=32, d=64, q=8, R=1, L=16, phi=64: 64*64*16/8 + 32*8*4 = 9,216 bits.
+  from fedlite_jax import fedlite
+  z = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
+  t = tx.product_quantization(8, 1, 16)
+  key = jax.random.PRNGKey(5)
+  msg, _ = jax.jit(t.encode)({'acts': z}, (), key)
+  z_hat, _ = t.decode(msg, ())
+  ref = fedlite.grouped_pq(z, jax.random.fold_in(key, 0), 8, 1, 16)
+  np.testing.assert_array_equal(z_hat['acts'], ref.reconstruction)
+  np.testing.assert_array_equal(msg.side['codewords'][0], ref.codewords)
+  assert msg.bits == 9216.0 == tx.message_bits(t, {'acts': z})
+  assert len(np.unique(np.asarray(z_hat['acts']).reshape(-1, 8), axis=0)) <= 16
+  with pytest.raises(ValueError, match='q'):
+    t.encode(jnp.zeros((32, 60)), (), key)  # q=8 does not divide d=60

@@ -110,6 +110,7 @@ from fedlite_jax.transforms.topk import top_k
 from fedlite_jax.transforms.topk import topk_abs
 from fedlite_jax.transforms.topk import topk_message_bits
 from fedlite_jax.transforms import pvt
+from fedlite_jax.transforms.product_quantization import product_quantization
 
 __all__ = [
     'CommTransform',
@@ -132,6 +133,8 @@ __all__ = [
     'median_rows',
     'message_bits',
     'parse_chain',
+    'product_quantization',
+    'pvt',
     'scatter',
     'select_subspace',
     'sketch_hashes',
