@@ -80,11 +80,38 @@ def markdown_header(prov: dict[str, Any]) -> str:
           f'    {prov["command"]}\n')
 
 
-def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
-  """Runs ``python experiments/run_experiment.py <flags>`` from the repo root.
+def run_script(script: str, flags: Sequence[str]) -> dict[str, Any]:
+  """Runs ``python <script> <flags>`` from the repository root.
 
   Args:
-    flags: run_experiment.py flags; must include ``--output_dir``.
+    script: path relative to the repository root, e.g. ``RUNNER``.
+    flags: its command-line flags.
+
+  Returns:
+    ``{'command' (one shell-quoted line), 'commit', 'dirty' (at the start),
+    'stdout', 'wall_seconds'}``.
+
+  Raises:
+    RuntimeError: the script exited non-zero (its last output lines).
+  """
+  record = {**git_state(), 'command': shlex.join(['python', script, *flags])}
+  t0 = time.perf_counter()
+  proc = subprocess.run([sys.executable, script, *flags], cwd=REPO,
+                        capture_output=True, text=True)
+  if proc.returncode != 0:
+    tail = '\n'.join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    raise RuntimeError(f'{record["command"]} exited {proc.returncode}:\n'
+                       f'{tail}')
+  return {**record, 'stdout': proc.stdout,
+          'wall_seconds': time.perf_counter() - t0}
+
+
+def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
+  """Runs ``python experiments/run_experiment.py <flags>`` (one run).
+
+  Args:
+    flags: run_experiment.py flags; must include ``--output_dir`` (relative
+      to the repository root, or absolute).
 
   Returns:
     ``{'command', 'commit', 'dirty', 'summary' (summary.json), 'curve'
@@ -99,20 +126,12 @@ def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
   if not out:
     raise ValueError(f'run_experiment flags {list(flags)} lack --output_dir=.')
   out_dir = REPO / out[-1].split('=', 1)[1]
-  record = {**git_state(),
-            'command': shlex.join(['python', RUNNER, *flags])}
-  t0 = time.perf_counter()
-  proc = subprocess.run([sys.executable, RUNNER, *flags], cwd=REPO,
-                        capture_output=True, text=True)
-  wall = time.perf_counter() - t0
-  if proc.returncode != 0:
-    tail = '\n'.join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-    raise RuntimeError(f'{record["command"]} exited {proc.returncode}:\n'
-                       f'{tail}')
+  record = run_script(RUNNER, flags)
+  del record['stdout']
   summary = json.loads((out_dir / 'summary.json').read_text())
   curve = [json.loads(line) for line in
            (out_dir / 'metrics.jsonl').read_text().splitlines() if line]
-  return {**record, 'summary': summary, 'curve': curve, 'wall_seconds': wall}
+  return {**record, 'summary': summary, 'curve': curve}
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:
