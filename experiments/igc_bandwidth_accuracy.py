@@ -4,18 +4,23 @@ baselines (the shape of Melas-Kyriazi & Wang 2022, Figure 1 / Table 2).
 
   FEDLITE_DATA_DIR=/path/to/data python experiments/igc_bandwidth_accuracy.py
 
-Runs, in-process through ``fedlite_jax.training.run`` (each run is also a
-flagfile in ``experiments/configs/igc_*.flags`` for
-``experiments/run_experiment.py``): uncompressed SGD (one local step per
-round), FedAvg with 2 and 5 local steps (for R/2 and R/5 rounds: the same
-number of examples as R one-step rounds), local Top-K, FetchSGD, and static /
-time-varying / K-subspace / K-subspace + time-varying intrinsic compression at
-several d. Every method takes one local SGD step per round on a batch of 20
-examples per client (10 clients per round), the paper's protocol.
+Each row is one ``experiments/run_experiment.py`` invocation on a flagfile
+``experiments/configs/igc_femnist_*.flags`` (plus the row's options, e.g.
+``--intrinsic_dim=1024``): uncompressed SGD (one local step per round),
+FedAvg with 2 and 5 local steps (for R/2 and R/5 rounds: the same number of
+examples as R one-step rounds), local Top-K, FetchSGD, and static /
+time-varying / K-subspace / K-subspace + time-varying intrinsic compression
+at several d. Every method takes one local SGD step per round on a batch of
+20 examples per client (10 clients per round), the paper's protocol. Every
+run starts from scratch (``--noresume --overwrite``), so the results are
+those of the code at the recorded commit.
 
-Writes ``experiments/results/igc_femnist.{md,png,json}``; per-run outputs
-(metrics.jsonl, summary.json, checkpoints) go to ``--runs_dir`` and a rerun
-resumes finished runs from their final checkpoint instead of retraining.
+Writes ``experiments/results/igc_femnist.{md,png,json}``: the JSON holds the
+commit and command of the file and of every run (its run_experiment.py
+command line), the numbers read from each run's ``summary.json`` and
+``metrics.jsonl``, and a ``check`` run (the first row for
+``--check_rounds`` rounds) that ``tests/test_experiment_results.py``
+re-runs. Per-run outputs go to ``--runs_dir``.
 
 Compression columns: ``up`` / ``down`` / ``total`` from the communication
 ledger (against 32 bits x D per client-round each way; total = 2 / (1/up +
@@ -31,75 +36,68 @@ import dataclasses
 import json
 import os
 import pathlib
-import platform
 import time
 
 from absl import app
 from absl import flags
-from absl import logging
 
-import fedlite_jax  # noqa: F401  (FedJAX compatibility first)
-import jax
 import numpy as np
 
-from fedlite_jax.training import algo_baselines  # noqa: F401  (registers)
-from fedlite_jax.training import algo_igc  # noqa: F401  (registers)
-from fedlite_jax.training import RunConfig
-from fedlite_jax.training import run
+import provenance
 
-_REPO = pathlib.Path(__file__).resolve().parent.parent
-
-flags.DEFINE_integer('rounds', 100, 'R: rounds of the one-step methods.')
-flags.DEFINE_integer('seed', 0, 'Run seed (sampling, init, subspaces).')
-flags.DEFINE_float('client_lr', 0.3, 'Client SGD learning rate (all runs).')
-flags.DEFINE_string('runs_dir', str(_REPO / 'runs' / 'igc_femnist'),
-                    'Per-run output directories.')
-flags.DEFINE_string('results_dir', str(_REPO / 'experiments' / 'results'),
+flags.DEFINE_integer('rounds', None, 'R: rounds of the one-step methods '
+                     '(default: the flagfiles\' 100).', lower_bound=1)
+flags.DEFINE_integer('seed', None, 'Run seed (default: the flagfiles\' 0).')
+flags.DEFINE_string('runs_dir', 'runs/igc_femnist',
+                    'Per-run output directories (relative to the repository '
+                    'root).')
+flags.DEFINE_string('results_dir', str(provenance.REPO / 'experiments' /
+                                       'results'),
                     'Where igc_femnist.{md,png,json} go.')
-flags.DEFINE_string('data_dir', None, 'Data directory (else FEDLITE_DATA_DIR).')
-flags.DEFINE_list('only', [], 'Run only these labels (default: all).')
-flags.DEFINE_integer('eval_every', 25, 'Evaluate every N rounds.')
+flags.DEFINE_list('only', [], 'Run only these labels or slugs (writes '
+                  'igc_femnist_partial.*).')
+flags.DEFINE_integer('check_rounds', 5, 'Rounds of the stored check run (0: '
+                     'none).', lower_bound=0)
 flags.DEFINE_bool('report_only', False,
                   'Rewrite the .md/.png from the saved .json (no training).')
 FLAGS = flags.FLAGS
 
 _NOTES_MARKER = '<!-- hand-written findings below: kept when regenerating -->'
+_CONFIGS = 'experiments/configs'
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """One run: a label, the algorithm and its options, a round divisor."""
+  """One row: a label, its flagfile and option overrides, a round divisor."""
   label: str
   family: str
-  algorithm: str
+  flagfile: str
   options: dict
   round_divisor: int = 1
 
 
 def setups() -> list[Setup]:
-  s = []
-  s.append(Setup('SGD (uncompressed)', 'uncompressed', 'sgd', {}))
+  s = [Setup('SGD (uncompressed)', 'uncompressed', 'igc_femnist_sgd', {})]
   for steps in (2, 5):
-    s.append(Setup(f'FedAvg ({steps} local steps)', 'fedavg', 'sgd',
-                   {'local_steps': steps}, round_divisor=steps))
+    s.append(Setup(f'FedAvg ({steps} local steps)', 'fedavg',
+                   f'igc_femnist_fedavg{steps}', {}, round_divisor=steps))
   for k in (12_000, 60_000):
-    s.append(Setup(f'Local Top-K (k={k:,})', 'topk', 'topk',
+    s.append(Setup(f'Local Top-K (k={k:,})', 'topk', 'igc_femnist_topk',
                    {'topk_k': k}))
-  s.append(Setup('FetchSGD (5x50,000, k=12,000)', 'fetchsgd', 'fetchsgd',
-                 {'sketch_rows': 5, 'sketch_cols': 50_000,
-                  'topk_k': 12_000}))
+  s.append(Setup('FetchSGD (5x50,000, k=12,000)', 'fetchsgd',
+                 'igc_femnist_fetchsgd', {'topk_k': 12_000}))
   for d in (1024, 4096, 16384, 65536):
-    s.append(Setup(f'IGC static (d={d:,})', 'igc_static', 'igc_static',
-                   {'intrinsic_dim': d}))
+    s.append(Setup(f'IGC static (d={d:,})', 'igc_static',
+                   'igc_femnist_static', {'intrinsic_dim': d}))
   for d in (1024, 4096):
     s.append(Setup(f'IGC time-varying (d={d:,})', 'igc_time_varying',
-                   'igc_time_varying', {'intrinsic_dim': d}))
+                   'igc_femnist_time_varying', {'intrinsic_dim': d}))
   s.append(Setup('IGC K-subspace (d=4,096, K=8)', 'igc_k_subspace',
-                 'igc_k_subspace', {'intrinsic_dim': 4096,
-                                    'num_subspaces': 8}))
+                 'igc_femnist_k_subspace',
+                 {'intrinsic_dim': 4096, 'num_subspaces': 8}))
   s.append(Setup('IGC K-subspace + TV (d=1,024, K=4)',
                  'igc_k_subspace_time_varying',
-                 'igc_k_subspace_time_varying',
+                 'igc_femnist_k_subspace_time_varying',
                  {'intrinsic_dim': 1024, 'num_subspaces': 4}))
   return s
 
@@ -113,43 +111,37 @@ def _slug(label: str) -> str:
   return out.strip('_')
 
 
-def _run_one(setup: Setup) -> dict:
-  rounds = FLAGS.rounds // setup.round_divisor
-  config = RunConfig(
-      task='emnist', algorithm=setup.algorithm, num_rounds=rounds,
-      clients_per_round=10, client_batch_size=20, client_optimizer='sgd',
-      client_lr=FLAGS.client_lr, server_optimizer='sgd', server_lr=1.0,
-      eval_every=min(FLAGS.eval_every, rounds), eval_num_clients=0,
-      seed=FLAGS.seed, data_dir=FLAGS.data_dir,
-      output_dir=str(pathlib.Path(FLAGS.runs_dir) / _slug(setup.label)),
-      checkpoint_every=0, progress=False, options=dict(setup.options))
-  out_dir = pathlib.Path(config.output_dir)
-  wall_file = out_dir / 'wall_seconds.json'
-  t0 = time.perf_counter()
-  summary = run(config)  # Resumes a finished run from its last checkpoint.
-  wall = time.perf_counter() - t0
-  if wall_file.exists() and json.loads(wall_file.read_text())['rounds'] == \
-      rounds:
-    wall = json.loads(wall_file.read_text())['wall_seconds']  # Trained before.
-  else:
-    wall_file.write_text(json.dumps({'rounds': rounds, 'wall_seconds': wall}))
+def run_flags(setup: Setup, slug: str, rounds: int | None) -> list[str]:
+  """run_experiment.py flags of ``setup`` (``rounds``: R, else the file's)."""
+  flags_ = [f'--flagfile={_CONFIGS}/{setup.flagfile}.flags']
+  flags_ += [f'--{k}={v}' for k, v in setup.options.items()]
+  if rounds is not None:
+    flags_.append(f'--num_rounds={max(1, rounds // setup.round_divisor)}')
+  if FLAGS.seed is not None:
+    flags_.append(f'--seed={FLAGS.seed}')
+  return flags_ + [f'--output_dir={FLAGS.runs_dir}/{slug}', '--noresume',
+                   '--overwrite', '--checkpoint_every=0', '--noprogress']
+
+
+def _row(setup: Setup, run: dict) -> dict:
+  summary = run['summary']
   comm = summary['communication']
-  bits = 8 * (comm['total_upload_bytes'] + comm['total_download_bytes'])
   return {
       'label': setup.label, 'family': setup.family,
-      'algorithm': setup.algorithm, 'options': setup.options,
-      'rounds': rounds, 'seed': FLAGS.seed,
+      'options': setup.options, 'rounds': summary['rounds'],
+      'seed': summary['flags']['seed'],
+      'client_lr': summary['flags']['client_lr'],
       'accuracy': summary['final_eval']['accuracy'],
       'loss': summary['final_eval']['loss'],
       'upload_compression': comm['upload_compression'],
       'download_compression': comm['download_compression'],
       'total_compression': comm['total_compression'],
-      'total_bits': bits,
+      'total_bits': 8 * (comm['total_upload_bytes'] +
+                         comm['total_download_bytes']),
       'seconds_per_round': summary['seconds_per_round'],
-      'wall_seconds': wall,
-      'curve': [json.loads(line) for line in
-                (pathlib.Path(config.output_dir) / 'metrics.jsonl')
-                .read_text().splitlines()],
+      'wall_seconds': run['wall_seconds'],
+      'command': run['command'], 'commit': run['commit'],
+      'dirty': run['dirty'], 'curve': run['curve'],
   }
 
 
@@ -161,23 +153,27 @@ def _fmt(x: float) -> str:
   return f'{x:.3g}'
 
 
-def _write_table(results: list[dict], path: pathlib.Path, meta: dict,
-                 machine: str, total_wall: float) -> None:
+def _write_table(data: dict, path: pathlib.Path) -> None:
+  results = data['results']
+  meta = data['meta']
   base = next((r for r in results if r['family'] == 'uncompressed'), None)
   lines = [
       '# Intrinsic gradient compression on FEMNIST-105: bandwidth vs accuracy',
       '',
-      'Generated by `experiments/igc_bandwidth_accuracy.py` '
-      f'(`--rounds={meta["rounds"]} --seed={meta["seed"]} '
-      f'--client_lr={meta["client_lr"]}`). Task `emnist` on FEMNIST-105 (105 '
+      provenance.markdown_header(data['provenance']),
+      'Each row is one `experiments/run_experiment.py` run; its exact command '
+      'and commit are in `igc_femnist.json` (`results[i].command`). '
+      f'R = {meta["rounds"]} one-step rounds, seed {meta["seed"]}, client '
+      f'learning rate {meta["client_lr"]}. Task `emnist` on FEMNIST-105 (105 '
       'real writers, 62 classes; FedJAX EMNIST CNN, D = 1,206,590), 10 '
       'clients per round, one local SGD step on a batch of 20 examples per '
       'client per round (the paper\'s protocol), server SGD at rate 1, test '
       'accuracy on all 1,685 test examples after the last round. One seed: '
       'differences of ~1 point are within run-to-run noise.',
       '',
-      f'Machine: {machine}. Total wall time {total_wall / 60:.1f} min '
-      '(includes compilation and evaluation).',
+      f'Machine: {meta["machine"]}. Total wall time '
+      f'{data["total_wall_seconds"] / 60:.1f} min (includes start-up, '
+      'compilation and evaluation of every run).',
       '',
       '| method | rounds | test acc. | test loss | up | down | total | vs SGD '
       '| s/round | wall s |',
@@ -266,43 +262,63 @@ def _plot(results: list[dict], path: pathlib.Path, meta: dict) -> None:
   plt.close(fig)
 
 
+def _meta(results: list[dict]) -> dict:
+  """R, seed, client lr and machine of the table (from its first row)."""
+  first = results[0]
+  m = first['machine']
+  return {'rounds': first['rounds'] * first['round_divisor'],
+          'seed': first['seed'], 'client_lr': first['client_lr'],
+          'machine': f'{m["platform"]}, {os.cpu_count()} cores, jax '
+                     f'{m["jax"]} ({m["backend"]})'}
+
+
+def _check_run(setup: Setup) -> dict:
+  """``setup`` for ``--check_rounds`` rounds: the row the test re-runs."""
+  run = provenance.run_experiment(
+      run_flags(setup, 'check', FLAGS.check_rounds) +
+      [f'--eval_every={FLAGS.check_rounds}'])
+  return {'label': setup.label, 'command': run['command'],
+          'commit': run['commit'], 'dirty': run['dirty'],
+          'curve': run['curve']}
+
+
+def _write_outputs(data: dict, out: pathlib.Path, stem: str) -> None:
+  _write_table(data, out / f'{stem}.md')
+  _plot(data['results'], out / f'{stem}.png', data['meta'])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   out = pathlib.Path(FLAGS.results_dir)
   stem = 'igc_femnist' if not FLAGS.only else 'igc_femnist_partial'
   if FLAGS.report_only:
-    saved = json.loads((out / f'{stem}.json').read_text())
-    _write_table(saved['results'], out / f'{stem}.md', saved['flags'],
-                 saved['machine'], saved['total_wall_seconds'])
-    _plot(saved['results'], out / f'{stem}.png', saved['flags'])
+    _write_outputs(json.loads((out / f'{stem}.json').read_text()), out, stem)
     print(f'rewrote {out / stem}.md/.png from {stem}.json')
     return
+  prov = provenance.file_provenance()
   todo = [s for s in setups() if not FLAGS.only or s.label in FLAGS.only
           or _slug(s.label) in FLAGS.only]
   t0 = time.perf_counter()
   results = []
   for s in todo:
-    r = _run_one(s)
+    run = provenance.run_experiment(run_flags(s, _slug(s.label), FLAGS.rounds))
+    r = {**_row(s, run), 'round_divisor': s.round_divisor,
+         'machine': run['summary']['machine']}
     results.append(r)
     print(f"{r['label']:<40} acc {100 * r['accuracy']:5.1f}%  total "
           f"{r['total_compression']:8.1f}x  {r['seconds_per_round']:.2f} "
           f"s/round  wall {r['wall_seconds']:.0f} s", flush=True)
-  total_wall = time.perf_counter() - t0
-  machine = (f'{platform.processor() or platform.machine()}, '
-             f'{os.cpu_count()} cores, {platform.system()}, jax '
-             f'{jax.__version__} ({jax.default_backend()})')
-  meta = {'rounds': FLAGS.rounds, 'seed': FLAGS.seed,
-          'client_lr': FLAGS.client_lr}
+  data = {'provenance': prov, 'meta': _meta(results),
+          'total_wall_seconds': time.perf_counter() - t0, 'results': results}
+  if FLAGS.check_rounds:
+    data['check'] = _check_run(todo[0])
   out.mkdir(parents=True, exist_ok=True)
-  _write_table(results, out / f'{stem}.md', meta, machine, total_wall)
-  _plot(results, out / f'{stem}.png', meta)
-  (out / f'{stem}.json').write_text(json.dumps(
-      {'flags': meta, 'machine': machine, 'total_wall_seconds': total_wall,
-       'results': results}, indent=1, default=str))
-  print(f'wrote {out / stem}.md/.png/.json; total {total_wall / 60:.1f} min')
+  provenance.write_json(out / f'{stem}.json', data)
+  _write_outputs(data, out, stem)
+  print(f'wrote {out / stem}.md/.png/.json; total '
+        f'{data["total_wall_seconds"] / 60:.1f} min')
 
 
 if __name__ == '__main__':
-  logging.set_verbosity(logging.WARNING)
   app.run(main)

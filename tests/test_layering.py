@@ -225,7 +225,7 @@ def test_resolve_picks_the_longest_module_prefix():
 def test_the_package_is_found():
   modules = package_modules()
   assert {'fedlite_jax', 'fedlite_jax.training.registry',
-          'fedlite_jax.transforms', 'fedlite_jax.algorithms.fedavg'} <= set(
+          'fedlite_jax.transforms', 'fedlite_jax.algorithms.fedopt'} <= set(
               modules)
 
 

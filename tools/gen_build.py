@@ -57,10 +57,19 @@ for name, (folder, local, doc) in pkgs.items():
           '    deps = [', dep_lines(deps(local, ext[name])), '    ],', ')', '']
 out += ['py_library(', '    name = "checkpoint_lib",', '    srcs = ["fedlite_jax/checkpoint.py"],',
         '    deps = [requirement("flax"), requirement("jax"), requirement("numpy")],', ')', '']
+EXPERIMENT_LIBS = ('experiments/provenance.py',)  # shared by the binaries
+for p in EXPERIMENT_LIBS:
+  out += ['py_library(', f'    name = "{pathlib.Path(p).stem}",', f'    srcs = ["{p}"],',
+          '    deps = [":training"],', ')', '']
 for p in files('experiments'):
+  if p in EXPERIMENT_LIBS:
+    continue
   n = pathlib.Path(p).stem
+  lib_deps = [f'":{pathlib.Path(q).stem}"' for q in EXPERIMENT_LIBS
+              if f'import {pathlib.Path(q).stem}' in pathlib.Path(p).read_text()]
   out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',
-          '    data = glob(["experiments/configs/*.flags"]),', '    deps = [":training"],', ')', '']
+          '    data = glob(["experiments/configs/*.flags"]),',
+          f'    deps = [":training"{"".join(", " + d for d in lib_deps)}],', ')', '']
 for p in files('benchmarks'):
   n = pathlib.Path(p).stem
   out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',

@@ -40,7 +40,7 @@ through unchanged and are charged at their width (``8 * itemsize`` bits
 per entry). Without a transform (``None``) everything is charged at its
 width: 32 bits per float32 entry.
 
-Keys (deterministic; the same as the efficient builders, so that
+Keys (deterministic; the same as the FedOpt round (algorithms/fedopt.py), so that
 ``fed_avg`` through this backend EQUALS ``efficient_federated_averaging``
 with the same ``Compression`` and ``seed``; see
 ``tests/test_compressed_backend.py``):
@@ -53,12 +53,12 @@ with the same ``Compression`` and ``seed``; see
 * upload key of a client whose client input is a PRNG key (FedJAX's
   algorithms pass the client's round key from the sampler, itself derived
   from the sampler's seed, round and client): ``fold_in(client_key,
-  UPLOAD_STREAM)``, as ``efficient.py``; otherwise (another client input)
+  UPLOAD_STREAM)``, as ``fedopt.py``; otherwise (another client input)
   ``fold_in(fold_in(fold_in(PRNGKey(seed), UPLOAD_STREAM), r),
   crc32(client_id))``. Calls with ``j > 0`` fold in ``j`` on top, so
   MimeLite's delta and gradient get different keys.
 * download key: ``fold_in(fold_in(PRNGKey(seed), DOWNLOAD_STREAM), r)``
-  (``fold_in(., j)`` on top for ``j > 0``), as ``efficient.py``.
+  (``fold_in(., j)`` on top for ``j > 0``), as ``fedopt.py``.
 
 Bits (recorded in :attr:`CompressedBackend.ledger`, a
 :class:`fedlite_jax.comm.CommLedger`; units: bits per client per round):

@@ -1,0 +1,139 @@
+"""Provenance and runner calls shared by the experiment scripts.
+
+Every results file under ``experiments/results/`` records the commit it was
+produced at (``git rev-parse HEAD``, and ``dirty: true`` when code differed
+from that commit), the exact command that produced it, and for each of its
+runs the ``experiments/run_experiment.py`` command that trained it: each run
+is one runner invocation, and its numbers are read back from the runner's
+``summary.json`` and ``metrics.jsonl``.
+
+Imported by the scripts next to it (``python experiments/<script>.py`` puts
+this folder first on ``sys.path``); tests add the folder themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+RUNNER = 'experiments/run_experiment.py'
+#: Paths whose changes do not make the code differ from the commit (the
+#: results being regenerated are written there while a script runs).
+RESULTS_DIR = 'experiments/results'
+
+
+def git_state(repo: pathlib.Path = REPO) -> dict[str, Any]:
+  """``{'commit': HEAD sha (40 hex), 'dirty': bool}`` of ``repo``.
+
+  ``dirty`` is True when a tracked file outside ``experiments/results/``
+  differs from HEAD or an untracked, not ignored file exists there.
+
+  Raises:
+    RuntimeError: ``repo`` is not a git checkout or git is missing (one line
+      naming the folder).
+  """
+  try:
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo,
+                            capture_output=True, text=True,
+                            check=True).stdout.strip()
+    status = subprocess.run(
+        ['git', 'status', '--porcelain', '--', '.', f':!{RESULTS_DIR}'],
+        cwd=repo, capture_output=True, text=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError) as e:
+    raise RuntimeError(f'{repo}: cannot read the git commit ({e}); results '
+                       'must be produced from a git checkout.') from None
+  return {'commit': commit, 'dirty': bool(status.strip())}
+
+
+def command_line(argv: Optional[Sequence[str]] = None) -> str:
+  """``python <argv...>`` as one shell-quoted line (default ``sys.argv``).
+
+  A script path under the repository is written relative to it (commands
+  are run from the repository root).
+  """
+  argv = list(sys.argv if argv is None else argv)
+  if argv:
+    path = pathlib.Path(argv[0])
+    if path.is_absolute() and REPO in path.resolve().parents:
+      argv[0] = str(path.resolve().relative_to(REPO))
+  return shlex.join(['python'] + argv)
+
+
+def file_provenance() -> dict[str, Any]:
+  """The file-level record: ``commit``, ``dirty``, ``command`` (this
+  process's command line) and ``utc`` (start time)."""
+  return {**git_state(), 'command': command_line(),
+          'utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+
+
+def markdown_header(prov: dict[str, Any]) -> str:
+  """One Markdown paragraph naming the command and commit of ``prov``."""
+  dirty = ' (with uncommitted changes: `dirty: true`)' if prov['dirty'] else ''
+  return (f'Produced at commit `{prov["commit"]}`{dirty} on {prov["utc"]} by '
+          f'(from the repository root, with `FEDLITE_DATA_DIR` set):\n\n'
+          f'    {prov["command"]}\n')
+
+
+def run_script(script: str, flags: Sequence[str]) -> dict[str, Any]:
+  """Runs ``python <script> <flags>`` from the repository root.
+
+  Args:
+    script: path relative to the repository root, e.g. ``RUNNER``.
+    flags: its command-line flags.
+
+  Returns:
+    ``{'command' (one shell-quoted line), 'commit', 'dirty' (at the start),
+    'stdout', 'wall_seconds'}``.
+
+  Raises:
+    RuntimeError: the script exited non-zero (its last output lines).
+  """
+  record = {**git_state(), 'command': shlex.join(['python', script, *flags])}
+  t0 = time.perf_counter()
+  proc = subprocess.run([sys.executable, script, *flags], cwd=REPO,
+                        capture_output=True, text=True)
+  if proc.returncode != 0:
+    tail = '\n'.join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    raise RuntimeError(f'{record["command"]} exited {proc.returncode}:\n'
+                       f'{tail}')
+  return {**record, 'stdout': proc.stdout,
+          'wall_seconds': time.perf_counter() - t0}
+
+
+def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
+  """Runs ``python experiments/run_experiment.py <flags>`` (one run).
+
+  Args:
+    flags: run_experiment.py flags; must include ``--output_dir`` (relative
+      to the repository root, or absolute).
+
+  Returns:
+    ``{'command', 'commit', 'dirty', 'summary' (summary.json), 'curve'
+    (metrics.jsonl rows), 'wall_seconds' (the whole process: start-up, data
+    loading, compilation, training, evaluation)}``.
+
+  Raises:
+    ValueError: no ``--output_dir=`` in ``flags``.
+    RuntimeError: the run exited non-zero (its last output lines).
+  """
+  out = [f for f in flags if f.startswith('--output_dir=')]
+  if not out:
+    raise ValueError(f'run_experiment flags {list(flags)} lack --output_dir=.')
+  out_dir = REPO / out[-1].split('=', 1)[1]
+  record = run_script(RUNNER, flags)
+  del record['stdout']
+  summary = json.loads((out_dir / 'summary.json').read_text())
+  curve = [json.loads(line) for line in
+           (out_dir / 'metrics.jsonl').read_text().splitlines() if line]
+  return {**record, 'summary': summary, 'curve': curve}
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+  """Writes ``data`` as indented JSON (``default=str`` for odd values)."""
+  path.write_text(json.dumps(data, indent=1, default=str) + '\n')

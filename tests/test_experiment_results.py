@@ -1,0 +1,102 @@
+"""The stored experiment results: provenance, and a re-run that reproduces.
+
+Every results file under ``experiments/results/`` must say which commit and
+command produced it. ``igc_femnist.json`` stores a cheap ``check`` run (its
+first row for a few rounds, with the exact ``experiments/run_experiment.py``
+command): re-running that command must give the stored test loss and
+accuracy (to 1e-5) and byte counts (exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+_RESULTS = _REPO / 'experiments' / 'results'
+_RUNNER = 'experiments/run_experiment.py'
+_COMMIT = re.compile(r'`([0-9a-f]{40})`')
+# Results written by the current scripts (experiments/provenance.py).
+_JSON_FILES = ('igc_femnist.json', 'efficient_lm.json', 'fedlite_results.json')
+# Not regenerated since the scripts record provenance (their .md headers say
+# so and give the command); drop a name once its file is regenerated.
+_NOT_REGENERATED = {'fedlite_results.json'}
+
+
+def _flags(command: str) -> dict[str, str]:
+  """``--name=value`` flags of a run_experiment.py command line."""
+  argv = shlex.split(command)
+  assert argv[:2] == ['python', _RUNNER], command
+  return dict(a[2:].split('=', 1) if '=' in a else (a[2:], '')
+              for a in argv[2:])
+
+
+def _load(name: str) -> dict:
+  return json.loads((_RESULTS / name).read_text())
+
+
+@pytest.mark.parametrize('path', sorted(p.relative_to(_RESULTS).as_posix()
+                                        for p in _RESULTS.rglob('*.md')))
+def test_markdown_results_name_their_commit(path):
+  head = '\n'.join((_RESULTS / path).read_text().splitlines()[:12])
+  assert _COMMIT.search(head), (
+      f'experiments/results/{path}: its first lines must name the 40-hex '
+      'commit that produced it (and how to regenerate it).')
+
+
+@pytest.mark.parametrize('name', [n for n in _JSON_FILES
+                                  if (_RESULTS / n).exists()])
+def test_json_results_record_commit_and_commands(name):
+  if name in _NOT_REGENERATED:
+    pytest.skip(f'{name}: produced before provenance was recorded (see the '
+                'header of its .md)')
+  data = _load(name)
+  prov = data['provenance']
+  assert re.fullmatch(r'[0-9a-f]{40}', prov['commit'])
+  assert isinstance(prov['dirty'], bool)
+  assert prov['command'].startswith('python experiments/'), prov['command']
+  runs = data.get('runs', data.get('results'))
+  runs = list(runs.values() if isinstance(runs, dict) else runs)
+  assert runs
+  for run in runs:
+    assert re.fullmatch(r'[0-9a-f]{40}', run['commit'])
+    assert 'output_dir' in _flags(run['command'])
+    assert run['curve'], run['command']
+
+
+def test_igc_check_run_is_the_first_row_for_fewer_rounds():
+  data = _load('igc_femnist.json')
+  check, row = _flags(data['check']['command']), _flags(
+      data['results'][0]['command'])
+  varied = ('num_rounds', 'eval_every', 'output_dir')
+  assert {k: v for k, v in check.items() if k not in varied} == \
+      {k: v for k, v in row.items() if k not in varied}
+  assert int(check['num_rounds']) < data['results'][0]['rounds']
+
+
+def test_igc_check_run_reproduces(data_dir, tmp_path):
+  del data_dir  # Only for the skip: the run reads $FEDLITE_DATA_DIR.
+  check = _load('igc_femnist.json')['check']
+  argv = shlex.split(check['command'])
+  argv = [sys.executable] + [
+      f'--output_dir={tmp_path / "run"}' if a.startswith('--output_dir=')
+      else a for a in argv[1:]]
+  env = {**os.environ, 'PYTHONPATH': str(_REPO)}
+  proc = subprocess.run(argv, cwd=_REPO, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  rows = [json.loads(line) for line in
+          (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['round'] for r in rows] == [r['round'] for r in check['curve']]
+  for got, want in zip(rows, check['curve']):
+    for key in ('loss', 'accuracy'):
+      assert got[key] == pytest.approx(want[key], abs=1e-5, rel=0), key
+    for key in ('upload_bytes', 'download_bytes'):
+      assert got[key] == want[key], key
