@@ -50,6 +50,13 @@ def test_outputs_and_summary(tmp_path):
     assert comm[key] == 1.0
   assert saved['flags']['seed'] == 3 and saved['synthetic_partition']
   assert len((out / 'communication.csv').read_text().splitlines()) == 1 + 12
+  # The code version: the checkout's HEAD (None outside a git checkout).
+  head = subprocess.run(['git', '-C', os.path.dirname(outputs.__file__),
+                         'rev-parse', 'HEAD'], capture_output=True, text=True)
+  expected = head.stdout.strip() if head.returncode == 0 else None
+  assert saved['code']['commit'] == expected
+  assert saved['started_with_code'] == saved['code']
+  assert json.loads((out / 'run.json').read_text())['code'] == saved['code']
 
 
 def test_killed_run_resumes_to_identical_parameters(tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ import math
 import os
 import pathlib
 import shutil
+import subprocess
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from fedlite_jax.training.config import ConfigError
@@ -124,11 +125,47 @@ def read_run_identity(output_dir: str | os.PathLike) -> Optional[dict]:
     return None
 
 
+def code_version() -> dict[str, Any]:
+  """The code a run uses: ``{'commit': git HEAD or None, 'dirty': bool or
+  None}`` of the checkout the package is imported from (None outside a git
+  checkout, e.g. an installed wheel)."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+
+  def git(*args: str) -> Optional[str]:
+    try:
+      return subprocess.run(['git', '-C', str(root), *args], check=True,
+                            capture_output=True, text=True,
+                            timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return None
+
+  commit = git('rev-parse', 'HEAD')
+  status = git('status', '--porcelain', '--untracked-files=no', '--',
+               'fedlite_jax')
+  return {'commit': commit,
+          'dirty': None if commit is None or status is None else bool(status)}
+
+
+def read_code_version(output_dir: str | os.PathLike) -> Optional[dict]:
+  """The :func:`code_version` stored in ``run.json`` (None if absent)."""
+  try:
+    return dict(json.loads(
+        (pathlib.Path(output_dir) / RUN_FILE).read_text())['code'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 def write_run_identity(output_dir: str | os.PathLike,
-                       fingerprint: Mapping[str, Any]) -> None:
-  """Writes ``run.json`` (``{'fingerprint': ...}``) atomically."""
+                       fingerprint: Mapping[str, Any],
+                       code: Optional[Mapping[str, Any]] = None) -> None:
+  """Writes ``run.json`` (``{'fingerprint': ..., 'code': ...}``) atomically.
+
+  ``code`` (:func:`code_version`) is informational: a run resumed under
+  other code continues (with a warning), unlike one with other flags.
+  """
   _write_atomic(pathlib.Path(output_dir) / RUN_FILE,
-                json.dumps({'fingerprint': dict(fingerprint)}, indent=1,
+                json.dumps({'fingerprint': dict(fingerprint),
+                            'code': dict(code or {})}, indent=1,
                            sort_keys=True, default=str))
 
 

@@ -256,8 +256,19 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     except ValueError as e:
       raise ConfigError(str(e)) from None
   resume_from = _plan_start(config, fingerprint, out, scratch)
+  code = outputs.code_version()
+  previous_code = outputs.read_code_version(out)
+  if resume_from is not None and previous_code and previous_code != code:
+    logging.warning(
+        'Resuming %s under other code (it started at commit %s, dirty=%s; '
+        'now %s, dirty=%s): the rounds before and after the restart may '
+        'differ; pass --noresume --overwrite to start over.', out,
+        previous_code.get('commit'), previous_code.get('dirty'),
+        code['commit'], code['dirty'])
   if jax.process_index() == 0:
-    outputs.write_run_identity(out, fingerprint)
+    outputs.write_run_identity(out, fingerprint,
+                               code if resume_from is None or not previous_code
+                               else previous_code)
 
   train_fd, test_fd, info = task.load_data(config)
   num_train_clients = train_fd.num_clients()
@@ -408,6 +419,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
                 'cut_size': split_model.cut_size,
                 'num_params': ledger.num_params},
       'machine': _machine(),
+      'code': code,
+      'started_with_code': outputs.read_code_version(out),
       'placement': _placement(mesh),
       'init_checkpoint': None if init is None else init.describe(),
       'flags': dataclasses.asdict(config),
