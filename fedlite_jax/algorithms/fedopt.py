@@ -549,8 +549,8 @@ def fedopt(
     PRNGKey)]`` and returns per-client diagnostics ``upload_bits``,
     ``download_bits`` (bits), ``num_examples`` (the client's examples, or
     local steps x batch size under ``'uniform'``), ``delta_l2_norm``,
-    ``finite``, ``skipped``, ``pvt_trained_fraction`` and ``pvt_mask`` (bool
-    per variable, ``jax.tree.leaves`` order; all True without PVT).
+    ``finite``, ``skipped`` and, under PVT, ``pvt_trained_fraction`` and
+    ``pvt_mask`` (bool per variable, ``jax.tree.leaves`` order).
 
   Raises:
     ValueError: an unknown choice, ``fedprox_mu`` < 0 or set without
@@ -709,10 +709,12 @@ def fedopt(
     nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     new_state = participation(new_state, index, positions, round_num)
     factor = 2 if mime else 1
-    pvt_extra = lambda d: {  # noqa: E731
-        'pvt_mask': np.asarray(d['mask'], bool),
-        'pvt_trained_fraction': pvt_lib.realized_fraction(
-            s.plan, np.asarray(d['mask'], bool))}
+    pvt_extra = None
+    if not s.plan.trains_everything:
+      pvt_extra = lambda d: {  # noqa: E731
+          'pvt_mask': np.asarray(d['mask'], bool),
+          'pvt_trained_fraction': pvt_lib.realized_fraction(
+              s.plan, np.asarray(d['mask'], bool))}
     examples = [w.weight if weighting == 'examples' else
                 len(w.batches) * client_batch_hparams.batch_size for w in work]
     diagnostics = client_diagnostics(
