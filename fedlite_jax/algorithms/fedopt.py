@@ -512,7 +512,8 @@ def fedopt(
     name: str = 'fedopt',
     engine: str = 'auto',
     steps_per_call: int = 1,
-    step_bucket: str | int = 'pow2',
+    step_bucket: str | int = 'grid',
+    clients_per_chunk: int | str | None = 'auto',
     nonfinite: str = 'raise',
 ) -> fedjax.FederatedAlgorithm:
   """Builds a FedOpt round (module docstring) as a ``FederatedAlgorithm``.
@@ -539,7 +540,8 @@ def fedopt(
     client_ids: the training clients' ids (for ``'changed'``).
     seed: run seed (keys the download quantizer).
     name: algorithm name in messages.
-    engine, steps_per_call, step_bucket: round engine settings
+    engine, steps_per_call, step_bucket, clients_per_chunk: round engine
+      settings (:func:`fedlite_jax.rounds.make_engine`)
       (:mod:`fedlite_jax.rounds`).
     nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
 
@@ -602,7 +604,8 @@ def fedopt(
     return ({'delta': sent, 'mask': mask.astype(jnp.float32)},
             {'mask': mask})
 
-  engine_args = dict(steps_per_call=steps_per_call, step_bucket=step_bucket)
+  engine_args = dict(steps_per_call=steps_per_call, step_bucket=step_bucket,
+      clients_per_chunk=clients_per_chunk)
   train_engine = make_engine(engine, delta_client_program(
       grad_fn, client_optimizer, compress, fedprox_mu=float(fedprox_mu),
       mime=mime, plan=plan), **engine_args)

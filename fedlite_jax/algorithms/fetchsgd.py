@@ -118,7 +118,8 @@ def fetchsgd(
     nonfinite: str = 'raise',
     engine: str = 'auto',
     steps_per_call: int = 1,
-    step_bucket: str | int = 'pow2',
+    step_bucket: str | int = 'grid',
+    clients_per_chunk: int | str | None = 'auto',
 ) -> fedjax.FederatedAlgorithm:
   """Builds FetchSGD as a ``fedjax.FederatedAlgorithm``.
 
@@ -137,7 +138,8 @@ def fetchsgd(
     download_accounting: ``'changed'`` (needs ``client_ids``) or ``'dense'``.
     client_ids: the training clients' ids.
     nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
-    engine, steps_per_call, step_bucket: round engine settings.
+    engine, steps_per_call, step_bucket, clients_per_chunk: round engine
+      settings (:func:`fedlite_jax.rounds.make_engine`).
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; per-client diagnostics
@@ -176,7 +178,8 @@ def fetchsgd(
   round_engine = make_engine(
       engine, fedopt.delta_client_program(grad_fn, client_optimizer,
                                                compress),
-      steps_per_call=steps_per_call, step_bucket=step_bucket)
+      steps_per_call=steps_per_call, step_bucket=step_bucket,
+      clients_per_chunk=clients_per_chunk)
 
   def spec_of(params):
     return fedopt.model_spec(params, k, 'fetchsgd: topk_k')

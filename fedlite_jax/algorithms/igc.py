@@ -230,7 +230,8 @@ def intrinsic_gradient_compression(
     nonfinite: str = 'raise',
     engine: str = 'auto',
     steps_per_call: int = 1,
-    step_bucket: str | int = 'pow2',
+    step_bucket: str | int = 'grid',
+    clients_per_chunk: int | str | None = 'auto',
     project_on_server: bool = False,
 ) -> fedjax.FederatedAlgorithm:
   """Builds static / K-subspace / time-varying IGC as a FederatedAlgorithm.
@@ -258,7 +259,8 @@ def intrinsic_gradient_compression(
     client_ids: the training clients' ids (for per-client participation).
     nonfinite: ``'raise'`` or ``'skip'`` (see :mod:`nonfinite`; a skipped
       client uploads 0 bits).
-    engine, steps_per_call, step_bucket: round engine settings.
+    engine, steps_per_call, step_bucket, clients_per_chunk: round engine
+      settings (:func:`fedlite_jax.rounds.make_engine`).
     project_on_server: a faster SIMULATION of the same algorithm: the
       projection is linear, so ``sum_i w_i A^(k_i)T delta_i`` (what the
       server aggregates) equals ``A^(k)T`` of the per-subspace weighted sum
@@ -352,7 +354,8 @@ def intrinsic_gradient_compression(
       engine, fedopt.delta_client_program(
           grad_fn, client_optimizer,
           defer_projection if project_on_server else compress),
-      steps_per_call=steps_per_call, step_bucket=step_bucket)
+      steps_per_call=steps_per_call, step_bucket=step_bucket,
+      clients_per_chunk=clients_per_chunk)
   cache: dict[str, Any] = {}
 
   def subspaces(D: int, epoch: int) -> ff.FastfoodParams:

@@ -6,15 +6,17 @@ of :class:`ClientWork` items, and return ``sum_i w_i * output_i``, ``sum_i
 w_i`` and the per-client diagnostics. Weighted sums (not means) let algorithms
 such as PVT divide per variable by the weight of the clients that trained it.
 
-* :class:`VmapEngine`: all clients of the round as ONE compiled program --
-  ``jax.vmap`` over clients, ``lax.scan`` over local steps, the weighted sum
-  inside the same program. Step counts are padded to a bucket (next power of
-  two, or a fixed budget) with masked no-op steps so the compiled shape does
-  not change from round to round. This is the layout for GPU/TPU. The
-  vmapped program itself is :class:`VmappedClients` (padded, bucketed,
-  optionally sharded client axis), which
-  :class:`~fedlite_jax.rounds.VmapBackend` shares for FedJAX's
-  ``for_each_client``.
+* :class:`VmapEngine`: the clients of a round as compiled programs of
+  ``jax.vmap`` over clients and ``lax.scan`` over local steps, run in
+  chunks of at most ``clients_per_chunk`` clients (per device), the
+  weighted sum accumulated on the device, so peak memory follows the chunk,
+  not the cohort. Clients are sorted by local step count and grouped
+  (:func:`plan_chunks`) so that the steps executed, masked ones included,
+  stay close to the useful ones; step counts are bucketed
+  (:func:`bucket_steps`) so compiled shapes repeat from round to round.
+  This is the layout for GPU/TPU. The vmapped program itself is
+  :class:`VmappedClients`, which :class:`~fedlite_jax.rounds.VmapBackend`
+  shares for FedJAX's ``for_each_client``.
 * :class:`LoopEngine`: a Python loop over clients calling jitted blocks of
   ``steps_per_call`` unrolled steps. On XLA:CPU a ``while`` loop (scan) or a
   vmap around a convolutional training step is 3-13x slower than per-step
@@ -23,18 +25,25 @@ such as PVT divide per variable by the weight of the clients that trained it.
 
 Masked steps use ``jnp.where(mask, new_state, state)``: the state after a
 masked step is bit-identical to the state before it.
+
+Engine statistics (useful and executed local steps, chunks) are reported to
+every :func:`recording_stats` context that is open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+import math
+import os
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 
 PyTree = Any
@@ -91,6 +100,64 @@ class RoundResult:
   weighted_sum: PyTree
   total_weight: float
   diagnostics: list[PyTree]
+
+
+class StatsRecorder:
+  """Engine counts accumulated while a :func:`recording_stats` context is open.
+
+  Counts: ``clients`` (client updates run), ``client_steps`` (useful local
+  steps), ``padded_steps`` (local steps executed, masked steps of shorter
+  clients and of padding clients included), ``chunks`` (compiled-program
+  runs: one per chunk for the vmap engine, one per client for the loop
+  engine); ``name`` and ``clients_per_chunk`` are the last engine's.
+  """
+
+  _KEYS = ('clients', 'client_steps', 'padded_steps', 'chunks')
+
+  def __init__(self):
+    self._counts = dict.fromkeys(self._KEYS, 0)
+    self._totals = dict.fromkeys(self._KEYS, 0)
+    self.name: Optional[str] = None
+    self.clients_per_chunk: Optional[int] = None
+
+  def add(self, name: str, clients_per_chunk: int, **counts: int) -> None:
+    self.name, self.clients_per_chunk = name, int(clients_per_chunk)
+    for k, v in counts.items():
+      self._counts[k] += int(v)
+      self._totals[k] += int(v)
+
+  def _view(self, counts: dict[str, int]) -> dict[str, Any]:
+    return {'name': self.name, 'clients_per_chunk': self.clients_per_chunk,
+            **counts}
+
+  def take(self) -> dict[str, Any]:
+    """The counts since the last ``take`` (then reset), with name and chunk size."""
+    out = self._view(dict(self._counts))
+    self._counts = dict.fromkeys(self._KEYS, 0)
+    return out
+
+  def totals(self) -> dict[str, Any]:
+    """The counts since the recorder was opened."""
+    return self._view(dict(self._totals))
+
+
+_RECORDERS: list[StatsRecorder] = []
+
+
+@contextlib.contextmanager
+def recording_stats() -> Iterator[StatsRecorder]:
+  """Collects the counts of every engine call made inside the context."""
+  recorder = StatsRecorder()
+  _RECORDERS.append(recorder)
+  try:
+    yield recorder
+  finally:
+    _RECORDERS.remove(recorder)
+
+
+def _record(name: str, clients_per_chunk: int, **counts: int) -> None:
+  for recorder in _RECORDERS:
+    recorder.add(name, clients_per_chunk, **counts)
 
 
 def default_engine_name() -> str:
@@ -183,6 +250,10 @@ class LoopEngine:
                               np.float32(w.weight))
       total += float(w.weight)
       diags.append(diag)
+    steps = [len(w.batches) for w in work]
+    _record(self.name, 1, clients=len(work), client_steps=sum(steps),
+            padded_steps=sum(-(-n // self._k) * self._k for n in steps),
+            chunks=len(work))
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
 
 
@@ -198,15 +269,19 @@ class LoopEngine:
 
 
 def bucket_steps(num_steps: int, policy: str | int) -> int:
-  """The padded local-step count for a round whose longest client has ``num_steps``.
+  """The padded local-step count of a chunk whose longest client has ``num_steps``.
 
   Args:
-    num_steps: the most local steps (batches) of any client of the round.
-    policy: 'pow2' (next power of two), 'exact' (``num_steps``) or an int
-      fixed budget.
+    num_steps: the most local steps (batches) of any client of the chunk.
+    policy: 'grid' (the smallest value >= ``num_steps`` on a grid of four
+      values per octave: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...; at
+      most 1.25x ``num_steps``, at most 4 compiled shapes per doubling),
+      'pow2' (next power of two), 'exact' (``num_steps``) or an int fixed
+      budget.
 
   Returns:
-    The step count every client is padded to with masked no-op steps.
+    The step count every client of the chunk is padded to with masked no-op
+    steps.
 
   Raises:
     ValueError: an unknown policy, or ``num_steps`` above an int budget.
@@ -217,12 +292,171 @@ def bucket_steps(num_steps: int, policy: str | int) -> int:
           f'A client has {num_steps} local steps, more than the fixed step '
           f'budget {policy}; raise the budget or cap the client data.')
     return policy
+  if policy == 'grid':
+    if num_steps <= 4:
+      return max(1, num_steps)
+    unit = 1 << ((num_steps - 1).bit_length() - 3)
+    return -(-num_steps // unit) * unit
   if policy == 'pow2':
     return 1 << max(0, (num_steps - 1).bit_length())
   if policy == 'exact':
     return num_steps
-  raise ValueError(f"step bucket policy must be 'pow2', 'exact' or an int; "
+  raise ValueError(f"step_bucket must be 'grid', 'pow2', 'exact' or an int; "
                    f'got {policy!r}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """One compiled-program run of a round: some clients side by side.
+
+  Attributes:
+    members: cohort positions of the chunk's clients, in lane order.
+    lanes: client rows of the program (>= ``len(members)``); the extra rows
+      are padding clients (zero weight, every step masked).
+    steps: local steps of the program (>= every member's step count).
+  """
+  members: tuple[int, ...]
+  lanes: int
+  steps: int
+
+
+def executed_steps(chunks: Sequence[Chunk]) -> int:
+  """Local steps the chunks execute, masked ones included: ``sum lanes * steps``."""
+  return sum(c.lanes * c.steps for c in chunks)
+
+
+def _lane_sizes(max_lanes: int, multiple: int) -> np.ndarray:
+  """Allowed lane counts: ``multiple * 2^k`` below ``max_lanes``, and it."""
+  sizes, v = {max_lanes}, multiple
+  while v < max_lanes:
+    sizes.add(v)
+    v *= 2
+  return np.asarray(sorted(sizes))
+
+
+def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
+                step_bucket: str | int = 'grid',
+                lane_multiple: int = 1) -> list[Chunk]:
+  """Groups a cohort into chunks of similar local step counts.
+
+  The clients are sorted by step count (stable) and cut into contiguous
+  groups; each group runs as one chunk of ``lanes`` rows (a power of two
+  times ``lane_multiple``, or the maximum) and ``bucket_steps(longest)``
+  steps. The cut minimises ``sum(lanes * steps) + max_lanes * chunks`` by
+  dynamic programming: executed steps close to the useful ones, few chunks,
+  few distinct compiled shapes. Deterministic in ``step_counts``.
+
+  Args:
+    step_counts: ``[n]`` local steps of each client (>= 0).
+    clients_per_chunk: most clients of a chunk per device (> 0); 0 or None:
+      no limit (one chunk may hold the whole cohort).
+    step_bucket: :func:`bucket_steps` policy.
+    lane_multiple: lanes are a multiple of this (the device count).
+
+  Returns:
+    Chunks covering every client once, in ascending step order.
+
+  Raises:
+    ValueError: negative step counts or chunk sizes.
+  """
+  counts = np.asarray([int(c) for c in step_counts], np.int64)
+  if np.any(counts < 0):
+    raise ValueError(f'step counts must be >= 0; got {counts.min()}.')
+  if clients_per_chunk is not None and clients_per_chunk < 0:
+    raise ValueError(f'clients_per_chunk must be >= 0 (0: no limit); got '
+                     f'{clients_per_chunk}.')
+  if lane_multiple < 1:
+    raise ValueError(f'lane_multiple must be >= 1; got {lane_multiple}.')
+  n = len(counts)
+  if n == 0:
+    return []
+  needed = -(-n // lane_multiple) * lane_multiple
+  max_lanes = needed if not clients_per_chunk else min(
+      clients_per_chunk * lane_multiple, needed)
+  sizes = _lane_sizes(max_lanes, lane_multiple)
+  # lanes_for[m]: the smallest allowed lane count holding m clients.
+  lanes_for = sizes[np.searchsorted(sizes, np.arange(max_lanes + 1))]
+  order = np.argsort(counts, kind='stable')
+  steps = np.asarray([bucket_steps(max(int(c), 1), step_bucket)
+                      for c in counts[order]], np.int64)
+  best = np.zeros(n + 1, np.float64)
+  cut = np.zeros(n + 1, np.int64)
+  for j in range(1, n + 1):
+    i = np.arange(max(0, j - max_lanes), j)
+    cost = best[i] + lanes_for[j - i] * steps[j - 1] + max_lanes
+    k = int(np.argmin(cost))  # Ties: the largest chunk (smallest i).
+    best[j], cut[j] = cost[k], i[k]
+  chunks, j = [], n
+  while j > 0:
+    i = int(cut[j])
+    chunks.append(Chunk(tuple(int(x) for x in order[i:j]),
+                        int(lanes_for[j - i]), int(steps[j - 1])))
+    j = i
+  return chunks[::-1]
+
+
+#: ``clients_per_chunk='auto'``: a lane is budgeted this many copies of the
+#: model's parameters (parameters, local optimizer state, gradients, the
+#: delta and its compressed form, scan carries) plus :data:`AUTO_LANE_EXTRA_BYTES`
+#: of activations and batches, within :data:`AUTO_MEMORY_FRACTION` of the
+#: device's memory, and at most :data:`AUTO_MAX_CLIENTS_PER_CHUNK` clients.
+AUTO_PARAM_COPIES = 16
+AUTO_LANE_EXTRA_BYTES = 64 * 2**20
+AUTO_MEMORY_FRACTION = 0.5
+AUTO_MAX_CLIENTS_PER_CHUNK = 256
+
+
+def device_memory_bytes(device: Optional[jax.Device] = None) -> int:
+  """The memory of ``device`` in bytes: its allocator limit on GPU/TPU, the
+  host's physical memory on CPU (the total, not the momentary free bytes, so
+  that a run's chunking, and so its results, do not depend on other jobs)."""
+  device = device or jax.local_devices()[0]
+  stats = None
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  # Backends without stats.
+    stats = None
+  if stats and stats.get('bytes_limit'):
+    return int(stats['bytes_limit'])
+  return int(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+
+
+def resolve_clients_per_chunk(value: int | str | None, param_bytes: int,
+                              memory_bytes: Optional[int] = None) -> int:
+  """Clients per chunk (per device) for ``value``; 0 means no limit.
+
+  Args:
+    value: an int > 0, 0 or None (the whole cohort in one chunk), or 'auto':
+      ``floor(AUTO_MEMORY_FRACTION * memory / (AUTO_PARAM_COPIES *
+      param_bytes + AUTO_LANE_EXTRA_BYTES))`` clamped to [1,
+      AUTO_MAX_CLIENTS_PER_CHUNK].
+    param_bytes: bytes of one copy of the client's model parameters.
+    memory_bytes: the device's memory (default :func:`device_memory_bytes`).
+
+  Raises:
+    ValueError: a negative int or another string.
+  """
+  if value is None:
+    return 0
+  if isinstance(value, str):
+    if value != 'auto':
+      raise ValueError(f"clients_per_chunk must be an int >= 0 or 'auto'; got "
+                       f'{value!r}.')
+    memory = device_memory_bytes() if memory_bytes is None else memory_bytes
+    lane = AUTO_PARAM_COPIES * max(int(param_bytes), 1) + AUTO_LANE_EXTRA_BYTES
+    return int(min(max(AUTO_MEMORY_FRACTION * memory // lane, 1),
+                   AUTO_MAX_CLIENTS_PER_CHUNK))
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+      value < 0:
+    raise ValueError(f"clients_per_chunk must be an int >= 0 or 'auto'; got "
+                     f'{value!r}.')
+  return int(value)
+
+
+def tree_bytes(tree: PyTree) -> int:
+  """Bytes of the arrays of ``tree``."""
+  return sum(int(np.prod(np.shape(x))) * np.dtype(jnp.result_type(x)).itemsize
+             for x in jax.tree.leaves(tree))
 
 
 class VmappedClients:
@@ -292,17 +526,25 @@ class VmappedClients:
   def __call__(self, shared_input: PyTree,
                client_batches: Sequence[Sequence[Batch]],
                client_inputs: Sequence[PyTree], steps: int,
-               cohort_size: Optional[int] = None) -> PyTree:
-    """Runs this process's clients; returns ``reduce``'s result.
+               cohort_size: Optional[int] = None, *,
+               lanes: Optional[int] = None,
+               template: Optional[tuple[Batch, PyTree]] = None) -> PyTree:
+    """Runs this process's clients as one program; returns ``reduce``'s result.
 
     Args:
       shared_input: the same for every client (e.g. the server model).
-      client_batches: per local client (cohort order), its batches; every
+      client_batches: per local client (in row order), its batches; every
         batch has the same structure and shapes. A client may have none.
       client_inputs: per local client, the pytree passed to ``init``.
       steps: the padded step count, >= every client's batch count and the
         same on every process (:func:`bucket_steps`).
-      cohort_size: clients over all processes (default: the local count).
+      cohort_size: rows of the client axis over all processes before the
+        mesh's padding (default: the local count).
+      lanes: the same as ``cohort_size`` (a chunk's :attr:`Chunk.lanes`);
+        give one of the two.
+      template: ``(batch, client_input)`` whose shapes padding clients take,
+        for a process with no client of its own in this program (default:
+        the first client's).
 
     Returns:
       ``reduce(outputs, step_results)`` (default the pair), as global
@@ -310,30 +552,34 @@ class VmappedClients:
       outputs of padding clients.
 
     Raises:
-      ValueError: no client has any batch (no batch shapes to pad with).
+      ValueError: no client has any batch and no ``template`` is given.
     """
-    cohort = len(client_batches) if cohort_size is None else cohort_size
+    cohort = lanes if lanes is not None else (
+        len(client_batches) if cohort_size is None else cohort_size)
     mesh = self._mesh
     rows = cohort if mesh is None else mesh.rows_per_process(cohort)
-    template = next((b[0] for b in client_batches if len(b)), None)
     if template is None:
-      raise ValueError('No client has any batch; at least one client must '
-                       'run a local step.')
-    padding = jax.tree.map(np.zeros_like, template)
+      batch = next((b[0] for b in client_batches if len(b)), None)
+      if batch is None:
+        raise ValueError('No client has any batch; at least one client must '
+                         'run a local step.')
+      template = batch, client_inputs[0]
+    padding = jax.tree.map(np.zeros_like, template[0])
     pad_input = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)),
-                             client_inputs[0])
+                             template[1])
     num_pad = rows - len(client_batches)
-
-    def stack_steps(batches):
-      padded = list(batches) + [padding] * (steps - len(batches))
-      return jax.tree.map(lambda *xs: np.stack(xs), *padded)
-
-    batches = jax.tree.map(
-        lambda *xs: np.stack(xs),
-        *([stack_steps(b) for b in client_batches] +
-          [stack_steps([])] * num_pad))
-    mask = np.stack([np.arange(steps) < len(b) for b in client_batches] +
-                    [np.zeros(steps, bool)] * num_pad)
+    padded = [list(b) + [padding] * (steps - len(b)) for b in client_batches]
+    padded += [[padding] * steps] * num_pad
+    # One host array per leaf, [rows, steps, ...], one transfer per leaf.
+    leaves = [jax.tree.leaves(b) for client in padded for b in client]
+    treedef = jax.tree.structure(padding)
+    batches = jax.tree.unflatten(treedef, [
+        np.stack([l[i] for l in leaves]).reshape(
+            (rows, steps) + np.shape(leaves[0][i]))
+        for i in range(len(leaves[0]))])
+    mask = np.zeros((rows, steps), bool)
+    for r, b in enumerate(client_batches):
+      mask[r, :len(b)] = True
     inputs = jax.tree.map(
         lambda *xs: np.stack([np.asarray(x) for x in xs]),
         *(list(client_inputs) + [pad_input] * num_pad))
@@ -345,30 +591,42 @@ class VmappedClients:
 
 
 class VmapEngine:
-  """All clients of a round as one compiled program (vmap + scan).
+  """The clients of a round as vmapped programs, in chunks (vmap + scan).
 
-  A :class:`VmappedClients` program whose weighted sum over clients is part
-  of the same program.
+  Each chunk of :func:`plan_chunks` is one run of a :class:`VmappedClients`
+  program whose weighted sum over the chunk's clients is part of the same
+  program; the chunk sums are accumulated on the device. The next chunk's
+  batches are stacked on the host while the device runs the current one
+  (asynchronous dispatch), and per-client diagnostics come to the host once,
+  after the last chunk.
 
   Args:
     program: the client update.
-    step_bucket: how the longest client's step count is padded: 'pow2' (next
-      power of two; at most log2(max steps) distinct compiled shapes), 'exact'
-      (recompiles whenever the maximum changes), or an int fixed budget.
-    mesh: split the clients over this :class:`ClientMesh` (devices and
-      processes; ``fedlite_jax.rounds.sharding``); None runs on the default
-      device. The cohort is padded with zero-weight clients to a multiple of
-      the device count; the weighted sum is a cross-device reduction inside
-      the program.
+    step_bucket: :func:`bucket_steps` policy of each chunk's step count:
+      'grid' (default), 'pow2', 'exact' or an int fixed budget.
+    mesh: split each chunk's clients over this :class:`ClientMesh` (devices
+      and processes; ``fedlite_jax.rounds.sharding``); None runs on the
+      default device. The chunk sum is a cross-device reduction inside the
+      program.
+    clients_per_chunk: most clients of a chunk per device: an int > 0, 0 or
+      None (no limit: lanes follow the cohort), or 'auto'
+      (:func:`resolve_clients_per_chunk` from the parameter bytes of
+      ``shared_input`` at the first call and the device's memory).
   """
 
   name = 'vmap'
 
-  def __init__(self, program: ClientProgram, step_bucket: str | int = 'pow2',
-               mesh: Optional[sharding.ClientMesh] = None):
+  def __init__(self, program: ClientProgram, step_bucket: str | int = 'grid',
+               mesh: Optional[sharding.ClientMesh] = None,
+               clients_per_chunk: int | str | None = 'auto'):
+    bucket_steps(1, step_bucket)  # Validates the policy.
+    if clients_per_chunk != 'auto':
+      resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates it.
     self._program = program
     self._bucket = step_bucket
     self._mesh = mesh
+    self._per_chunk_setting = clients_per_chunk
+    self._per_chunk: Optional[int] = None
 
     # The client's weight rides in its state (unchanged by every step) so
     # that ``final`` can weight the output inside the program.
@@ -396,36 +654,98 @@ class VmapEngine:
         init, step, final, mesh=mesh, reduce=reduce,
         out_shardings=None if mesh is None else (mesh.replicated,
                                                  mesh.client_sharding))
+    self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b),
+                        donate_argnums=0)
+
+  @property
+  def clients_per_chunk(self) -> Optional[int]:
+    """The resolved chunk size per device (0: no limit); None before the
+    first call when set to 'auto'."""
+    return self._per_chunk
+
+  def _plan(self, steps: Sequence[int]) -> list[list[Chunk]]:
+    """Per chunk, per process, the chunk of that process's clients.
+
+    Single process: :func:`plan_chunks`. Several processes: each process
+    sorts its own clients by step count and chunk ``k`` takes the ``k``-th
+    block of ``clients_per_chunk * local devices`` of them on every process,
+    at the step bucket of the longest of them all; every process derives the
+    same plan from the cohort's step counts.
+    """
+    mesh = self._mesh
+    per = self._per_chunk
+    if mesh is None or not mesh.multi_process:
+      devices = 1 if mesh is None else mesh.num_devices
+      return [[c] for c in plan_chunks(steps, per, self._bucket, devices)]
+    cohort = len(steps)
+    local_devices = mesh.num_devices // mesh.num_processes
+    blocks = []
+    for p in range(mesh.num_processes):
+      lo, hi = mesh.local_clients(cohort, p)
+      blocks.append(sorted(range(lo, hi), key=lambda i: (steps[i], i)))
+    size = max(len(b) for b in blocks)
+    lanes = (-(-size // local_devices) if not per else
+             min(per, -(-size // local_devices))) * local_devices
+    out = []
+    for start in range(0, size, lanes):
+      members = [tuple(b[start:start + lanes]) for b in blocks]
+      longest = max(steps[i] for m in members for i in m)
+      n = bucket_steps(max(longest, 1), self._bucket)
+      out.append([Chunk(m, lanes, n) for m in members])
+    return out
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
     _check_cohort(work)
     mesh = self._mesh
-    cohort = len(work)
-    steps = bucket_steps(max(len(w.batches) for w in work), self._bucket)
-    lo, hi = (0, cohort) if mesh is None else mesh.local_clients(cohort)
-    local = work[lo:hi]
-    weighted_sum, diags = self._clients(
-        shared_input, [w.batches for w in local],
-        [(w.client_input, np.float32(w.weight)) for w in local], steps,
-        cohort)
-    if mesh is None:
-      diags = jax.device_get(diags)
-    else:
+    if self._per_chunk is None:
+      self._per_chunk = resolve_clients_per_chunk(
+          self._per_chunk_setting, tree_bytes(shared_input))
+    steps = [len(w.batches) for w in work]
+    plan = self._plan(steps)
+    process = 0 if mesh is None else mesh.process_index
+    first = next(w for w in work
+                 if not isinstance(w.batches, remote.RemoteBatches))
+    template = (first.batches[0], (first.client_input, np.float32(0)))
+    if mesh is not None:
+      shared_input = mesh.put_replicated(shared_input)
+    weighted_sum, chunk_diags = None, []
+    for per_process in plan:
+      chunk = per_process[process]
+      local = [work[i] for i in chunk.members]
+      chunk_sum, diags = self._clients(
+          shared_input, [w.batches for w in local],
+          [(w.client_input, np.float32(w.weight)) for w in local],
+          chunk.steps, lanes=chunk.lanes * len(per_process),
+          template=template)
+      weighted_sum = chunk_sum if weighted_sum is None else self._add(
+          weighted_sum, chunk_sum)
+      chunk_diags.append(diags)
+    chunk_diags = (jax.device_get(chunk_diags) if mesh is None else
+                   [mesh.gather(d) for d in chunk_diags])
+    per_client: list[Any] = [None] * len(work)
+    for per_process, diags in zip(plan, chunk_diags):
+      for p, chunk in enumerate(per_process):
+        for lane, i in enumerate(chunk.members):
+          row = p * chunk.lanes + lane
+          per_client[i] = jax.tree.map(lambda x, r=row: x[r], diags)
+    if mesh is not None:
       # The replicated sum as this process's own single-device arrays, so the
       # server update that follows is an ordinary (process-local) program.
       weighted_sum = jax.tree.map(lambda x: x.addressable_data(0),
                                   weighted_sum)
-      diags = mesh.gather(diags)
-    per_client = [jax.tree.map(lambda x, i=i: x[i], diags)
-                  for i in self._clients.rows(cohort)]
+    _record(self.name, self._per_chunk, clients=len(work),
+            client_steps=sum(steps),
+            padded_steps=sum(c.lanes * c.steps for pp in plan for c in pp),
+            chunks=len(plan))
     total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
     return RoundResult(weighted_sum, total, per_client)
 
 
 def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
-                step_bucket: str | int = 'pow2',
-                mesh: Optional[sharding.ClientMesh] = None
+                step_bucket: str | int = 'grid',
+                mesh: Optional[sharding.ClientMesh] = None,
+                clients_per_chunk: int | str | None = 'auto'
                 ) -> LoopEngine | VmapEngine:
   """Builds an engine by name ('auto', 'loop' or 'vmap').
 
@@ -434,7 +754,9 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
       a single CPU device), 'loop' or 'vmap'.
     program: the client update.
     steps_per_call: loop engine: local steps per jitted call.
-    step_bucket: vmap engine: step padding policy.
+    step_bucket: vmap engine: step padding policy (:func:`bucket_steps`).
+    clients_per_chunk: vmap engine: clients per chunk per device
+      (:class:`VmapEngine`).
     mesh: devices/processes to split clients over; None takes the mesh set by
       ``sharding.use_client_mesh`` (if any). A mesh of one device in one
       process is the same as none.
@@ -452,10 +774,11 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
   if name == 'loop':
     if mesh is not None:
       raise ValueError(
-          f'--round_engine=loop runs on one device, but {mesh.num_devices} '
-          'devices were requested; use --round_engine=vmap (or auto) or '
-          '--num_devices=1.')
+          f'round engine loop runs on one device, but {mesh.num_devices} '
+          "devices were requested; use engine 'vmap' (or 'auto') or one "
+          'device.')
     return LoopEngine(program, steps_per_call=steps_per_call)
   if name == 'vmap':
-    return VmapEngine(program, step_bucket=step_bucket, mesh=mesh)
+    return VmapEngine(program, step_bucket=step_bucket, mesh=mesh,
+                      clients_per_chunk=clients_per_chunk)
   raise ValueError(f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')

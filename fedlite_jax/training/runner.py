@@ -306,7 +306,7 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
           num_params=fedopt.num_params(params),
           train_client_ids=tuple(train_fd.client_ids()), info=info))
     except ValueError as e:
-      if 'round_engine' in str(e):
+      if 'round engine' in str(e):
         raise ConfigError(str(e)) from None
       raise
   state = algorithm.init(params)
