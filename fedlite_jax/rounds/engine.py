@@ -286,6 +286,7 @@ def bucket_steps(num_steps: int, policy: str | int) -> int:
   Raises:
     ValueError: an unknown policy, or ``num_steps`` above an int budget.
   """
+  num_steps = int(num_steps)
   if isinstance(policy, int):
     if num_steps > policy:
       raise ValueError(
@@ -334,17 +335,25 @@ def _lane_sizes(max_lanes: int, multiple: int) -> np.ndarray:
   return np.asarray(sorted(sizes))
 
 
+#: :func:`plan_chunks` keeps executed steps within this factor of the useful
+#: ones when it can (it always can: one client per chunk on the 'grid'
+#: bucket is within 1.25x).
+TARGET_PADDING = 1.2
+
+
 def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
-                step_bucket: str | int = 'grid',
-                lane_multiple: int = 1) -> list[Chunk]:
+                step_bucket: str | int = 'grid', lane_multiple: int = 1,
+                chunk_cost: Optional[float] = None) -> list[Chunk]:
   """Groups a cohort into chunks of similar local step counts.
 
   The clients are sorted by step count (stable) and cut into contiguous
   groups; each group runs as one chunk of ``lanes`` rows (a power of two
   times ``lane_multiple``, or the maximum) and ``bucket_steps(longest)``
-  steps. The cut minimises ``sum(lanes * steps) + max_lanes * chunks`` by
-  dynamic programming: executed steps close to the useful ones, few chunks,
-  few distinct compiled shapes. Deterministic in ``step_counts``.
+  steps. The cut minimises ``sum(lanes * steps) + chunk_cost * chunks`` by
+  dynamic programming. Without ``chunk_cost`` the largest of ``max_lanes /
+  4^k`` (then 0) whose plan executes at most :data:`TARGET_PADDING` times
+  the useful steps is used: few chunks (few dispatches and compiled shapes)
+  with little padding. Deterministic in ``step_counts``.
 
   Args:
     step_counts: ``[n]`` local steps of each client (>= 0).
@@ -352,6 +361,7 @@ def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
       no limit (one chunk may hold the whole cohort).
     step_bucket: :func:`bucket_steps` policy.
     lane_multiple: lanes are a multiple of this (the device count).
+    chunk_cost: the price of one more chunk in lane-steps (>= 0).
 
   Returns:
     Chunks covering every client once, in ascending step order.
@@ -379,20 +389,35 @@ def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
   order = np.argsort(counts, kind='stable')
   steps = np.asarray([bucket_steps(max(int(c), 1), step_bucket)
                       for c in counts[order]], np.int64)
-  best = np.zeros(n + 1, np.float64)
-  cut = np.zeros(n + 1, np.int64)
-  for j in range(1, n + 1):
-    i = np.arange(max(0, j - max_lanes), j)
-    cost = best[i] + lanes_for[j - i] * steps[j - 1] + max_lanes
-    k = int(np.argmin(cost))  # Ties: the largest chunk (smallest i).
-    best[j], cut[j] = cost[k], i[k]
-  chunks, j = [], n
-  while j > 0:
-    i = int(cut[j])
-    chunks.append(Chunk(tuple(int(x) for x in order[i:j]),
-                        int(lanes_for[j - i]), int(steps[j - 1])))
-    j = i
-  return chunks[::-1]
+
+  def solve(price: float) -> list[Chunk]:
+    best = np.zeros(n + 1, np.float64)
+    cut = np.zeros(n + 1, np.int64)
+    for j in range(1, n + 1):
+      i = np.arange(max(0, j - max_lanes), j)
+      cost = best[i] + lanes_for[j - i] * steps[j - 1] + price
+      k = int(np.argmin(cost))  # Ties: the largest chunk (smallest i).
+      best[j], cut[j] = cost[k], i[k]
+    chunks, j = [], n
+    while j > 0:
+      i = int(cut[j])
+      chunks.append(Chunk(tuple(int(x) for x in order[i:j]),
+                          int(lanes_for[j - i]), int(steps[j - 1])))
+      j = i
+    return chunks[::-1]
+
+  if chunk_cost is not None:
+    if not chunk_cost >= 0:
+      raise ValueError(f'chunk_cost must be >= 0; got {chunk_cost}.')
+    return solve(float(chunk_cost))
+  useful = max(int(counts.sum()), 1)
+  price = float(max_lanes)
+  while price >= 1:
+    chunks = solve(price)
+    if executed_steps(chunks) <= TARGET_PADDING * useful:
+      return chunks
+    price /= 4
+  return solve(0.0)
 
 
 #: ``clients_per_chunk='auto'``: a lane is budgeted this many copies of the
