@@ -21,6 +21,7 @@ import pytest
 from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import batching
+from fedlite_jax.rounds import engine
 from fedlite_jax.algorithms import splitfed as sf
 
 ETA_C = 0.05
@@ -172,7 +173,11 @@ def mlp_split_model() -> models.SplitModel:
       cut_layer='dense', cut_size=16)
 
 
-def test_num_examples_weighting_equals_weighted_sgd(femnist):
+@pytest.mark.parametrize('clients_per_chunk', [0, 3, 1])
+def test_num_examples_weighting_equals_weighted_sgd(femnist,
+                                                    clients_per_chunk):
+  # Chunks of 3 (4 clients: a padded last chunk) or 1 sum the gradient over
+  # programs; the update is the same weighted SGD step.
   split_model = mlp_split_model()
   model = split_model.model
   params = model.init(jax.random.PRNGKey(3))
@@ -187,8 +192,37 @@ def test_num_examples_weighting_equals_weighted_sgd(femnist):
         p, b))) for b, w in parts)
 
   alg = sf.splitfed(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
-                    client_weighting='num_examples')
-  _check_rounds(alg, params, clients, lambda p: _sgd_reference(model, p, loss))
+                    client_weighting='num_examples',
+                    clients_per_chunk=clients_per_chunk)
+  with engine.recording_stats() as rec:
+    _check_rounds(alg, params, clients,
+                  lambda p: _sgd_reference(model, p, loss))
+  stats = rec.totals()
+  assert stats['clients'] == 8
+  assert stats['chunks'] == 2 * {0: 1, 3: 2, 1: 4}[clients_per_chunk]
+
+
+def test_fedlite_in_chunks_equals_one_program(femnist):
+  """FedLite's quantizer and equation-5 correction are per client, with
+  p_i normalised over the whole cohort: chunks change only the order of the
+  gradient sum."""
+  split_model = mlp_split_model()
+  params = split_model.model.init(jax.random.PRNGKey(5))
+  quantizer = sf.QuantizerConfig(num_subvectors=4, num_groups=1,
+                                 num_centroids=2, correction_lambda=1e-3)
+  results = []
+  for per_chunk in (0, 3):
+    alg = sf.fedlite(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
+                     quantizer=quantizer, client_weighting='num_examples',
+                     clients_per_chunk=per_chunk)
+    state, diag = alg.apply(alg.init(params), femnist[:4])
+    results.append((state.params, diag))
+  assert _max_rel_diff(results[1][0], results[0][0]) < 1e-5
+  assert _max_rel_diff(results[0][0], params) > 1e-4  # Not vacuous.
+  for cid, d in results[0][1].items():
+    np.testing.assert_allclose(results[1][1][cid]['loss'], d['loss'],
+                               rtol=1e-6)
+    assert results[1][1][cid]['upload_bits'] == d['upload_bits']
 
 
 def test_adam_server_optimizer_gets_server_gradient(femnist):

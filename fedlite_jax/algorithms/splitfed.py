@@ -109,6 +109,7 @@ from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.fedlite import pq
 from fedlite_jax.fedlite import vq_layer
 from fedlite_jax.models import split as split_lib
+from fedlite_jax.rounds import engine as engine_lib
 from fedlite_jax.rounds import sharding
 
 Params = Any
@@ -321,6 +322,7 @@ def split_learning(
     client_weighting: ClientWeighting = 'uniform',
     vector_mask_fn: VectorMaskFn = loss_vector_mask,
     client_execution: ClientExecution = 'auto',
+    clients_per_chunk: int | str | None = 'auto',
     nonfinite: str = 'raise',
 ) -> fedjax.FederatedAlgorithm:
   """Builds SplitFed (``quantizer=None``) or FedLite as a FedJAX algorithm.
@@ -344,6 +346,12 @@ def split_learning(
     client_execution: how the clients' forward/backward passes are laid out
       in the one compiled program: ``'vmap'``, ``'unroll'`` or ``'auto'``
       (:func:`resolve_client_execution`). Same result to float tolerance.
+    clients_per_chunk: clients per device of one compiled program: the
+      iteration's gradient is summed over chunks of this many clients on
+      the device (peak memory follows the chunk), then applied once; an int
+      > 0, 0/None (the whole cohort in one program), or 'auto'
+      (:func:`fedlite_jax.rounds.engine.resolve_clients_per_chunk` from the
+      client model's size). Same result to float tolerance.
     nonfinite: ``'raise'`` or ``'skip'`` (module docstring).
 
   Returns:
@@ -389,6 +397,8 @@ def split_learning(
           f'num_subvectors (q) must divide the cut size d={d}, got '
           f'q={quantizer.num_subvectors}.')
   execution = resolve_client_execution(client_execution)
+  if clients_per_chunk != 'auto':
+    engine_lib.resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates.
   model = split_model.model
   client_apply = split_model.client_apply
   server_apply = split_model.server_apply
@@ -402,11 +412,13 @@ def split_learning(
     raise ValueError(f'{name} runs in one process (several devices are '
                      'fine); got a mesh over several processes.')
 
-  def objective_and_grads(params, batch, rngs, weights):
-    """Steps 1-4 for all clients; returns grads and per-client diagnostics."""
+  def objective_and_grads(params, batch, rngs, weights, total=None):
+    """Steps 1-4 for the given clients; returns the sum of their gradients
+    and per-client diagnostics. ``total``: the weight of the whole cohort
+    (default: of these clients)."""
     wc, ws = split_model.split_params(params)
     drop = jax.vmap(lambda k: jax.random.fold_in(k, _DROPOUT_FOLD))(rngs)
-    p = weights / jnp.sum(weights)
+    p = weights / (jnp.sum(weights) if total is None else total)
 
     z, client_vjp = _client_forward_vjp(client_apply, wc, batch, drop,
                                         execution)  # [C, B, (T,) d]
@@ -456,9 +468,7 @@ def split_learning(
         jnp.all(jnp.isfinite(cotangent.reshape(num_clients, -1)), axis=1))
     return split_model.merge_params(g_client, g_server), diag
 
-  @jax.jit
-  def iteration(state: SplitState, batch, rngs, weights):
-    grads, diag = objective_and_grads(state.params, batch, rngs, weights)
+  def update(state: SplitState, grads):
     wc, ws = split_model.split_params(state.params)
     gc, gs = split_model.split_params(grads)
     uc, client_opt_state = client_optimizer.update(gc, state.client_opt_state,
@@ -468,7 +478,20 @@ def split_learning(
     params = split_model.merge_params(optax.apply_updates(wc, uc),
                                       optax.apply_updates(ws, us))
     new_state = SplitState(params, client_opt_state, server_opt_state)
-    return new_state, diag, nonfinite_lib.all_finite(new_state)
+    return new_state, nonfinite_lib.all_finite(new_state)
+
+  @jax.jit
+  def iteration(state: SplitState, batch, rngs, weights):
+    """The whole cohort as one program."""
+    grads, diag = objective_and_grads(state.params, batch, rngs, weights)
+    return (*update(state, grads), diag)
+
+  # The cohort in chunks: gradient sums accumulated on the device (the
+  # objective is a p-weighted sum over clients), then one update.
+  chunk_grads = jax.jit(objective_and_grads)
+  apply_update = jax.jit(update)
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
+  per_chunk_ref = []  # Resolved clients_per_chunk (first apply).
 
   bits_cache: dict[Any, split_accounting.IterationBits] = {}
 
@@ -531,25 +554,52 @@ def split_learning(
     if mesh is not None:
       state = jax.device_put(state, mesh.replicated)
 
-    def run(keep: Sequence[bool]):
-      # Slots not kept, and the padding to a multiple of the device count,
-      # hold zero-weight copies of the first kept client (p_i = 0: no
-      # effect on the update or the loss).
-      fill = list(keep).index(True)
-      extra = 0 if mesh is None else (mesh.padded_size(len(clients)) -
-                                      len(clients))
-      slots = [i if k else fill for i, k in enumerate(keep)] + [fill] * extra
-      w = [weights[i] if k else 0.0 for i, k in enumerate(keep)]
-      args = (_stack([batches[i] for i in slots]),
-              np.stack([rngs[i] for i in slots]),
-              np.asarray(w + [0.0] * extra, np.float32))
-      if mesh is not None:
-        args = jax.device_put(args, mesh.client_sharding)
-      return iteration(state, *args)
+    if not per_chunk_ref:
+      per_chunk_ref.append(engine_lib.resolve_clients_per_chunk(
+          clients_per_chunk, engine_lib.tree_bytes(
+              split_model.split_params(state.params)[0])))
+    devices = 1 if mesh is None else mesh.num_devices
+    padded = -(-len(clients) // devices) * devices
+    lanes = padded if not per_chunk_ref[0] else min(
+        per_chunk_ref[0] * devices, padded)
+    slots_total = -(-len(clients) // lanes) * lanes
 
+    def run(keep: Sequence[bool]):
+      # Slots not kept, and the padding to whole chunks (of a multiple of
+      # the device count), hold zero-weight copies of the first kept client
+      # (p_i = 0: no effect on the update or the loss).
+      fill = list(keep).index(True)
+      extra = slots_total - len(clients)
+      slots = [i if k else fill for i, k in enumerate(keep)] + [fill] * extra
+      w = np.asarray([weights[i] if k else 0.0 for i, k in enumerate(keep)] +
+                     [0.0] * extra, np.float32)
+
+      def args(part):
+        out = (_stack([batches[i] for i in slots[part]]),
+               np.stack([rngs[i] for i in slots[part]]), w[part])
+        return out if mesh is None else jax.device_put(out,
+                                                       mesh.client_sharding)
+
+      if lanes == len(slots):
+        new_state, finite, diag = iteration(state, *args(slice(None)))
+        return new_state, jax.device_get(diag), finite
+      total = np.float32(np.sum(w, dtype=np.float32))
+      grads, diags = None, []
+      for start in range(0, len(slots), lanes):
+        g, d = chunk_grads(state.params, *args(slice(start, start + lanes)),
+                           total)
+        grads = g if grads is None else add(grads, g)
+        diags.append(d)
+      new_state, finite = apply_update(state, grads)
+      diags = jax.device_get(diags)
+      return new_state, {k: np.concatenate([d[k] for d in diags])
+                         for k in diags[0]}, finite
+
+    engine_lib.record('split', per_chunk_ref[0], clients=len(clients),
+                      client_steps=len(clients), padded_steps=slots_total,
+                      chunks=slots_total // lanes)
     ids = [cid for cid, _, _ in clients]
     new_state, diag, finite = run([True] * len(clients))
-    diag = jax.device_get(diag)
     skipped = nonfinite_lib.resolve(ids, diag['finite'][:len(clients)],
                                     nonfinite, name)
     if skipped:

@@ -155,9 +155,13 @@ def recording_stats() -> Iterator[StatsRecorder]:
     _RECORDERS.remove(recorder)
 
 
-def _record(name: str, clients_per_chunk: int, **counts: int) -> None:
+def record(name: str, clients_per_chunk: int, **counts: int) -> None:
+  """Adds one run's counts (:class:`StatsRecorder`) to the open recorders."""
   for recorder in _RECORDERS:
     recorder.add(name, clients_per_chunk, **counts)
+
+
+_record = record
 
 
 def default_engine_name() -> str:
@@ -336,9 +340,9 @@ def _lane_sizes(max_lanes: int, multiple: int) -> np.ndarray:
 
 
 #: :func:`plan_chunks` keeps executed steps within this factor of the useful
-#: ones when it can (it always can: one client per chunk on the 'grid'
-#: bucket is within 1.25x).
-TARGET_PADDING = 1.2
+#: ones when it can (on the 'grid' bucket it always can: chunks of one
+#: client are within 1.25x).
+TARGET_PADDING = 1.25
 
 
 def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
