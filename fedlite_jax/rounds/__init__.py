@@ -20,9 +20,13 @@ from fedlite_jax.rounds.engine import LoopEngine
 from fedlite_jax.rounds.engine import RoundResult
 from fedlite_jax.rounds.engine import VmapEngine
 from fedlite_jax.rounds.engine import VmappedClients
+from fedlite_jax.rounds.engine import Chunk
 from fedlite_jax.rounds.engine import bucket_steps
 from fedlite_jax.rounds.engine import default_engine_name
 from fedlite_jax.rounds.engine import make_engine
+from fedlite_jax.rounds.engine import plan_chunks
+from fedlite_jax.rounds.engine import recording_stats
+from fedlite_jax.rounds.engine import resolve_clients_per_chunk
 from fedlite_jax.rounds.fedjax_backend import VmapBackend
 from fedlite_jax.rounds.remote import RemoteClientDataset
 from fedlite_jax.rounds.sharding import ClientMesh

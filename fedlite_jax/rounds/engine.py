@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
