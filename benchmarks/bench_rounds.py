@@ -153,12 +153,19 @@ def _synthetic_clients(model: str, cohort: int, seed: int,
   return clients
 
 
+_FEMNIST: dict[Optional[str], Any] = {}
+
+
 def _femnist_clients(data_dir: Optional[str], cohort: int, seed: int,
                      max_examples: int):
   """Real FEMNIST writers (repeated with new ids if too few), or None."""
-  try:
-    train, _, _ = datasets.load_federated_data('emnist', data_dir)
-  except Exception:  # pylint: disable=broad-except  # No data: synthetic.
+  if data_dir not in _FEMNIST:
+    try:
+      _FEMNIST[data_dir] = datasets.load_federated_data('emnist', data_dir)[0]
+    except Exception:  # pylint: disable=broad-except  # No data: synthetic.
+      _FEMNIST[data_dir] = None
+  train = _FEMNIST[data_dir]
+  if train is None:
     return None
   ids = sorted(cid for cid, _ in train.client_sizes())
   rng = np.random.RandomState(seed)
@@ -354,7 +361,7 @@ def _short(err: BaseException) -> str:
   return text[:200]
 
 
-def run_worker(args) -> list[dict]:
+def run_worker(args, emit: bool = False) -> list[dict]:
   """Rows for one model and engine over the cohorts (ascending)."""
   name, engine = args.models, args.engines
   batch_size = FEMNIST_BATCH if name == 'femnist' else LM_BATCH
@@ -371,7 +378,8 @@ def run_worker(args) -> list[dict]:
   rows = []
   flops = None
   data_source = 'synthetic'
-  last = None  # (cohort, seconds per round) of the previous cohort
+  last = None  # (cohort, seconds per round, compile seconds) of the last cohort
+  deadline = args.deadline or math.inf
   failed = None
   for cohort in sorted(args.cohorts):
     row = {'model': name, 'engine': engine, 'cohort': cohort}
@@ -379,12 +387,17 @@ def run_worker(args) -> list[dict]:
     if failed:
       row['skip'] = f'not run: {failed}'
       continue
-    if last and last[1] * cohort / last[0] * (args.rounds + 1) > \
-        args.max_seconds:
-      row['skip'] = (f'estimated {last[1] * cohort / last[0] * (args.rounds + 1):.0f}'
-                     f' s > --max_seconds={args.max_seconds:g}')
+    estimate = 0.0 if not last else (
+        last[2] + last[1] * cohort / last[0] * (args.rounds + 1))
+    if estimate > args.max_seconds:
+      row['skip'] = (f'estimated {estimate:.0f} s > '
+                     f'--max_seconds={args.max_seconds:g}')
+      continue
+    if time.time() + estimate > deadline:
+      row['skip'] = 'over the run\'s --total_seconds budget'
       continue
     clients = None
+    t_load = time.perf_counter()
     if name == 'femnist':
       clients = _femnist_clients(args.data_dir, cohort, args.seed,
                                  args.max_examples)
@@ -393,6 +406,7 @@ def run_worker(args) -> list[dict]:
     if clients is None:
       clients = _synthetic_clients(name, cohort, args.seed, args.max_examples)
     row['data'] = data_source
+    row['load_s'] = time.perf_counter() - t_load
     useful = sum(-(-len(cds) // batch_size) for _, cds in clients)
     try:
       if flops is None:
@@ -437,14 +451,15 @@ def run_worker(args) -> list[dict]:
                                    f'expected {useful}')
             padded.append(clock.batches)
           elapsed = time.perf_counter() - start
-          if elapsed + walls[-1] > args.max_seconds:
+          if (elapsed + walls[-1] > args.max_seconds or
+              time.time() + walls[-1] > deadline):
             break
     except Exception as err:  # pylint: disable=broad-except
       row['skip'] = _short(err)
       failed = f'failed at cohort {cohort}'
       continue
     wall = statistics.median(walls)
-    last = (cohort, wall)
+    last = (cohort, wall, max(row['warmup_s'] - wall, 0.0))
     mem, mem_source = peak_memory_bytes()
     row.update(
         rounds=len(walls), s_per_round=wall, rounds_per_s=1 / wall,
@@ -452,6 +467,8 @@ def run_worker(args) -> list[dict]:
         padded_steps=max(padded), host_share=sum(hosts) / sum(walls),
         step_flops=flops, mfu=flops * useful / wall / peak, peak_flops=peak,
         peak_source=peak_source)
+    if emit:
+      print('ROW ' + json.dumps(row), flush=True)
   return rows
 
 
@@ -467,21 +484,35 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
   return cmd
 
 
-def _run_isolated(args, model: str, engine: str) -> list[dict]:
-  # Budget: every cohort's warm-up and rounds plus start-up and compilation.
-  limit = args.max_seconds * (len(args.cohorts) + 1) + 120
-  skipped = lambda why: [{'model': model, 'engine': engine, 'cohort': c,  # noqa: E731
-                          'skip': why} for c in sorted(args.cohorts)]
+def _run_isolated(args, model: str, engine: str, budget: float
+                  ) -> list[dict]:
+  """The worker's rows; rows it could not finish within ``budget`` s are skips."""
+  cmd = _worker_cmd(args, model, engine) + [
+      f'--deadline={time.time() + budget:.0f}']
+  why = None
   try:
-    proc = subprocess.run(_worker_cmd(args, model, engine),
-                          capture_output=True, text=True, timeout=limit)
-  except subprocess.TimeoutExpired:
-    return skipped(f'process exceeded {limit:g} s')
-  lines = [l for l in proc.stdout.splitlines() if l.startswith('ROWS ')]
-  if proc.returncode or not lines:
-    tail = (proc.stderr.strip().splitlines() or ['no output'])[-1]
-    return skipped(f'process exited {proc.returncode}: {tail[:160]}')
-  return json.loads(lines[-1][5:])
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=budget + 60)
+    stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+  except subprocess.TimeoutExpired as err:
+    stdout = (err.stdout or b'').decode() if isinstance(
+        err.stdout, bytes) else (err.stdout or '')
+    stderr, code = '', None
+    why = f'process killed after {budget + 60:.0f} s'
+  lines = stdout.splitlines()
+  final = [l for l in lines if l.startswith('ROWS ')]
+  if code == 0 and final:
+    return json.loads(final[-1][5:])
+  if why is None:
+    tail = (stderr.strip().splitlines() or ['no output'])[-1]
+    why = f'process exited {code}: {tail[:160]}'
+  done = {}
+  for l in lines:
+    if l.startswith('ROW '):
+      row = json.loads(l[4:])
+      done[row['cohort']] = row
+  return [done.get(c) or {'model': model, 'engine': engine, 'cohort': c,
+                          'skip': why} for c in sorted(args.cohorts)]
 
 
 # --------------------------------------------------------------------------
@@ -538,6 +569,8 @@ def _defaults(args) -> None:
     args.rounds = 2 if cpu else 3
   if args.max_seconds is None:
     args.max_seconds = 120.0 if cpu else 12.0
+  if args.total_seconds is None:
+    args.total_seconds = 3600.0 if cpu else 540.0
   args.cohorts = [int(c) for c in str(args.cohorts).split(',')]
   bad = [c for c in args.cohorts if c < 1]
   if bad:
@@ -579,11 +612,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                       action=argparse.BooleanOptionalAction,
                       help='one process per model and engine (peak memory '
                       'per configuration; survives crashes)')
+  parser.add_argument('--total_seconds', type=float, default=None,
+                      help='time budget of the whole run, shared fairly by '
+                      'the (model, engine) processes (default 540; 3600 on '
+                      'CPU)')
   parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+  parser.add_argument('--deadline', type=float, default=0,
+                      help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   _defaults(args)
   if args.worker:
-    print('ROWS ' + json.dumps(run_worker(args)), flush=True)
+    print('ROWS ' + json.dumps(run_worker(args, emit=True)), flush=True)
     return
   model_list = args.models.split(',')
   engine_list = args.engines.split(',')
@@ -603,20 +642,25 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'{platform.python_version()}',
             f'cohorts {args.cohorts}, {args.rounds} timed rounds after one '
             f'warm-up round, --max_seconds={args.max_seconds:g}, '
-            f'--clients_per_chunk={args.clients_per_chunk}']
+            f'--clients_per_chunk={args.clients_per_chunk}, '
+            f'--total_seconds={args.total_seconds:g}']
   print('\n'.join(header), flush=True)
   print(TABLE_HEAD, flush=True)
   rows = []
-  for m in model_list:
-    for e in engine_list:
-      if args.isolate:
-        got = _run_isolated(args, m, e)
-      else:
-        sub = argparse.Namespace(**{**vars(args), 'models': m, 'engines': e})
-        got = run_worker(sub)
-      for row in got:
-        print(_fmt_row(row), flush=True)
-      rows.extend(got)
+  configs = [(m, e) for m in model_list for e in engine_list]
+  end = time.time() + args.total_seconds
+  for i, (m, e) in enumerate(configs):
+    if args.isolate:
+      # Fair share of what is left of the run's budget.
+      budget = max(end - time.time(), 0) / (len(configs) - i)
+      got = _run_isolated(args, m, e, budget)
+    else:
+      sub = argparse.Namespace(**{**vars(args), 'models': m, 'engines': e,
+                                  'deadline': end})
+      got = run_worker(sub)
+    for row in got:
+      print(_fmt_row(row), flush=True)
+    rows.extend(got)
   done = [r for r in rows if 'skip' not in r]
   notes = []
   if done:
@@ -626,6 +670,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                  'data: ' + ', '.join(sorted({f'{r["model"]}: {r["data"]}'
                                               for r in done})))
     for r in done:
+      if r['data'] != 'synthetic':
+        notes.append(
+            f'{r["model"]} {r["engine"]} cohort {r["cohort"]}: reading the '
+            f'cohort\'s {r["data"]} clients from storage took '
+            f'{r["load_s"]:.3g} s, once, before the timed rounds (not in the '
+            f'host share; per round it would be '
+            f'{100 * (r["host_share"] * r["s_per_round"] + r["load_s"]) / (r["s_per_round"] + r["load_s"]):.1f}%)')
       if 'chunks' in r and r['engine'] == 'vmap':
         notes.append(f'{r["model"]} vmap cohort {r["cohort"]}: '
                      f'clients_per_chunk={r["clients_per_chunk"]}, '
