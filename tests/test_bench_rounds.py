@@ -1,0 +1,125 @@
+"""Smoke run of ``benchmarks/bench_rounds.py`` and its device-facts helpers.
+
+The run is tiny (a CPU language model, cohorts of 2 clients, one timed
+round) and checks the plumbing: every (model, engine, cohort) row is
+printed and written, ratios are finite, executed steps >= useful steps, and
+a configuration over the time budget is skipped with a reason. No timing is
+asserted. The GPU/TPU code paths (allocator peak, peak FLOP/s table) are
+checked with stand-in devices.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ENGINES = ('loop', 'vmap', 'fedjax_jit', 'fedjax_vmap')
+
+
+def _load(repo_root: pathlib.Path):
+  spec = importlib.util.spec_from_file_location(
+      'bench_rounds', repo_root / 'benchmarks' / 'bench_rounds.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bench_rounds_smoke(repo_root, tmp_path):
+  out_file = tmp_path / 'rounds.md'
+  env = dict(os.environ)
+  env.pop('FEDLITE_DATA_DIR', None)  # Synthetic data: no files needed.
+  env['PYTHONPATH'] = os.pathsep.join(
+      p for p in (str(repo_root), env.get('PYTHONPATH')) if p)
+  env['JAX_PLATFORMS'] = 'cpu'
+  # Cohort 2 runs; cohort 400 is estimated at ~200x cohort 2's round time,
+  # far over the 20 s budget, and must be skipped with a reason.
+  cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
+         '--models=lstm_tiny', f'--engines={",".join(ENGINES)}',
+         '--cohorts=2,400', '--rounds=1', '--max_examples=40',
+         '--max_seconds=20', '--clients_per_chunk=1', '--no-isolate',
+         f'--output={out_file}']
+  proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True,
+                        text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = proc.stdout
+  text = out_file.read_text()
+  assert 'command: `python benchmarks/bench_rounds.py --models=lstm_tiny' \
+      in text
+  assert 'jax ' in text and 'machine: ' in text
+  rows = json.loads(re.search(r'<!-- rows: (.*) -->', text).group(1))
+  assert sorted((r['engine'], r['cohort']) for r in rows) == sorted(
+      (e, c) for e in ENGINES for c in (2, 400))
+  for r in rows:
+    line = f'| lstm_tiny | {r["engine"]} | {r["cohort"]:,} |'
+    assert line in out and line in text, line
+    if r['cohort'] == 400:
+      assert 'skip' in r and '--max_seconds' in r['skip'], r
+      continue
+    assert 'skip' not in r, r
+    # Two clients, at most ceil(40 / 16) = 3 steps each.
+    assert 2 <= r['useful_steps'] <= 6
+    assert r['padded_steps'] >= r['useful_steps']
+    for key in ('rounds_per_s', 'host_share', 'mfu', 'step_flops',
+                'peak_mem_bytes'):
+      assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+    assert r['host_share'] < 1
+    assert r['mfu'] < 1  # Below the measured matmul peak... by far.
+    assert r['rounds_per_s'] == pytest.approx(1 / r['s_per_round'])
+    if r['engine'] == 'fedjax_jit' or r['engine'] == 'loop':
+      assert r['padded_steps'] == r['useful_steps']
+    if r['engine'] == 'vmap':
+      # One client per chunk (--clients_per_chunk=1): one chunk per client.
+      assert r['clients_per_chunk'] == 1 and r['chunks'] == 2
+
+
+def test_peak_flops_table_and_device_name(repo_root, monkeypatch):
+  bench = _load(repo_root)
+  assert bench.peak_flops_table('NVIDIA H100 80GB HBM3') == 494.7e12
+  assert bench.peak_flops_table('NVIDIA H100 PCIe') == 378e12
+  assert bench.peak_flops_table('NVIDIA H200') == 494.7e12
+  assert bench.peak_flops_table('NVIDIA A100-SXM4-80GB') == 156e12
+  assert bench.peak_flops_table('TPU v5 lite') == 197e12
+  assert bench.peak_flops_table('TPU v4') == 275e12
+  assert bench.peak_flops_table('cpu') is None
+
+  class FakeDevice:
+    device_kind = 'NVIDIA H100 80GB HBM3'
+
+    def memory_stats(self):
+      return {'peak_bytes_in_use': 123456789, 'bytes_limit': 80 * 2**30}
+
+  monkeypatch.setattr(bench.jax, 'devices', lambda *a: [FakeDevice()])
+  assert bench.device_name() == 'nvidia_h100_80gb_hbm3'
+  assert bench.peak_memory_bytes() == (123456789,
+                                       'device peak_bytes_in_use')
+
+
+def test_step_flops_matches_dense_count(repo_root):
+  """XLA's count of a linear model's step vs a hand count (independent)."""
+  import fedjax
+  import haiku as hk
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  bench = _load(repo_root)
+  b, d, k = 32, 64, 16
+
+  def forward(batch):
+    return hk.Linear(k, with_bias=False)(batch['x'])
+
+  model = fedjax.create_model_from_haiku(
+      hk.transform(forward), {'x': jnp.zeros((1, d))},
+      train_loss=lambda batch, preds: jnp.sum((preds - batch['y'])**2, -1))
+  params = model.init(jax.random.PRNGKey(0))
+  batch = {'x': np.ones((b, d), np.float32), 'y': np.ones((b, k), np.float32)}
+  flops = bench.step_flops(model, params, batch)
+  matmuls = 2 * (2 * b * d * k)  # forward x@W and the gradient x^T@g.
+  assert matmuls <= flops <= 1.5 * matmuls
