@@ -314,6 +314,24 @@ _SCRIPT = textwrap.dedent('''
       for x, y in zip(sa, sb):
         np.testing.assert_allclose(x['norm'], y['norm'], rtol=1e-6)
     print('OK', len(got))
+
+    # Chunks of one client per device (4 lanes, 2 chunks) and a client with
+    # a smaller last batch (a second program for its last step).
+    clients[6] = (b'c6', clients[6][1] + [{'x': rng.randn(2, 3).astype(
+        np.float32)}], clients[6][2])
+    with fedjax.for_each_client_backend('jit'):
+      ref = {c: (o, s) for c, o, s in make()(shared, clients)}
+    with fedjax.for_each_client_backend(VmapBackend(clients_per_chunk=1)):
+      fn = make()
+    got = {c: (o, s) for c, o, s in fn(shared, clients)}
+    assert set(ref) == set(got)
+    for cid, (a, sa) in ref.items():
+      b, sb = got[cid]
+      np.testing.assert_allclose(a['delta'], b['delta'], rtol=1e-6, atol=1e-7)
+      assert len(sa) == len(sb), cid
+      for x, y in zip(sa, sb):
+        np.testing.assert_allclose(x['norm'], y['norm'], rtol=1e-6)
+    print('OK chunks', len(got))
 ''')
 
 
@@ -326,3 +344,4 @@ def test_four_devices_seven_clients_match_jit_backend():
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]
   assert 'OK 7' in proc.stdout
+  assert 'OK chunks 7' in proc.stdout

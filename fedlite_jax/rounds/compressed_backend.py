@@ -224,15 +224,15 @@ class CompressedBackend(fedjax.ForEachClientBackend):
     base: per-client execution: None or 'jit' (FedJAX's jit backend),
       'vmap' (:class:`~fedlite_jax.rounds.VmapBackend`), or any
       ``fedjax.ForEachClientBackend``.
-    clients_per_chunk: base 'vmap': clients per chunk per device (int > 0,
-      0 or None for no limit, or 'auto'; see
-      :class:`~fedlite_jax.rounds.VmapBackend`); ignored by other bases.
     seed: run seed of the download keys (and of upload keys for client
       inputs that are not PRNG keys).
     num_params: D of the ledger's uncompressed baseline (``32 D`` bits per
       client per direction); default: the number of compressible entries of
       the first client output (fed_avg / fed_prox / mime_lite: the model
       size).
+    clients_per_chunk: base 'vmap': clients per chunk per device (int > 0,
+      0 or None for no limit, or 'auto'; see
+      :class:`~fedlite_jax.rounds.VmapBackend`); ignored by other bases.
 
   Attributes:
     upload, download: the transforms (None = uncompressed).
