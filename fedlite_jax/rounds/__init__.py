@@ -7,8 +7,8 @@ returns the weighted sum of their outputs. The engines give the same result
 to float tolerance; which is fastest depends on the platform (see
 ``benchmarks/bench_fedavg.py``). ``sharding`` splits a round's clients over
 the devices (and hosts) of a ``jax.sharding.Mesh``. For FedJAX's own
-``for_each_client`` algorithms, :class:`VmapBackend` runs clients as one
-vmapped program and :class:`CompressedBackend` adds download/upload
+``for_each_client`` algorithms, :class:`VmapBackend` runs clients as
+vmapped programs in chunks and :class:`CompressedBackend` adds download/upload
 compression with a communication ledger.
 """
 

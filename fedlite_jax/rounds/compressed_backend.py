@@ -141,12 +141,13 @@ def _client_hash(client_id: Any) -> int:
   return zlib.crc32(client_id)
 
 
-def _make_base(base: Union[None, str, fedjax.ForEachClientBackend]
+def _make_base(base: Union[None, str, fedjax.ForEachClientBackend],
+               clients_per_chunk: Union[int, str, None]
                ) -> fedjax.ForEachClientBackend:
   if base is None or base == 'jit':
     return fedjax_for_each_client.ForEachClientJitBackend()
   if base == 'vmap':
-    return fedjax_backend.VmapBackend()
+    return fedjax_backend.VmapBackend(clients_per_chunk=clients_per_chunk)
   if isinstance(base, fedjax.ForEachClientBackend):
     return base
   raise ValueError(f'base must be None, one of {BASES} or a '
@@ -229,6 +230,9 @@ class CompressedBackend(fedjax.ForEachClientBackend):
       client per direction); default: the number of compressible entries of
       the first client output (fed_avg / fed_prox / mime_lite: the model
       size).
+    clients_per_chunk: base 'vmap': clients per chunk per device (int > 0,
+      0 or None for no limit, or 'auto'; see
+      :class:`~fedlite_jax.rounds.VmapBackend`); ignored by other bases.
 
   Attributes:
     upload, download: the transforms (None = uncompressed).
@@ -244,10 +248,11 @@ class CompressedBackend(fedjax.ForEachClientBackend):
                download: Union[None, str, tx.CommTransform] = None,
                base: Union[None, str, fedjax.ForEachClientBackend] = None,
                seed: int = 0,
-               num_params: Optional[int] = None):
+               num_params: Optional[int] = None,
+               clients_per_chunk: Union[int, str, None] = 'auto'):
     self.upload = _as_transform(upload, seed, 'upload')
     self.download = _as_transform(download, seed, 'download')
-    self._base = _make_base(base)
+    self._base = _make_base(base, clients_per_chunk)
     self._seed = int(seed)
     self._up = _Channel(self.upload, 'the upload transform')
     self._down = _Channel(self.download, 'the download transform')

@@ -1,46 +1,66 @@
 """A vmapped (and device-sharded) ``fedjax.ForEachClientBackend``.
 
 FedJAX's own algorithms (``fedjax.algorithms.fed_avg``, ``fed_prox``,
-``mime_lite``, ...) and any user algorithm written with
-``fedjax.for_each_client`` run their clients through a backend. FedJAX's
-``jit`` backend calls a jitted step per client per batch from Python; its
-``pmap`` backend needs one device per client. :class:`VmapBackend` runs all
-clients of a call as ONE compiled program, the program of
-:class:`~fedlite_jax.rounds.VmapEngine`
-(:class:`~fedlite_jax.rounds.engine.VmappedClients`): ``jax.vmap`` over
-clients, ``lax.scan`` over local steps (padded with masked no-op steps to a
-power of two), and the clients split over a
+``mime_lite``, ``apfl``, ``hyp_cluster``, ...) and any user algorithm
+written with ``fedjax.for_each_client`` run their clients through a backend.
+FedJAX's ``jit`` backend calls a jitted step per client per batch from
+Python; its ``pmap`` backend needs one device per client.
+:class:`VmapBackend` runs the clients of a call as compiled programs of
+:class:`~fedlite_jax.rounds.engine.VmappedClients` (the program of
+:class:`~fedlite_jax.rounds.VmapEngine`): ``jax.vmap`` over clients,
+``lax.scan`` over local steps, the clients split over a
 :class:`~fedlite_jax.rounds.sharding.ClientMesh` when several devices are
-present (padding clients with zero inputs fill the last device; their
-outputs are dropped). Select it without touching the
-algorithm, BEFORE building it (FedJAX binds the backend when the algorithm
-calls ``fedjax.for_each_client``, i.e. at construction)::
+present. Select it without touching the algorithm, BEFORE building it
+(FedJAX binds the backend when the algorithm calls
+``fedjax.for_each_client``, i.e. at construction)::
 
   fedjax.set_for_each_client_backend(fedlite_jax.rounds.VmapBackend())
   algorithm = fedjax.algorithms.fed_avg.federated_averaging(...)
   # or: with fedjax.for_each_client_backend(VmapBackend()):
   #       algorithm = ...  (built inside; apply may run outside)
 
-Speed: on GPU/TPU this is the layout of choice. On XLA:CPU a vmap + scan
-around a convolutional training step is far slower than FedJAX's per-step
-jit calls (``benchmarks/results/scaling.md``: ~40x for the EMNIST CNN), as
-for :class:`~fedlite_jax.rounds.VmapEngine`; small dense models are fine.
+How a call is run:
+
+* Chunks: clients with the same client-input shapes and first-batch shapes
+  form a group; each group is cut into chunks of at most
+  ``clients_per_chunk`` clients per device by
+  :func:`~fedlite_jax.rounds.engine.plan_chunks` (clients sorted by local
+  step count, steps padded with masked no-op steps to
+  :func:`~fedlite_jax.rounds.engine.bucket_steps`, lanes a multiple of the
+  device count). Chunks run one at a time and their clients are yielded as
+  soon as the chunk is done, so at most one chunk's outputs are live on the
+  device while the algorithm consumes them. Clients come back group by group
+  and chunk by chunk (reordered, as from FedJAX's ``pmap`` backend), in call
+  order within a chunk; with one group in one chunk, in call order.
+* Batch shapes: a client's consecutive batches of equal shapes form a
+  segment. A client with several segments (e.g. the smaller last batch of
+  ``ClientDataset.batch``) runs them in order as successive programs of its
+  chunk, its state carried from one program to the next; clients of a chunk
+  whose next segments have equal shapes share a program. Step results come
+  back per client in step order. A client with no batch runs
+  ``client_final(client_init(...))`` alone.
+* State shapes: a step whose new state has a leaf of another shape or dtype
+  but the same size as the state it got (FedJAX's ``apfl`` mixing weight,
+  ``float32[]`` in, ``float32[1]`` out) is cast back to the state's shape
+  and dtype, so the scan carry keeps one type; values are unchanged. A
+  step that changes a leaf's size or the state's structure raises
+  ``ValueError``.
 
 Same results as FedJAX's ``jit`` backend to float tolerance
-(``tests/test_fedjax_backend.py``); ``benchmarks/bench_scaling.py`` times it.
-
-Requirements: every batch of every client in one call must have the same
-structure and shapes (true for ``shuffle_repeat_batch`` and
-``padded_batch``, which FedJAX's algorithms use); a mismatch raises
-``ValueError`` naming the client.
+(``tests/test_fedjax_backend.py``); ``benchmarks/bench_scaling.py`` times
+it. Counts (clients, useful and executed local steps, program runs) go to
+:func:`fedlite_jax.rounds.engine.recording_stats` under the name
+``'vmap_backend'``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional
+import collections
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import fedjax
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.rounds import engine as engine_lib
@@ -50,39 +70,126 @@ PyTree = Any
 
 
 def _signature(tree: PyTree) -> tuple:
+  """Structure, shapes and dtypes of a pytree (the key of a program)."""
   return jax.tree.structure(tree), tuple(
-      (np.shape(x), np.result_type(x).name) for x in jax.tree.leaves(tree))
+      (np.shape(x), str(getattr(x, 'dtype', None) or np.result_type(x)))
+      for x in jax.tree.leaves(tree))
+
+
+def _segments(batches: list) -> list[tuple[tuple, int, int]]:
+  """``[(signature, start, end)]``: runs of consecutive equally shaped batches."""
+  out = []
+  for t, batch in enumerate(batches):
+    sig = _signature(batch)
+    if out and out[-1][0] == sig:
+      out[-1] = (sig, out[-1][1], t + 1)
+    else:
+      out.append((sig, t, t + 1))
+  return out
+
+
+def _cast_like(new: PyTree, old: PyTree) -> PyTree:
+  """``new`` in the shapes and dtypes of ``old`` (leaves of equal size)."""
+  new_leaves, new_def = jax.tree.flatten(new)
+  old_leaves, old_def = jax.tree.flatten(old)
+  if new_def != old_def:
+    raise ValueError(
+        f'VmapBackend: client_step returned a state of structure {new_def}, '
+        f'but got {old_def}; the state structure must not change.')
+  out = []
+  for n, o in zip(new_leaves, old_leaves):
+    n_shape, o_shape = jnp.shape(n), jnp.shape(o)
+    n_dtype, o_dtype = jnp.result_type(n), jnp.result_type(o)
+    if n_shape != o_shape:
+      if int(np.prod(n_shape)) != int(np.prod(o_shape)):
+        raise ValueError(
+            f'VmapBackend: client_step turns a state leaf of shape {o_shape} '
+            f'into {n_shape}; a step may change a leaf shape only when its '
+            'size stays the same.')
+      n = jnp.reshape(n, o_shape)
+    if n_dtype != o_dtype:
+      n = jnp.asarray(n).astype(o_dtype)
+    out.append(n)
+  return jax.tree.unflatten(old_def, out)
 
 
 class VmapBackend(fedjax.ForEachClientBackend):
-  """``for_each_client`` as one vmapped, optionally sharded, program.
+  """``for_each_client`` as vmapped, chunked, optionally sharded programs.
+
+  See the module docstring for grouping, chunks, segments and state casts.
 
   Args:
     mesh: the devices to split clients over; None uses every local device
       (:func:`~fedlite_jax.rounds.sharding.make_client_mesh`). A mesh of one
       device is plain vmap on that device.
-    step_bucket: local-step padding: 'pow2' (default), 'exact' or an int
-      budget (see :class:`~fedlite_jax.rounds.VmapEngine`).
+    step_bucket: local-step padding (:func:`~fedlite_jax.rounds.engine.
+      bucket_steps`): 'grid' (default), 'pow2', 'exact' or an int budget.
+    clients_per_chunk: most clients of a chunk per device: an int > 0, 0 or
+      None (no limit), or 'auto'
+      (:func:`~fedlite_jax.rounds.engine.resolve_clients_per_chunk` from the
+      bytes of the first call's ``shared_input`` and the device's memory).
 
   Raises:
-    ValueError: from the returned function, for batches whose shapes differ
-      between clients or steps, or a client with no batches when others
-      have some and shapes cannot be inferred.
+    ValueError: a bad ``step_bucket`` or ``clients_per_chunk`` (here); from
+      the returned function, a mesh of several processes, or a step that
+      changes the size of a state leaf or the state's structure.
   """
 
   def __init__(self, mesh: Optional[sharding.ClientMesh] = None,
-               step_bucket: str | int = 'pow2'):
+               step_bucket: str | int = 'grid',
+               clients_per_chunk: int | str | None = 'auto'):
+    engine_lib.bucket_steps(1, step_bucket)  # Validates the policy.
+    if clients_per_chunk != 'auto':
+      engine_lib.resolve_clients_per_chunk(clients_per_chunk, 0)
     self._mesh = mesh
     self._bucket = step_bucket
+    self._per_chunk_setting = clients_per_chunk
+    self._per_chunk: Optional[int] = None
+
+  @property
+  def clients_per_chunk(self) -> Optional[int]:
+    """The resolved chunk size per device (0: no limit); None before the
+    first call when set to 'auto'."""
+    return self._per_chunk
 
   def __call__(self, client_init, client_step, client_final):
     mesh = self._mesh or sharding.make_client_mesh()
     if mesh.multi_process:
       raise ValueError('VmapBackend runs the clients of one process; with '
                        'several processes use the fedlite_jax round engines.')
-    program = engine_lib.VmappedClients(
-        client_init, client_step, client_final,
-        mesh=mesh if mesh.num_devices > 1 else None)
+    device_mesh = mesh if mesh.num_devices > 1 else None
+    devices = mesh.num_devices if device_mesh is not None else 1
+    programs: dict[tuple[bool, bool], engine_lib.VmappedClients] = {}
+
+    def program(first: bool, last: bool) -> engine_lib.VmappedClients:
+      """init -> steps -> final; a non-first program starts from a carried
+      state (its client input), a non-last one returns the state."""
+      if (first, last) not in programs:
+
+        def init(shared_input, client_input):
+          if first:
+            return client_init(shared_input, client_input)
+          return client_input
+
+        def step(state, batch):
+          new_state, step_result = client_step(state, batch)
+          return _cast_like(new_state, state), step_result
+
+        def final(shared_input, state):
+          return client_final(shared_input, state) if last else state
+
+        programs[first, last] = engine_lib.VmappedClients(
+            init, step, final, mesh=device_mesh)
+      return programs[first, last]
+
+    no_steps = jax.jit(lambda s, c: client_final(s, client_init(s, c)))
+
+    def lanes_for(count: int, most: int) -> int:
+      """The smallest of ``devices * 2^k`` and ``most`` holding ``count``."""
+      lanes = devices
+      while lanes < count and lanes < most:
+        lanes *= 2
+      return max(min(lanes, most), -(-count // devices) * devices)
 
     def run(shared_input: PyTree,
             clients: Iterable[tuple[Any, Iterable[PyTree], PyTree]]
@@ -90,32 +197,82 @@ class VmapBackend(fedjax.ForEachClientBackend):
       clients = [(cid, list(batches), cin) for cid, batches, cin in clients]
       if not clients:
         return
-      with_batches = [c for c in clients if c[1]]
-      if not with_batches:
-        raise ValueError('for_each_client: no client has any batch.')
-      sig = _signature(with_batches[0][1][0])
-      for cid, batches, _ in clients:
-        for b in batches:
-          if _signature(b) != sig:
-            raise ValueError(
-                f'VmapBackend needs equally shaped batches; client {cid!r} '
-                f'has {_signature(b)[1]} vs {sig[1]}. Use shuffle_repeat_batch '
-                'or padded_batch, or the jit backend.')
-      steps = engine_lib.bucket_steps(max(len(b) for _, b, _ in clients),
-                                      self._bucket)
-      outputs, step_results = program(
-          shared_input, [b for _, b, _ in clients],
-          [cin for _, _, cin in clients], steps)
-      # One unstack per leaf (not one slice per client per leaf); step
-      # results are small and come to the host at once. Single process:
-      # client i is row i; padding rows follow and are dropped.
-      leaves, treedef = jax.tree.flatten(outputs)
-      per_leaf = [list(x) for x in leaves]
-      step_results = jax.device_get(step_results)
-      for i, (cid, client_batches, _) in enumerate(clients):
-        output = jax.tree.unflatten(treedef, [leaf[i] for leaf in per_leaf])
-        results = [jax.tree.map(lambda x, i=i, t=t: x[i, t], step_results)
-                   for t in range(len(client_batches))]
-        yield cid, output, results
+      if self._per_chunk is None:
+        self._per_chunk = engine_lib.resolve_clients_per_chunk(
+            self._per_chunk_setting, engine_lib.tree_bytes(shared_input))
+      per_chunk = self._per_chunk
+      segments = [_segments(b) for _, b, _ in clients]
+      groups = collections.OrderedDict()
+      empty = []
+      for i, (_, batches, cin) in enumerate(clients):
+        if not batches:
+          empty.append(i)
+          continue
+        key = (_signature(cin), segments[i][0][0])
+        groups.setdefault(key, []).append(i)
+      if device_mesh is not None:
+        shared_input = device_mesh.put_replicated(shared_input)
+      counts = collections.Counter()
+
+      def run_chunk(members: list[int], lanes: int):
+        """Runs the chunk's segments; returns per member (output, results)."""
+        state = {i: clients[i][2] for i in members}
+        results = {i: [] for i in members}
+        outputs = {}
+        for j in range(max(len(segments[i]) for i in members)):
+          phase = collections.OrderedDict()
+          for i in members:
+            if j < len(segments[i]):
+              last = j == len(segments[i]) - 1
+              phase.setdefault((segments[i][j][0], last), []).append(i)
+          for (_, last), part in phase.items():
+            seg_batches = [clients[i][1][segments[i][j][1]:segments[i][j][2]]
+                           for i in part]
+            longest = max(len(b) for b in seg_batches)
+            steps = engine_lib.bucket_steps(longest, self._bucket)
+            part_lanes = lanes_for(len(part), lanes)
+            prog = program(j == 0, last)
+            out, step_results = prog(shared_input, seg_batches,
+                                     [state[i] for i in part], steps,
+                                     lanes=part_lanes)
+            counts['padded_steps'] += part_lanes * steps
+            counts['chunks'] += 1
+            rows = prog.rows(part_lanes)
+            step_results = jax.device_get(step_results)
+            leaves, treedef = jax.tree.flatten(out)
+            for k, i in enumerate(part):
+              r = int(rows[k])
+              results[i].extend(
+                  jax.tree.map(lambda x, r=r, t=t: x[r, t], step_results)
+                  for t in range(len(seg_batches[k])))
+              row = jax.tree.unflatten(treedef, [x[r] for x in leaves])
+              if last:
+                outputs[i] = row
+                del state[i]
+              else:
+                state[i] = row
+            del out, leaves
+        return [(i, outputs.pop(i), results.pop(i)) for i in sorted(members)]
+
+      try:
+        for i in empty:
+          cid, _, cin = clients[i]
+          counts['clients'] += 1
+          counts['chunks'] += 1
+          yield cid, no_steps(shared_input, cin), []
+        for members in groups.values():
+          steps = [len(clients[i][1]) for i in members]
+          for chunk in engine_lib.plan_chunks(steps, per_chunk, self._bucket,
+                                              devices):
+            done = run_chunk([members[m] for m in chunk.members], chunk.lanes)
+            counts['clients'] += len(done)
+            counts['client_steps'] += sum(len(clients[i][1])
+                                          for i, _, _ in done)
+            done.reverse()
+            while done:  # No lingering reference to a yielded output.
+              i, output, results = done.pop()
+              yield clients[i][0], output, results
+      finally:
+        engine_lib._record('vmap_backend', per_chunk, **counts)  # pylint: disable=protected-access
 
     return run
