@@ -172,6 +172,14 @@ def _masked(new: PyTree, old: PyTree, mask: jax.Array) -> PyTree:
   return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
 
 
+def _stack_rows(*xs) -> Any:
+  """Stacks per-client leaves: on the device when any is a device array
+  (state carried between programs stays there), else on the host."""
+  if any(isinstance(x, jax.Array) for x in xs):
+    return jnp.stack([jnp.asarray(x) for x in xs])
+  return np.stack([np.asarray(x) for x in xs])
+
+
 def _check_cohort(work: Sequence[ClientWork]) -> None:
   if not work:
     raise ValueError('A round needs at least one client; got an empty cohort.')
@@ -609,8 +617,7 @@ class VmappedClients:
     for r, b in enumerate(client_batches):
       mask[r, :len(b)] = True
     inputs = jax.tree.map(
-        lambda *xs: np.stack([np.asarray(x) for x in xs]),
-        *(list(client_inputs) + [pad_input] * num_pad))
+        _stack_rows, *(list(client_inputs) + [pad_input] * num_pad))
     if mesh is not None:
       put = lambda x: mesh.put_clients(np.asarray(x), cohort)
       batches, mask, inputs = jax.tree.map(put, (batches, mask, inputs))
