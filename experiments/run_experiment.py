@@ -92,6 +92,18 @@ flags.DEFINE_enum('round_engine', _D.round_engine, ['auto', 'loop', 'vmap'],
 flags.DEFINE_integer('steps_per_call', _D.steps_per_call,
                      'Loop engine: local steps unrolled per jitted call.',
                      lower_bound=1)
+flags.DEFINE_string('clients_per_chunk', str(_D.clients_per_chunk),
+                    'vmap engine and split learning: clients per device in '
+                    'one compiled program (peak memory follows it); auto = '
+                    'from the model size and the device memory, 0 = the '
+                    'whole cohort.')
+flags.DEFINE_integer('client_cache_mb', _D.client_cache_mb,
+                     'MiB of decoded client data kept across rounds (least '
+                     'recently used beyond it; 0 = off). No effect on results.',
+                     lower_bound=0)
+flags.DEFINE_bool('prefetch_clients', _D.prefetch_clients,
+                  'Load the next round\'s clients in a background thread '
+                  'while the current round trains. No effect on results.')
 flags.DEFINE_integer('num_devices', None,
                      'Local devices to split each round\'s clients over (a '
                      'jax.sharding mesh; default: all local devices). Results '

@@ -257,6 +257,15 @@ ROWS = [
     ('steps_per_call_with_vmap', EMB + ['--round_engine=vmap',
                                         '--steps_per_call=4'],
      '--steps_per_call applies to --round_engine=loop'),
+    ('clients_per_chunk_text', EMB + ['--clients_per_chunk=many'],
+     "--clients_per_chunk=many: must be 'auto' or an integer >= 0"),
+    ('clients_per_chunk_negative', EMB + ['--clients_per_chunk=-3'],
+     "--clients_per_chunk=-3: must be 'auto' or an integer >= 0"),
+    ('clients_per_chunk_with_loop', EMB + ['--round_engine=loop',
+                                           '--clients_per_chunk=4'],
+     '--clients_per_chunk applies to --round_engine=vmap'),
+    ('client_cache_negative', EMB + ['--client_cache_mb=-1'],
+     '--client_cache_mb'),
     # Caught after the data is loaded (the model fixes d and the batch).
     ('centroids_over_subvectors', EMB + [
         '--algorithm=fedlite', '--num_subvectors=4', '--num_groups=2',

@@ -72,7 +72,8 @@ def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       upload=None, download_accounting='dense',
       client_ids=ctx.train_client_ids,
       nonfinite=config.options['nonfinite_updates'], name='sgd',
-      engine=config.round_engine, steps_per_call=config.steps_per_call)
+      engine=config.round_engine, steps_per_call=config.steps_per_call,
+      clients_per_chunk=config.clients_per_chunk)
 
 
 def _topk_upload(opts) -> transforms.CommTransform:
@@ -100,7 +101,8 @@ def _build_topk(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       download_accounting=opts['download_accounting'],
       client_ids=ctx.train_client_ids,
       nonfinite=opts['nonfinite_updates'], name='topk',
-      engine=config.round_engine, steps_per_call=config.steps_per_call)
+      engine=config.round_engine, steps_per_call=config.steps_per_call,
+      clients_per_chunk=config.clients_per_chunk)
 
 
 def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
@@ -125,7 +127,8 @@ def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       download_accounting=opts['download_accounting'],
       client_ids=ctx.train_client_ids,
       nonfinite=opts['nonfinite_updates'],
-      engine=config.round_engine, steps_per_call=config.steps_per_call)
+      engine=config.round_engine, steps_per_call=config.steps_per_call,
+      clients_per_chunk=config.clients_per_chunk)
 
 
 SPECS = (

@@ -117,6 +117,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         nonfinite=opts['nonfinite_updates'],
         engine=config.round_engine,
         steps_per_call=config.steps_per_call,
+        clients_per_chunk=config.clients_per_chunk,
         project_on_server=opts['igc_project_on_server'])
 
   return build

@@ -81,6 +81,7 @@ def build_fedavg(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       optimizers.client_batch_hparams(config),
       compression=compression, seed=config.seed, name='fedavg',
       engine=config.round_engine, steps_per_call=config.steps_per_call,
+      clients_per_chunk=config.clients_per_chunk,
       nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
 
 
@@ -95,6 +96,7 @@ def build_fedprox(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       compression=compression_from_options(config.options),
       seed=config.seed, name='fedprox',
       engine=config.round_engine, steps_per_call=config.steps_per_call,
+      clients_per_chunk=config.clients_per_chunk,
       nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
 
 
@@ -122,6 +124,7 @@ def build_mime_lite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       compression=compression_from_options(config.options),
       seed=config.seed, name='mime_lite',
       engine=config.round_engine, steps_per_call=config.steps_per_call,
+      clients_per_chunk=config.clients_per_chunk,
       nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
 
 

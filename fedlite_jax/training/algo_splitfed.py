@@ -133,6 +133,7 @@ def _common_kwargs(ctx: spec.BuildContext) -> dict:
       label_bits=opts['split_label_bits'],
       client_weighting=opts['split_client_weighting'],
       client_execution=opts['split_client_execution'],
+      clients_per_chunk=config.clients_per_chunk,
       nonfinite=opts[common.NONFINITE_UPDATES.name])
 
 

@@ -90,6 +90,9 @@ class RunConfig:
   allow_download: bool = False
   round_engine: str = 'auto'
   steps_per_call: int = 1
+  clients_per_chunk: Any = 'auto'           # vmap: clients/device/program
+  client_cache_mb: int = 1024               # decoded clients kept (0 = off)
+  prefetch_clients: bool = True             # load round r+1 during round r
   num_devices: Optional[int] = None         # local devices; None = all
   coordinator_address: Optional[str] = None  # multi-host: host:port of p0
   num_processes: int = 1                    # multi-host: JAX processes
@@ -115,6 +118,8 @@ class RunConfig:
                        'eval_num_clients', 'data_dir', 'output_dir',
                        'checkpoint_every', 'resume', 'overwrite',
                        'allow_download', 'round_engine', 'steps_per_call',
+                       'clients_per_chunk', 'client_cache_mb',
+                       'prefetch_clients',
                        'num_devices', 'coordinator_address', 'num_processes',
                        'process_id', 'distributed_timeout', 'progress')
 
@@ -233,6 +238,15 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.round_engine not in ('auto', 'loop', 'vmap'):
     raise ConfigError(f'--round_engine={config.round_engine!r}: allowed '
                       'values are auto, loop, vmap.')
+  config = dataclasses.replace(
+      config, clients_per_chunk=parse_clients_per_chunk(
+          config.clients_per_chunk))
+  if isinstance(config.client_cache_mb, bool) or \
+      not isinstance(config.client_cache_mb, numbers.Integral) or \
+      config.client_cache_mb < 0:
+    raise ConfigError(f'--client_cache_mb={config.client_cache_mb}: must be an '
+                      'integer >= 0 (MiB of decoded client data kept across '
+                      'rounds; 0 = off).')
   if config.num_devices is not None and config.num_devices < 1:
     raise ConfigError(f'--num_devices={config.num_devices}: must be >= 1 (or '
                       'unset for all local devices).')
@@ -276,6 +290,26 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   return config
 
 
+def parse_clients_per_chunk(value: Any) -> int | str:
+  """``--clients_per_chunk`` as ``'auto'`` or an int >= 0.
+
+  Raises:
+    ConfigError: anything else (one line naming the value).
+  """
+  if isinstance(value, str):
+    text = value.strip()
+    if text == 'auto':
+      return 'auto'
+    if text.isdigit():
+      return int(text)
+  elif isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+      and value >= 0:
+    return int(value)
+  raise ConfigError(f"--clients_per_chunk={value}: must be 'auto' or an "
+                    'integer >= 0 (clients per device in one compiled '
+                    'program of the vmap engine; 0 = the whole cohort).')
+
+
 def _not_applicable(name: str, config: RunConfig) -> Optional[str]:
   """Why run-level setting ``name`` has no effect on ``config``, or None."""
   tasks = TASK_FIELDS.get(name)
@@ -298,6 +332,10 @@ def _not_applicable(name: str, config: RunConfig) -> Optional[str]:
     return 'applies to --server_optimizer=adam, adagrad or yogi, not sgd'
   if name == 'steps_per_call' and config.round_engine == 'vmap':
     return 'applies to --round_engine=loop (or auto on CPU), not vmap'
+  if name == 'clients_per_chunk' and config.round_engine == 'loop' and \
+      config.algorithm not in ('splitfed', 'fedlite'):
+    return ('applies to --round_engine=vmap (or auto on GPU/TPU) and split '
+            'learning, not the loop engine')
   if name in ('coordinator_address', 'distributed_timeout') and \
       config.num_processes == 1:
     return 'applies to multi-host runs (--num_processes > 1)'

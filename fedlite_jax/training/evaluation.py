@@ -12,6 +12,7 @@ import math
 from typing import Any, Mapping, Optional
 
 import fedjax
+import jax
 import numpy as np
 
 
@@ -20,9 +21,11 @@ def eval_batches(test_fd: fedjax.FederatedData, batch_size: int,
   """Padded batches over the pooled examples of the test clients.
 
   Pools the examples of all test clients (or ``num_clients`` of them, chosen
-  once with ``seed``) with ``fedjax.padded_batch_client_datasets``, so all
-  batches but the last are full and share one compiled shape. Computed once
-  per run and reused at every evaluation.
+  once with ``seed``) with ``fedjax.padded_batch_client_datasets`` (every
+  batch ``batch_size`` rows, the last one masked), so one compiled program
+  serves them all. Computed and put on the device once per run, reused at
+  every evaluation (``fedjax.evaluate_model`` accumulates the metrics on
+  the device, one jitted call per batch).
 
   Raises:
     ValueError: if the test split has no clients.
@@ -35,8 +38,9 @@ def eval_batches(test_fd: fedjax.FederatedData, batch_size: int,
     ids = [ids[i] for i in sorted(rng.choice(len(ids), num_clients,
                                              replace=False))]
   datasets = [cds for _, cds in test_fd.get_clients(ids)]
-  return list(fedjax.padded_batch_client_datasets(datasets,
-                                                  batch_size=batch_size))
+  # On the device once per run: every evaluation reuses the same arrays.
+  return jax.device_put(list(fedjax.padded_batch_client_datasets(
+      datasets, batch_size=batch_size)))
 
 
 def evaluate(model: fedjax.Model, params: Any,

@@ -50,17 +50,24 @@ from fedlite_jax import checkpoint
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import data_path
 from fedlite_jax.training import evaluation
 from fedlite_jax.training import init_params
 from fedlite_jax.training import outputs
 from fedlite_jax.training import registry
 from fedlite_jax.training import tasks
 from fedlite_jax.rounds import default_engine_name
+from fedlite_jax.rounds import engine as engine_lib
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 
 RunConfig = config_lib.RunConfig
 ConfigError = config_lib.ConfigError
+
+#: Engine counts each metrics.jsonl row carries for the rounds it covers
+#: (``fedlite_jax.rounds.recording_stats``): useful local steps, steps
+#: executed (masked steps included), compiled-program runs.
+ROW_COUNTS = ('client_steps', 'padded_steps', 'chunks')
 
 
 def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
@@ -342,8 +349,12 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
            'download_bytes': comm['total_download_bytes']}
     writer.write(row)
     rows.append(row)
-  sampler = fedjax.client_samplers.UniformGetClientSampler(
-      train_fd, config.clients_per_round, config.seed, start_round)
+  source = train_fd
+  if config.client_cache_mb:
+    source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)
+  cohorts = data_path.CohortPrefetcher(
+      source, config.clients_per_round, config.seed,
+      prefetch=config.prefetch_clients)
   cap = config.max_examples_per_client
   engine = config.round_engine
   if engine == 'auto':
@@ -352,46 +363,66 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
                    if 'seconds_per_round' in r]
   recent = []
   skipped = []  # Clients skipped as non-finite, per round since the last row.
+  # Since the last row: host seconds waiting for data, training seconds, and
+  # the engine's step counts.
+  pending = dict.fromkeys(('data_seconds', 'train_seconds') + ROW_COUNTS, 0)
   bar = tqdm.tqdm(range(start_round, config.num_rounds), initial=start_round,
                   total=config.num_rounds,
                   disable=not config.progress or jax.process_index() != 0,
                   desc=f'{config.task}/{config.algorithm}', unit='round')
   try:
-    for r in bar:
-      clients = [(cid, cds[:cap] if cap and len(cds) > cap else cds,
-                  client_rng(config.seed, r, cid))
-                 for cid, cds, _ in sampler.sample()]
-      t0 = time.perf_counter()
-      state, diagnostics = algorithm.apply(state, clients)
-      jax.block_until_ready(state)
-      recent.append(time.perf_counter() - t0)
-      skipped.append(ledger.record_round(r, diagnostics)['skipped_clients'])
-      done = r + 1
-      if done % config.eval_every == 0 or done == config.num_rounds:
-        metrics = evaluation.evaluate(model, spec.eval_params(state), batches)
-        comm = ledger.summary()
-        row = {'round': done, **metrics,
-               'upload_bytes': comm['total_upload_bytes'],
-               'download_bytes': comm['total_download_bytes'],
-               'seconds_per_round': float(np.mean(recent)),
-               'skipped_clients': int(sum(skipped))}
-        if any(skipped):
-          row['skipped_clients_by_round'] = {
-              str(done - len(skipped) + 1 + i): n
-              for i, n in enumerate(skipped) if n}
-        round_seconds.append(row['seconds_per_round'])
-        recent = []
-        skipped = []
-        writer.write(row)
-        rows.append(row)
-        bar.set_postfix({task.metric: f'{metrics.get(task.metric, float("nan")):.4f}'})
-      if (config.checkpoint_every and done % config.checkpoint_every == 0) or \
-          done == config.num_rounds:
-        csv.flush()  # The CSV rows of the checkpointed rounds are on disk.
-        checkpoint.save_checkpoint(
-            ckpt_dir, done, {'server': state, 'ledger': ledger.state_dict()},
-            fingerprint, params=spec.eval_params(state))
+    with engine_lib.recording_stats() as recorder:
+      for r in bar:
+        t_data = time.perf_counter()
+        sampled = cohorts.get(
+            r, next_round=r + 1 if r + 1 < config.num_rounds else -1)
+        clients = [(cid, cds[:cap] if cap and len(cds) > cap else cds,
+                    client_rng(config.seed, r, cid))
+                   for cid, cds, _ in sampled]
+        t0 = time.perf_counter()
+        state, diagnostics = algorithm.apply(state, clients)
+        jax.block_until_ready(state)
+        recent.append(time.perf_counter() - t0)
+        pending['data_seconds'] += t0 - t_data
+        pending['train_seconds'] += recent[-1]
+        counts = recorder.take()
+        for k in ROW_COUNTS:
+          pending[k] += counts[k]
+        skipped.append(ledger.record_round(r, diagnostics)['skipped_clients'])
+        done = r + 1
+        if done % config.eval_every == 0 or done == config.num_rounds:
+          t_eval = time.perf_counter()
+          metrics = evaluation.evaluate(model, spec.eval_params(state),
+                                        batches)
+          comm = ledger.summary()
+          row = {'round': done, **metrics,
+                 'upload_bytes': comm['total_upload_bytes'],
+                 'download_bytes': comm['total_download_bytes'],
+                 'seconds_per_round': float(np.mean(recent)),
+                 'skipped_clients': int(sum(skipped)),
+                 **pending,
+                 'eval_seconds': time.perf_counter() - t_eval}
+          if any(skipped):
+            row['skipped_clients_by_round'] = {
+                str(done - len(skipped) + 1 + i): n
+                for i, n in enumerate(skipped) if n}
+          round_seconds.append(row['seconds_per_round'])
+          recent = []
+          skipped = []
+          pending = dict.fromkeys(pending, 0)
+          writer.write(row)
+          rows.append(row)
+          bar.set_postfix({task.metric:
+                           f'{metrics.get(task.metric, float("nan")):.4f}'})
+        if (config.checkpoint_every and
+            done % config.checkpoint_every == 0) or done == config.num_rounds:
+          csv.flush()  # The CSV rows of the checkpointed rounds are on disk.
+          checkpoint.save_checkpoint(
+              ckpt_dir, done, {'server': state, 'ledger': ledger.state_dict()},
+              fingerprint, params=spec.eval_params(state))
+      engine_stats = recorder.totals()
   finally:
+    cohorts.close()
     bar.close()
     writer.close()
     csv.close()
@@ -401,7 +432,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
   final_eval = {k: v for k, v in final_eval.items()
                 if k not in ('round', 'upload_bytes', 'download_bytes',
                              'seconds_per_round', 'skipped_clients',
-                             'skipped_clients_by_round')}
+                             'skipped_clients_by_round', 'eval_seconds',
+                             'data_seconds', 'train_seconds') + ROW_COUNTS}
   communication = ledger.summary()
   if spec.communication_summary is not None:
     communication.update(spec.communication_summary(ledger.extra_bits))
@@ -413,6 +445,11 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       'communication': communication,
       'seconds_per_round': float(np.mean(round_seconds)) if round_seconds else None,
       'round_engine': engine,
+      # Counts over every round (rows of earlier runs of a resumed one too).
+      'engine': {'name': engine_stats['name'],
+                 'clients_per_chunk': engine_stats['clients_per_chunk'],
+                 **{k: int(sum(r.get(k, 0) for r in rows))
+                    for k in ROW_COUNTS}},
       'data': info.description,
       'synthetic_partition': info.synthetic_partition,
       'model': {'cut_layer': split_model.cut_layer,

@@ -1,0 +1,188 @@
+"""The runner's host data path: decoded clients kept across rounds, the next
+round's cohort loaded while the current one trains.
+
+* :class:`ClientCache`: each client is read and decoded (SQLite row, zlib,
+  msgpack, client preprocessing) once and kept, least recently used beyond
+  a byte budget. A ``FederatedData`` as far as FedJAX's
+  ``UniformGetClientSampler`` needs one (``client_ids``, ``get_clients``).
+* :class:`CohortPrefetcher`: the cohort of round ``r`` is FedJAX's
+  ``UniformGetClientSampler(fd, n, seed, r).sample()`` (stateless in ``r``),
+  so round ``r + 1``'s can be loaded in a background thread while round
+  ``r`` computes; results do not change.
+
+SQLite connections belong to the thread that opened them; for FedJAX's
+``SQLiteFederatedData`` the background thread opens its own connection to
+the same file (same parsing and preprocessing). Any other source that
+refuses use from another thread is loaded on the training thread instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import sqlite3
+import threading
+from typing import Any, Iterable, Iterator, Optional
+
+from absl import logging
+import fedjax
+import numpy as np
+
+ClientId = bytes
+
+
+def dataset_bytes(dataset: fedjax.ClientDataset) -> int:
+  """Bytes of a client's decoded examples (its arrays)."""
+  return int(sum(np.asarray(v).nbytes for v in dataset.raw_examples.values()))
+
+
+def _thread_reader(fd: Any) -> Any:
+  """A view of ``fd`` usable from the calling thread: FedJAX's SQLite data
+  gets its own connection to the same file; other sources are returned as
+  they are."""
+  if not isinstance(fd, fedjax.SQLiteFederatedData):
+    return fd
+  # pylint: disable=protected-access
+  rows = fd._connection.execute('PRAGMA database_list').fetchall()
+  path = next(r[2] for r in rows if r[1] == 'main')
+  return fedjax.SQLiteFederatedData(
+      sqlite3.connect(path), fd._parse_examples, fd._start, fd._stop,
+      fd._preprocess_client, fd._preprocess_batch)
+
+
+class ClientCache:
+  """Decoded client datasets kept across rounds within a byte budget (LRU).
+
+  Args:
+    fd: the training ``FederatedData``.
+    budget_bytes: most bytes of decoded examples kept (0: keep none).
+
+  Thread-safe: several threads may call :meth:`get_clients`.
+  """
+
+  def __init__(self, fd: Any, budget_bytes: int):
+    if budget_bytes < 0:
+      raise ValueError(f'budget_bytes must be >= 0; got {budget_bytes}.')
+    self._fd = fd
+    self._budget = int(budget_bytes)
+    self._entries: collections.OrderedDict[ClientId, tuple[Any, int]] = (
+        collections.OrderedDict())
+    self._bytes = 0
+    self._lock = threading.Lock()
+    self._local = threading.local()
+    self._owner = threading.get_ident()
+    self.hits = 0
+    self.misses = 0
+
+  @property
+  def cached_bytes(self) -> int:
+    return self._bytes
+
+  def __contains__(self, client_id: ClientId) -> bool:
+    with self._lock:
+      return client_id in self._entries
+
+  def client_ids(self) -> Iterator[ClientId]:
+    return self._fd.client_ids()
+
+  def _reader(self) -> Any:
+    if threading.get_ident() == self._owner:
+      return self._fd
+    if not hasattr(self._local, 'fd'):
+      self._local.fd = _thread_reader(self._fd)
+    return self._local.fd
+
+  def get_clients(self, client_ids: Iterable[ClientId]
+                  ) -> Iterator[tuple[ClientId, fedjax.ClientDataset]]:
+    """``(client_id, dataset)`` in the order asked, decoded at most once
+    while the client stays within the budget."""
+    client_ids = list(client_ids)
+    with self._lock:
+      missing = [c for c in client_ids if c not in self._entries]
+    fetched = dict(self._reader().get_clients(missing)) if missing else {}
+    out = []
+    with self._lock:
+      for c in client_ids:
+        if c in fetched:
+          self.misses += 1
+          dataset = fetched[c]
+          if c not in self._entries:
+            size = dataset_bytes(dataset)
+            if size <= self._budget:
+              self._entries[c] = (dataset, size)
+              self._bytes += size
+        else:
+          self.hits += 1
+          dataset = self._entries[c][0]
+          self._entries.move_to_end(c)
+        out.append((c, dataset))
+      while self._bytes > self._budget and self._entries:
+        _, (_, size) = self._entries.popitem(last=False)
+        self._bytes -= size
+    return iter(out)
+
+
+class CohortPrefetcher:
+  """Each round's sampled cohort, the next one loaded in the background.
+
+  Args:
+    fd: the training ``FederatedData`` (or a :class:`ClientCache`).
+    clients_per_round: cohort size.
+    seed: the sampler seed (``UniformGetClientSampler``).
+    prefetch: load round ``r + 1`` in a background thread after handing out
+      round ``r``.
+
+  ``get(r)`` returns FedJAX's ``[(client_id, dataset, rng)]`` for round
+  ``r``, exactly as ``UniformGetClientSampler(fd, n, seed, r).sample()``.
+  """
+
+  def __init__(self, fd: Any, clients_per_round: int, seed: int,
+               prefetch: bool = True):
+    self._fd = fd
+    self._n = clients_per_round
+    self._seed = seed
+    self._prefetch = prefetch
+    self._pool = (concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix='cohort') if prefetch else None)
+    self._pending: Optional[tuple[int, concurrent.futures.Future]] = None
+
+  def _load(self, round_num: int) -> list[tuple[ClientId, Any, Any]]:
+    return fedjax.client_samplers.UniformGetClientSampler(
+        self._fd, self._n, self._seed, round_num).sample()
+
+  def get(self, round_num: int, next_round: Optional[int] = None
+          ) -> list[tuple[ClientId, Any, Any]]:
+    """The cohort of ``round_num``; starts loading ``next_round`` (None:
+    ``round_num + 1``; -1: none)."""
+    cohort = None
+    if self._pending is not None:
+      r, future = self._pending
+      self._pending = None
+      if r == round_num:
+        try:
+          cohort = future.result()
+        except (sqlite3.ProgrammingError, RuntimeError) as e:
+          logging.warning('Loading clients in the background failed (%s); '
+                          'loading them on the training thread from now on.',
+                          e)
+          self.close()
+      else:
+        future.cancel()
+    if cohort is None:
+      cohort = self._load(round_num)
+    upcoming = round_num + 1 if next_round is None else next_round
+    if self._pool is not None and upcoming >= 0:
+      self._pending = (upcoming, self._pool.submit(self._load, upcoming))
+    return cohort
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=True, cancel_futures=True)
+      self._pool = None
+    self._pending = None
+
+  def __enter__(self) -> 'CohortPrefetcher':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
