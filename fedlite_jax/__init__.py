@@ -2,11 +2,29 @@
 
 Importing this package first applies :mod:`fedlite_jax.compat`, which makes
 FedJAX 0.0.17 run on current JAX and NumPy; import ``fedlite_jax`` before (or
-instead of) ``fedjax``.
+instead of) ``fedjax``. The subpackages (``fedlite_jax.datasets``,
+``.transforms``, ``.algorithms``, ``.rounds``, ``.models``, ``.training``,
+...) are imported on first attribute access.
 """
+
+import importlib
 
 from fedlite_jax import compat as _compat
 
 _compat.apply()
 
 __version__ = '0.1.0'
+
+_SUBPACKAGES = ('algorithms', 'checkpoint', 'comm', 'datasets', 'fedlite',
+                'igc', 'models', 'quantization', 'rounds', 'training',
+                'transforms')
+
+
+def __getattr__(name: str):
+  if name in _SUBPACKAGES:
+    return importlib.import_module(f'{__name__}.{name}')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__():
+  return sorted(list(globals()) + list(_SUBPACKAGES))

@@ -333,3 +333,26 @@ def test_register_adds_a_users_algorithm_and_refuses_clashes(monkeypatch):
   assert 'other' not in registry.algorithms()
   with pytest.raises(ValueError, match="allowed values are fedavg, "):
     registry.get('nope')
+
+
+def test_subpackages_reachable_from_the_top_level_import():
+  """``import fedlite_jax`` then ``fedlite_jax.datasets.load_federated_data``
+  (the README's spelling), as jax / flax / optax allow; lazily, in a fresh
+  interpreter so no other test has imported the subpackages yet."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ('import sys, fedlite_jax; '
+          'assert "fedlite_jax.training" not in sys.modules; '
+          'print(fedlite_jax.datasets.load_federated_data.__name__, '
+          'fedlite_jax.transforms.top_k.__name__, '
+          'fedlite_jax.algorithms.federated_averaging.__name__, '
+          'fedlite_jax.rounds.make_engine.__name__, '
+          'fedlite_jax.models.create_emnist_cnn.__name__, '
+          'fedlite_jax.training.run.__name__); '
+          'fedlite_jax.no_such_thing')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                        text=True, check=False)
+  assert proc.stdout.split() == ['load_federated_data', 'top_k',
+                                 'federated_averaging', 'make_engine',
+                                 'create_emnist_cnn', 'run']
+  assert "has no attribute 'no_such_thing'" in proc.stderr
