@@ -266,6 +266,16 @@ ROWS = [
      '--clients_per_chunk applies to --round_engine=vmap'),
     ('client_cache_negative', EMB + ['--client_cache_mb=-1'],
      '--client_cache_mb'),
+    # --validate_only builds the chains, so it rejects what a run rejects.
+    ('validate_only_unknown_stage', EMB + ['--validate_only',
+                                           '--upload=bogus:3'],
+     "--upload=bogus:3: bad compression stage 'bogus:3'"),
+    ('validate_only_33_bits', EMB + ['--validate_only',
+                                     '--upload=uniform_quantization:33'],
+     'bits must be in [1, 32]'),
+    ('validate_only_bad_download', EMB + ['--validate_only',
+                                          '--download=top_k:0'],
+     '--download=top_k:0'),
     # Caught after the data is loaded (the model fixes d and the batch).
     ('centroids_over_subvectors', EMB + [
         '--algorithm=fedlite', '--num_subvectors=4', '--num_groups=2',

@@ -241,6 +241,25 @@ def compression_from_options(options) -> fedopt.Compression:
                                pvt_fraction=float(fraction))
 
 
+def check_options(options) -> None:
+  """Builds the compression that ``options`` describe, without data, so that
+  a flag check (``--validate_only``) rejects what a run would.
+
+  Raises:
+    ConfigError: as :func:`compression_from_options` (when ``options`` hold
+      all of :data:`COMPRESSION_OPTIONS`) or :func:`stages_from_option`.
+  """
+  names = set(options)
+  if {o.name for o in COMPRESSION_OPTIONS} <= names:
+    compression_from_options(options)
+    return
+  for option in (UPLOAD, DOWNLOAD):
+    if option.name in names:
+      stages_from_option(options, option,
+                         generator=options.get(QUANTIZER_RNG.name,
+                                               QUANTIZER_RNG.default))
+
+
 def local_steps(options) -> int:
   """``--local_steps`` for the one-step algorithms (0 means 1)."""
   return int(options['local_steps']) or 1

@@ -21,6 +21,7 @@ import os
 from typing import Any, Iterable, Mapping, Optional
 
 from fedlite_jax.models import lm
+from fedlite_jax.training import compression_options
 from fedlite_jax.training import registry
 from fedlite_jax.training import spec
 
@@ -287,6 +288,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
     raise ConfigError(f'--init_checkpoint={config.init_checkpoint}: no such '
                       'file.')
   check_explicit(config, explicit)
+  compression_options.check_options(config.options)
   return config
 
 
