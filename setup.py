@@ -31,6 +31,7 @@ EXTRAS_REQUIRE = {
         'nbclient>=0.10',
         'nbformat>=5.10',
         'ipykernel>=6.29',
+        'ruff>=0.6',  # .ci/run: ruff check (pyproject.toml).
     ],
     'notebooks': ['jupyter>=1.0', 'ipykernel>=6.29'],
     # Benchmarks only (benchmarks/bench_pq.py's faiss columns; skipped with a

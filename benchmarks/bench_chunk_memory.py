@@ -27,7 +27,6 @@ import argparse
 import json
 import pathlib
 import platform
-import resource
 import shlex
 import subprocess
 import sys

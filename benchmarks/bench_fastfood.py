@@ -215,10 +215,11 @@ def bench_time(sizes: list[int], d: int, repeats: int,
       got = np.asarray(got)
       assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max(), D
     for op, fj, fr in (
-        ('project', lambda: ff.fastfood_project(p, g),
-         lambda: ref_project(pn, g_np, fwht_fn, work)),
-        ('lift', lambda: ff.fastfood_lift(p, s),
-         lambda: ref_lift(pn, s_np, fwht_fn))):
+        ('project', lambda p=p, g=g: ff.fastfood_project(p, g),
+         lambda pn=pn, g_np=g_np, work=work: ref_project(pn, g_np, fwht_fn,
+                                                         work)),
+        ('lift', lambda p=p, s=s: ff.fastfood_lift(p, s),
+         lambda pn=pn, s_np=s_np: ref_lift(pn, s_np, fwht_fn))):
       res = bench_fwht.interleaved_ms({'jax': fj, 'ref': fr}, repeats)
       tj, tr = res['jax'][0], res['ref'][0]
       print(f'{D:>12,} {"2^" + str(L.bit_length() - 1):>6} {op:>8} '

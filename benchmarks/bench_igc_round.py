@@ -40,7 +40,6 @@ import time
 import fedlite_jax  # noqa: F401  (before fedjax)
 import fedjax
 import jax
-import numpy as np
 import optax
 
 from fedlite_jax import datasets

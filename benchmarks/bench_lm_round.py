@@ -40,7 +40,6 @@ from typing import Any, Callable
 import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 import fedjax
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

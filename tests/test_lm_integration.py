@@ -13,9 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedlite_jax.algorithms import fedopt
 from fedlite_jax.comm import CommLedger
-from fedlite_jax.training import algo_lm
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import lm_tasks
 from fedlite_jax.training import registry

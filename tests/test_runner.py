@@ -40,6 +40,7 @@ def test_outputs_and_summary(tmp_path):
               'seconds_per_round'):
     assert key in rows[-1]
   saved = json.loads((out / 'summary.json').read_text())
+  assert saved['final_eval'] == summary['final_eval']
   assert saved['final_eval']['accuracy'] == pytest.approx(rows[-1]['accuracy'])
   comm = saved['communication']
   n = 1_199_882  # EMNIST CNN with 10 classes: 18,816 + 9216*128+128 + 128*10+10

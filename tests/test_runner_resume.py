@@ -9,7 +9,6 @@ communication.csv equal those of an uninterrupted run.
 
 import json
 import os
-import pathlib
 import random
 import signal
 import subprocess

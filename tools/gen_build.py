@@ -5,7 +5,6 @@ fails while BUILD is out of date. New subpackages need an entry in pkgs.
 """
 import pathlib
 import subprocess
-import sys
 
 # Files in git's index (tracked or staged): `git add` new modules first.
 _INDEX = set(subprocess.run(['git', 'ls-files'], capture_output=True, text=True,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Optional, TextIO
+from typing import Any, Mapping, Optional, TextIO
 
 BITS_PER_BYTE = 8
 FLOAT_BITS = 32

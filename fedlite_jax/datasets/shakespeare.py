@@ -32,11 +32,9 @@ import fedjax
 from fedjax.datasets import shakespeare as fedjax_shakespeare
 import numpy as np
 
-from fedlite_jax.datasets import info as info_lib
 from fedlite_jax.datasets import locate
 from fedlite_jax.datasets import schema
 from fedlite_jax.datasets import sources
-from fedlite_jax.datasets import vocab as vocab_lib
 from fedlite_jax.datasets import word_pipeline
 
 SPLITS = ('train', 'test')

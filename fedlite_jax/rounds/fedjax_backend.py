@@ -56,7 +56,7 @@ it. Counts (clients, useful and executed local steps, program runs) go to
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import fedjax
 import jax
