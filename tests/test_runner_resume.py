@@ -3,7 +3,7 @@
 The binary ``experiments/run_experiment.py`` is SIGKILLed at chosen moments
 (a driver makes the process kill itself there, so nothing of Python's
 cleanup runs) and at a random one; the same command then completes, and
-its final parameters, metrics.jsonl (all but seconds_per_round) and
+its final parameters, metrics.jsonl (all but the timings) and
 communication.csv equal those of an uninterrupted run.
 """
 
@@ -24,6 +24,7 @@ from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import outputs
+from fedlite_jax.training import runner
 from fedlite_jax.training import run
 from fedlite_jax.training import tasks
 
@@ -116,7 +117,7 @@ def _final_leaves(out_dir):
 
 def _metrics(out_dir):
   return [{k: v for k, v in json.loads(line).items()
-           if k != 'seconds_per_round'}
+           if k not in runner.ROW_TIMINGS}
           for line in (out_dir / 'metrics.jsonl').read_text().splitlines()]
 
 

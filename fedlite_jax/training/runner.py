@@ -68,6 +68,11 @@ ConfigError = config_lib.ConfigError
 #: (``fedlite_jax.rounds.recording_stats``): useful local steps, steps
 #: executed (masked steps included), compiled-program runs.
 ROW_COUNTS = ('client_steps', 'padded_steps', 'chunks')
+#: Wall-clock fields of a metrics.jsonl row (they differ between identical
+#: runs): mean training seconds per round, and the seconds its rounds spent
+#: waiting for client data, training and evaluating.
+ROW_TIMINGS = ('seconds_per_round', 'data_seconds', 'train_seconds',
+               'eval_seconds')
 
 
 def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
@@ -432,8 +437,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
   final_eval = {k: v for k, v in final_eval.items()
                 if k not in ('round', 'upload_bytes', 'download_bytes',
                              'seconds_per_round', 'skipped_clients',
-                             'skipped_clients_by_round', 'eval_seconds',
-                             'data_seconds', 'train_seconds') + ROW_COUNTS}
+                             'skipped_clients_by_round') + ROW_TIMINGS +
+                ROW_COUNTS}
   communication = ledger.summary()
   if spec.communication_summary is not None:
     communication.update(spec.communication_summary(ledger.extra_bits))
