@@ -31,9 +31,11 @@ import numpy as np
 ClientId = bytes
 
 
-def dataset_bytes(dataset: fedjax.ClientDataset) -> int:
-  """Bytes of a client's decoded examples (its arrays)."""
-  return int(sum(np.asarray(v).nbytes for v in dataset.raw_examples.values()))
+def dataset_bytes(dataset: Any) -> int:
+  """Bytes of a client's decoded examples (its arrays); 0 for a stand-in
+  without examples (another process's client, ``RemoteClientDataset``)."""
+  examples = getattr(dataset, 'raw_examples', None) or {}
+  return int(sum(np.asarray(v).nbytes for v in examples.values()))
 
 
 def _thread_reader(fd: Any) -> Any:
