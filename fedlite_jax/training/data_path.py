@@ -59,7 +59,10 @@ class ClientCache:
     fd: the training ``FederatedData``.
     budget_bytes: most bytes of decoded examples kept (0: keep none).
 
-  Thread-safe: several threads may call :meth:`get_clients`.
+  Thread-safe: several threads may call :meth:`get_clients`. Other
+  attributes are the wrapped data's. Several processes: wrap the cache (not
+  the other way round) in ``rounds.remote.PartitionedFederatedData``, which
+  decides locality by cohort position.
   """
 
   def __init__(self, fd: Any, budget_bytes: int):
@@ -75,6 +78,12 @@ class ClientCache:
     self._owner = threading.get_ident()
     self.hits = 0
     self.misses = 0
+
+  def __getattr__(self, name: str) -> Any:
+    # Everything else (client_sizes, num_clients, ...) is the wrapped data's.
+    if name.startswith('_'):
+      raise AttributeError(name)
+    return getattr(self._fd, name)
 
   @property
   def cached_bytes(self) -> int:

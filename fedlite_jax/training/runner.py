@@ -284,6 +284,11 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
 
   train_fd, test_fd, info = task.load_data(config)
   num_train_clients = train_fd.num_clients()
+  # What the sampler reads: decoded clients kept across rounds (inside the
+  # multi-process partition, which decides by cohort position).
+  source = train_fd
+  if config.client_cache_mb:
+    source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)
   if config.clients_per_round > num_train_clients:
     raise ConfigError(
         f'--clients_per_round={config.clients_per_round} exceeds the '
@@ -297,6 +302,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     # Each process loads only the sampled clients it runs.
     train_fd = remote.PartitionedFederatedData(train_fd, mesh.is_local,
                                                mesh.owner)
+    source = remote.PartitionedFederatedData(source, mesh.is_local,
+                                             mesh.owner)
   split_model = task.build_model(config, info)
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
@@ -354,9 +361,6 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
            'download_bytes': comm['total_download_bytes']}
     writer.write(row)
     rows.append(row)
-  source = train_fd
-  if config.client_cache_mb:
-    source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)
   cohorts = data_path.CohortPrefetcher(
       source, config.clients_per_round, config.seed,
       prefetch=config.prefetch_clients)
