@@ -1,0 +1,84 @@
+"""Seed statistics for the results files: mean ± std and paired sign tests.
+
+A claim in ``experiments/results/`` rests on several seeds (same seed = same
+initialisation and cohorts across the compared configurations). Each run is
+summarised by the mean of its last evaluations (``tail_mean``), the seeds by
+mean and sample standard deviation (``summarize``), and a comparison of two
+configurations by the per-seed differences and how many of them share the
+sign of their mean (``paired``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+#: Evaluations averaged per run (the mean of the last 3, not the last one).
+TAIL = 3
+
+
+def tail_mean(curve: Sequence[Mapping[str, float]], key: str,
+              k: int = TAIL) -> float:
+  """Mean of ``key`` over the last ``k`` rows of ``curve`` that have it.
+
+  Raises:
+    ValueError: no row of ``curve`` has ``key``, or ``k < 1``.
+  """
+  if k < 1:
+    raise ValueError(f'k={k}: the number of evaluations must be >= 1.')
+  values = [float(r[key]) for r in curve if key in r]
+  if not values:
+    raise ValueError(f'no evaluation row has {key!r}; rows have '
+                     f'{sorted(curve[0]) if curve else "nothing"}.')
+  tail = values[-k:]
+  return sum(tail) / len(tail)
+
+
+def summarize(values: Sequence[float]) -> dict:
+  """``{'n', 'mean', 'std', 'values'}``; ``std`` is the sample standard
+  deviation (ddof = 1), 0.0 for one value.
+
+  Raises:
+    ValueError: ``values`` is empty or holds a non-finite number.
+  """
+  values = [float(v) for v in values]
+  if not values or not all(math.isfinite(v) for v in values):
+    raise ValueError(f'values={values}: need at least one finite number.')
+  n = len(values)
+  mean = sum(values) / n
+  var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+  return {'n': n, 'mean': mean, 'std': math.sqrt(var), 'values': values}
+
+
+def paired(a: Mapping[int, float], b: Mapping[int, float]) -> dict:
+  """Per-seed ``a - b`` over the seeds both hold.
+
+  Returns:
+    ``{'seeds', 'diffs', 'n', 'mean', 'std', 'agree'}``: ``agree`` counts
+    the differences whose sign equals the sign of their mean (a zero
+    difference agrees with nothing).
+
+  Raises:
+    ValueError: the two share no seed.
+  """
+  seeds = sorted(set(a) & set(b))
+  if not seeds:
+    raise ValueError(f'no common seed: {sorted(a)} vs {sorted(b)}.')
+  diffs = [float(a[s]) - float(b[s]) for s in seeds]
+  s = summarize(diffs)
+  sign = (s['mean'] > 0) - (s['mean'] < 0)
+  agree = sum(((d > 0) - (d < 0)) == sign != 0 for d in diffs)
+  return {'seeds': seeds, 'diffs': diffs, 'n': s['n'], 'mean': s['mean'],
+          'std': s['std'], 'agree': agree}
+
+
+def fmt(summary: Mapping, digits: int = 3, scale: float = 1.0) -> str:
+  """``'0.812 ± 0.010 (3 seeds)'`` of a ``summarize`` result."""
+  return (f'{summary["mean"] * scale:.{digits}f} ± '
+          f'{summary["std"] * scale:.{digits}f} ({summary["n"]} seeds)')
+
+
+def fmt_paired(p: Mapping, digits: int = 3, scale: float = 1.0) -> str:
+  """``'+0.012 ± 0.004, same sign in 3/3 seeds'`` of a ``paired`` result."""
+  return (f'{p["mean"] * scale:+.{digits}f} ± {p["std"] * scale:.{digits}f}, '
+          f'same sign in {p["agree"]}/{p["n"]} seeds')
