@@ -71,33 +71,16 @@ def _flags(name: str, seed: int, iterations: int, eval_every: int,
               f'--output_dir={out}', '--noprogress']
 
 
-def _read(out: pathlib.Path) -> dict | None:
-  """summary + curve of a finished run in ``out``, else None."""
-  summary = out / 'summary.json'
-  if not summary.exists():
-    return None
-  s = json.loads(summary.read_text())
-  if s['rounds'] != FLAGS.iterations:
-    return None
-  curve = [json.loads(line) for line in
-           (out / 'metrics.jsonl').read_text().splitlines() if line]
-  return {'summary': s, 'curve': curve, 'commit': s['code']['commit'],
-          'dirty': s['code']['dirty']}
-
-
 def _train(name: str, seed: int) -> dict:
   rel = f'{FLAGS.runs_dir}/{name}_seed{seed}'
   argv = _flags(name, seed, FLAGS.iterations, FLAGS.eval_every, rel)
-  rec = _read(provenance.REPO / rel)
-  if rec is None:
-    rec = provenance.run_experiment(argv)
+  rec = provenance.run_or_reuse(argv, FLAGS.iterations)
   s = rec['summary']
   curve = [{k: r[k] for k in ('round', 'accuracy', 'loss', 'upload_bytes',
                                'download_bytes') if k in r}
            for r in rec['curve'] if 'accuracy' in r]
   print(f'{name} seed {seed}: {s["final_eval"]}', flush=True)
-  return {'command': provenance.command_line([provenance.RUNNER, *argv]),
-          'commit': rec['commit'], 'dirty': rec['dirty'], 'seed': seed,
+  return {'command': rec['command'], 'commit': rec['commit'], 'dirty': rec['dirty'], 'seed': seed,
           'rounds': s['rounds'], 'curve': curve,
           'accuracy': stats.tail_mean(curve, 'accuracy'),
           'communication': s['communication']}

@@ -134,6 +134,32 @@ def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
   return {**record, 'summary': summary, 'curve': curve}
 
 
+def run_or_reuse(flags: Sequence[str], rounds: int) -> dict[str, Any]:
+  """:func:`run_experiment`, unless its ``--output_dir`` holds a finished run.
+
+  A finished run (``summary.json`` with ``rounds`` rounds) is read back; an
+  unfinished one resumes from its latest checkpoint (the runner's
+  ``--resume``), so a long study can be stopped and restarted.
+
+  Returns:
+    As :func:`run_experiment`; ``commit`` and ``dirty`` are those the run
+    recorded, ``wall_seconds`` None for a reused run.
+  """
+  out = [f for f in flags if f.startswith('--output_dir=')]
+  if out:
+    out_dir = REPO / out[-1].split('=', 1)[1]
+    summary = out_dir / 'summary.json'
+    if summary.exists():
+      s = json.loads(summary.read_text())
+      if s['rounds'] == rounds:
+        curve = [json.loads(line) for line in
+                 (out_dir / 'metrics.jsonl').read_text().splitlines() if line]
+        return {'command': shlex.join(['python', RUNNER, *flags]),
+                'commit': s['code']['commit'], 'dirty': s['code']['dirty'],
+                'wall_seconds': None, 'summary': s, 'curve': curve}
+  return run_experiment(flags)
+
+
 def write_json(path: pathlib.Path, data: Any) -> None:
   """Writes ``data`` as indented JSON (``default=str`` for odd values)."""
   path.write_text(json.dumps(data, indent=1, default=str) + '\n')

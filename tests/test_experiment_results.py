@@ -25,6 +25,8 @@ _RUNNER = 'experiments/run_experiment.py'
 _COMMIT = re.compile(r'`([0-9a-f]{40})`')
 # Results written by the current scripts (experiments/provenance.py).
 _JSON_FILES = ('igc_femnist.json', 'efficient_lm.json', 'fedlite_results.json')
+# Results over seeds (experiments/stats.py): every row aggregates >= 3.
+_SEEDED_FILES = ('fedlite_convergence.json', 'igc_seeds.json')
 # Not regenerated since the scripts record provenance (their .md headers say
 # so and give the command); drop a name once its file is regenerated.
 _NOT_REGENERATED = {'fedlite_results.json'}
@@ -81,9 +83,12 @@ def test_igc_check_run_is_the_first_row_for_fewer_rounds():
   assert int(check['num_rounds']) < data['results'][0]['rounds']
 
 
-def test_igc_check_run_reproduces(data_dir, tmp_path):
+@pytest.mark.parametrize('name', [n for n in _JSON_FILES + _SEEDED_FILES
+                                  if (_RESULTS / n).exists() and
+                                  'check' in _load(n)])
+def test_check_run_reproduces(name, data_dir, tmp_path):
   del data_dir  # Only for the skip: the run reads $FEDLITE_DATA_DIR.
-  check = _load('igc_femnist.json')['check']
+  check = _load(name)['check']
   argv = shlex.split(check['command'])
   argv = [sys.executable] + [
       f'--output_dir={tmp_path / "run"}' if a.startswith('--output_dir=')
@@ -100,3 +105,20 @@ def test_igc_check_run_reproduces(data_dir, tmp_path):
       assert got[key] == pytest.approx(want[key], abs=1e-5, rel=0), key
     for key in ('upload_bytes', 'download_bytes'):
       assert got[key] == want[key], key
+
+
+@pytest.mark.parametrize('name', [n for n in _SEEDED_FILES
+                                  if (_RESULTS / n).exists()])
+def test_seeded_results_rows_have_three_seeds_and_a_compressed_check(name):
+  data = _load(name)
+  for row in data['results']:
+    assert len(row['seeds']) >= 3, (row['label'], row['seeds'])
+    assert sorted(r['seed'] for r in row['runs']) == sorted(row['seeds'])
+    assert row['accuracy']['n'] == len(row['seeds'])
+  flags = _flags(data['check']['command'])
+  algorithm = flags.get('algorithm') or next(
+      line.split('=', 1)[1] for line in
+      (_REPO / flags['flagfile']).read_text().splitlines()
+      if line.startswith('--algorithm='))
+  assert algorithm not in ('splitfed', 'fedavg', 'fedopt'), (
+      f'{name}: the check runs {algorithm}; it must re-run a compressed row')

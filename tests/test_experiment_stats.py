@@ -1,0 +1,51 @@
+"""experiments/stats.py against hand-computed values."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent /
+                       'experiments'))
+import stats  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def test_summarize_is_mean_and_sample_std():
+  s = stats.summarize([1.0, 2.0, 4.0])
+  assert s['n'] == 3 and s['mean'] == pytest.approx(7 / 3)
+  # Sample variance: ((4/3)^2 + (1/3)^2 + (5/3)^2) / 2 = 21/9.
+  assert s['std'] == pytest.approx((21 / 9) ** 0.5)
+  assert stats.summarize([5.0])['std'] == 0.0
+
+
+def test_tail_mean_averages_the_last_evaluations_that_have_the_key():
+  curve = [{'round': 1, 'accuracy': 0.1}, {'round': 2},
+           {'round': 3, 'accuracy': 0.3}, {'round': 4, 'accuracy': 0.5},
+           {'round': 5, 'accuracy': 0.7}]
+  assert stats.tail_mean(curve, 'accuracy') == pytest.approx(0.5)
+  assert stats.tail_mean(curve, 'accuracy', k=1) == pytest.approx(0.7)
+
+
+def test_paired_counts_seeds_agreeing_with_the_mean_sign():
+  p = stats.paired({0: 0.6, 1: 0.5, 2: 0.7, 3: 0.2}, {0: 0.5, 1: 0.55, 2: 0.6})
+  assert p['seeds'] == [0, 1, 2]
+  assert p['diffs'] == pytest.approx([0.1, -0.05, 0.1])
+  assert p['mean'] == pytest.approx(0.05) and p['agree'] == 2
+  assert stats.paired({0: 1.0}, {0: 1.0})['agree'] == 0
+  assert stats.fmt_paired(p, 2, 100) == '+5.00 ± 8.66, same sign in 2/3 seeds'
+
+
+@pytest.mark.parametrize('call, message', [
+    (lambda: stats.summarize([]), 'values=[]'),
+    (lambda: stats.summarize([float('nan')]), 'values=[nan]'),
+    (lambda: stats.tail_mean([{'loss': 1.0}], 'accuracy'), "'accuracy'"),
+    (lambda: stats.tail_mean([{'a': 1.0}], 'a', k=0), 'k=0'),
+    (lambda: stats.paired({0: 1.0}, {1: 1.0}), 'no common seed'),
+])
+def test_bad_input_is_one_clear_line(call, message):
+  with pytest.raises(ValueError, match=message.replace('[', r'\[').replace(
+      ']', r'\]')) as e:
+    call()
+  assert '\n' not in str(e.value)
