@@ -61,8 +61,9 @@ Writing a new transform (a quantizer, a PVT mask, ...): return
 computed from static shapes; put anything a later stage must not alter into
 ``side``; record ``TreeSpec.of(x)`` as ``spec`` if ``decode`` must rebuild
 the input's structure. One :func:`register_stage` call makes it a stage of
-:func:`parse_chain` (and of the runner's ``--upload`` / ``--download``).
-E.g. signs with one float32 scale (mean ``|x|``) per leaf, after top-k:
+:func:`parse_chain` (and of the runner's ``--upload`` / ``--download``); a
+built-in one is one new module plus one such line in ``stages.py``. E.g.
+signs with one float32 scale (mean ``|x|``) per leaf, after top-k:
 
 >>> import jax, jax.numpy as jnp
 >>> from fedlite_jax import transforms as T
