@@ -58,7 +58,8 @@ import time
 from typing import Callable
 
 import fedlite_jax  # noqa: F401  (compat patches before fedjax)
-from fedlite_jax import quantization as q
+from fedlite_jax.transforms import ternary as tg
+from fedlite_jax.transforms import uniform as q
 from fedlite_jax.models import lm
 
 from fedjax.aggregators import compression as fedjax_compression
@@ -79,11 +80,11 @@ def _variants(bits: int) -> dict[str, tuple[Callable, str]]:
       f'fedjax {bits}-bit': (
           lambda x, k: fedjax_compression.uniform_stochastic_quantize(
               x, 2**bits, k), 'uniform'),
-      'terngrad hash': (lambda x, k: q.terngrad_quantize(
+      'terngrad hash': (lambda x, k: tg.terngrad_quantize(
           x, k, generator='hash').values, 'terngrad_clip'),
-      'terngrad hash noclip': (lambda x, k: q.terngrad_quantize(
+      'terngrad hash noclip': (lambda x, k: tg.terngrad_quantize(
           x, k, clip_std=None, generator='hash').values, 'terngrad_noclip'),
-      'terngrad threefry': (lambda x, k: q.terngrad_quantize(
+      'terngrad threefry': (lambda x, k: tg.terngrad_quantize(
           x, k, generator='threefry').values, 'terngrad_clip'),
       'terngrad fedjax': (fedjax_compression.terngrad_quantize,
                           'terngrad_clip'),
@@ -97,7 +98,7 @@ def _tree_variants(bits: int) -> dict[str, tuple[Callable, str]]:
       f'tree fedjax {bits}-bit': (
           lambda t, k: fedjax_compression.uniform_stochastic_quantize_pytree(
               t, 2**bits, k), 'uniform'),
-      'tree terngrad hash': (lambda t, k: q.terngrad_quantize_tree(
+      'tree terngrad hash': (lambda t, k: tg.terngrad_quantize_tree(
           t, k, generator='hash').values, 'terngrad_clip'),
       'tree terngrad fedjax': (fedjax_compression.terngrad_quantize_pytree,
                                'terngrad_clip'),

@@ -16,8 +16,7 @@ _compat.apply()
 __version__ = '0.1.0'
 
 _SUBPACKAGES = ('algorithms', 'checkpoint', 'comm', 'datasets', 'fedlite',
-                'igc', 'models', 'quantization', 'rounds', 'training',
-                'transforms')
+                'igc', 'models', 'rounds', 'training', 'transforms')
 
 
 def __getattr__(name: str):

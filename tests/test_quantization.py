@@ -1,4 +1,5 @@
-"""Tests for fedlite_jax.quantization (uniform k-level, TernGrad, generators).
+"""Tests for the quantizers of fedlite_jax.transforms (uniform k-level, TernGrad,
+generators).
 
 Expectations are computed independently in float64 NumPy from the
 definitions (Suresh et al. 2017, Sec. 2.2; Wen et al. 2017, Sec. 3), and
@@ -38,7 +39,8 @@ from __future__ import annotations
 import math
 
 import fedlite_jax  # noqa: F401  (compat patches before fedjax)
-from fedlite_jax import quantization as q
+from fedlite_jax.transforms import ternary as tg
+from fedlite_jax.transforms import uniform as q
 
 import fedjax  # noqa: F401
 from fedjax.aggregators import compression as fedjax_compression
@@ -225,7 +227,7 @@ def test_uniform_pytree_bits_and_per_leaf_ranges():
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
   assert q.uniform_num_bits(shapes, 3) == 3 * 16 + 128
   out = q.uniform_quantize_tree(tree, jax.random.PRNGKey(0), 8)
-  assert out.num_bits == 256.0
+  assert out.bits == 256.0
   assert jax.tree.structure(out.values) == jax.tree.structure(tree)
   for name in tree:
     assert out.values[name].shape == tree[name].shape
@@ -235,8 +237,8 @@ def test_uniform_pytree_bits_and_per_leaf_ranges():
   w = np.asarray(out.values['w'])
   assert w.min() >= 0 and w.max() <= 11
   single = q.uniform_quantize(tree['w'], jax.random.PRNGKey(0), 8)
-  assert single.num_bits == 8 * 12 + 64
-  assert q.uniform_quantize_tree({}, jax.random.PRNGKey(0), 8).num_bits == 0
+  assert single.bits == 8 * 12 + 64
+  assert q.uniform_quantize_tree({}, jax.random.PRNGKey(0), 8).bits == 0
 
 
 @pytest.mark.parametrize('generator', GENERATORS)
@@ -252,7 +254,7 @@ def test_uniform_constant_layer_unchanged(generator, zero_center):
     for name, x in tree.items():
       assert not np.any(np.isnan(out.values[name]))
       np.testing.assert_array_equal(out.values[name], x)
-    assert out.num_bits == len(tree) * (bits * 21 + (32 if zero_center else 64))
+    assert out.bits == len(tree) * (bits * 21 + (32 if zero_center else 64))
 
 
 def test_uniform_high_bits_float32_identity():
@@ -263,7 +265,7 @@ def test_uniform_high_bits_float32_identity():
     for zero_center in (False, True):
       out = q.uniform_quantize(x, key, bits, zero_center=zero_center)
       np.testing.assert_array_equal(out.values, x)
-      assert out.num_bits == bits * N + (32 if zero_center else 64)
+      assert out.bits == bits * N + (32 if zero_center else 64)
   # Below the threshold it still quantizes: 23 bits moves values by at most
   # one level spacing, and stays within the range.
   out = q.uniform_quantize(x, key, 23).values
@@ -335,15 +337,15 @@ def test_invalid_arguments():
   with pytest.raises(ValueError, match='generator'):
     q.uniform_quantize(x, key, 8, generator='rbg')
   with pytest.raises(ValueError, match='generator'):
-    q.terngrad_quantize(x, key, generator='rbg')
+    tg.terngrad_quantize(x, key, generator='rbg')
   with pytest.raises(ValueError, match='clip_std'):
     q.uniform_quantize(x, key, 8, clip_std=0.0)
   with pytest.raises(ValueError, match='clip_std'):
-    q.terngrad_quantize_tree({'a': x}, key, clip_std=-1.0)
+    tg.terngrad_quantize_tree({'a': x}, key, clip_std=-1.0)
   with pytest.raises(TypeError, match='floating'):
     q.uniform_quantize(jnp.ones((3,), jnp.int32), key, 8)
   with pytest.raises(TypeError, match='floating'):
-    q.terngrad_quantize_tree({'a': jnp.ones((3,), jnp.int32)}, key)
+    tg.terngrad_quantize_tree({'a': jnp.ones((3,), jnp.int32)}, key)
 
 
 def test_jit_vmap_and_typed_keys():
@@ -390,7 +392,7 @@ def test_terngrad_unbiased_values_variance(generator, clip_std):
     assert bound < 30.0
     target = np.clip(x.astype(np.float64), -bound, bound)
   s = np.max(np.abs(target))
-  quantize = jax.jit(lambda k: q.terngrad_quantize(
+  quantize = jax.jit(lambda k: tg.terngrad_quantize(
       x, k, clip_std=clip_std, generator=generator).values)
   draws = np.asarray(jax.vmap(quantize)(_keys(21 if clip_std else 22)))
   assert draws.dtype == np.float32
@@ -417,16 +419,16 @@ def test_terngrad_bits_and_edge_cases():
           'c': jnp.full((5,), -0.3, jnp.float32),
           'e': jnp.zeros((0,), jnp.float32)}
   expected = math.log2(3) * 21 + 3 * 32
-  assert q.terngrad_num_bits(tree) == pytest.approx(expected, rel=1e-15)
+  assert tg.terngrad_num_bits(tree) == pytest.approx(expected, rel=1e-15)
   key = jax.random.PRNGKey(0)
   for clip_std, generator in ((None, 'hash'), (2.5, 'hash'),
                               (2.5, 'threefry')):
-    out = q.terngrad_quantize_tree(tree, key, clip_std=clip_std,
+    out = tg.terngrad_quantize_tree(tree, key, clip_std=clip_std,
                                    generator=generator)
-    assert out.num_bits == pytest.approx(expected, rel=1e-15)
+    assert out.bits == pytest.approx(expected, rel=1e-15)
     jax.tree.map(np.testing.assert_array_equal, out.values, tree)
-  single = q.terngrad_quantize(jnp.arange(5.0), key)
-  assert single.num_bits == pytest.approx(5 * math.log2(3) + 32)
+  single = tg.terngrad_quantize(jnp.arange(5.0), key)
+  assert single.bits == pytest.approx(5 * math.log2(3) + 32)
 
 
 # ------------------------------------------------- FedJAX as an outside check
@@ -450,7 +452,7 @@ def test_fedjax_bits_convention():
   agg = fedjax_compression.terngrad_quantizer(key)
   # (FedJAX accumulates num_bits in float32.)
   assert _fedjax_num_bits(agg, tree) == pytest.approx(
-      q.terngrad_num_bits(tree) + 32 * 2, rel=1e-6)
+      tg.terngrad_num_bits(tree) + 32 * 2, rel=1e-6)
 
 
 @pytest.mark.parametrize('bits', [1, 8])
@@ -477,7 +479,7 @@ def test_fedjax_same_key_threefry_agrees(bits):
       tree, 2**bits, key)
   for name in tree:
     assert np.isclose(ours[name], ref[name], rtol=0, atol=1e-5).mean() >= 0.999
-  tern = np.asarray(q.terngrad_quantize(x, key, generator='threefry').values)
+  tern = np.asarray(tg.terngrad_quantize(x, key, generator='threefry').values)
   tern_ref = np.asarray(_fedjax_terngrad(x, key))
   assert np.isclose(tern, tern_ref, rtol=0, atol=1e-5).mean() >= 0.999
 
@@ -523,7 +525,6 @@ def _previous_uniform(x, key, bits, zero_center, clip_std, generator):
   Two reductions (``jnp.min``, ``jnp.max``), ``t`` clamped to ``[0, k - 1]``
   and a NaN-propagating ``minimum``; the fast form must give the same bits.
   """
-  from fedlite_jax.quantization import rng as rng_lib  # pylint: disable=g-import-not-at-top
   dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   xf = x.astype(dtype)
   lo, hi = jnp.min(xf), jnp.max(xf)
@@ -540,7 +541,7 @@ def _previous_uniform(x, key, bits, zero_center, clip_std, generator):
   scale = levels / jnp.where(span > 0, span, 1).astype(dtype)
   t = jnp.where(xf >= hi, levels, jnp.clip((xf - lo) * scale, 0, levels))
   floor = jnp.floor(t)
-  u = rng_lib.random_uniform(key, x.shape, dtype, generator)
+  u = q.random_uniform(key, x.shape, dtype, generator)
   code = floor + (u < t - floor).astype(dtype)
   step = span / levels
   out = jnp.where(code >= levels, hi,

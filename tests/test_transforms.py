@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlite_jax import quantization
 from fedlite_jax import transforms as tx
 from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.transforms import sketch as sketch_lib
@@ -273,7 +272,7 @@ def test_chain_intrinsic_then_8bit_quantization(K):
   # Stage by stage with the chain's keys: project, quantize, lift.
   k_proj, k_quant = jax.random.split(key)
   m1, _ = proj.encode(x, state[0], k_proj)
-  q = quantization.uniform_quantize_tree(m1.values, k_quant, 8).values
+  q = tx.uniform.uniform_quantize_tree(m1.values, k_quant, 8).values
   np.testing.assert_array_equal(np.asarray(msg.values), np.asarray(q))
   c = np.asarray(m1.values)
   assert np.max(np.abs(np.asarray(q) - c)) <= (c.max() - c.min()) / 255 + 1e-6

@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Optional
 import zlib
 
-from fedlite_jax import quantization
 from fedlite_jax import transforms
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import nonfinite
@@ -113,7 +112,7 @@ PVT_FRACTION = Option(
 QUANTIZER_RNG = Option(
     'quantizer_rng', 'hash',
     'Random numbers for stochastic rounding: hash (fast counter-based) or '
-    'threefry (jax.random.uniform).', choices=quantization.GENERATORS)
+    'threefry (jax.random.uniform).', choices=transforms.uniform.GENERATORS)
 UPLOAD = Option(
     'upload', '',
     'Upload compression as comma-separated stages applied left to right, '
@@ -235,7 +234,7 @@ def compression_from_options(options) -> fedopt.Compression:
         bits, zero_center=zero_center, clip_std=clip or None, generator=rng)
   elif upload is None and quantizer == 'terngrad':
     upload = transforms.terngrad(
-        clip_std=(quantization.DEFAULT_CLIP_STD
+        clip_std=(transforms.ternary.DEFAULT_CLIP_STD
                   if _opt(options, TERNGRAD_CLIP) else None), generator=rng)
   return fedopt.Compression(download=download, upload=upload,
                                pvt_fraction=float(fraction))

@@ -60,7 +60,27 @@ Writing a new transform (a quantizer, a PVT mask, ...): return
 ``Encoded(values, side, value_bits, side_bits, spec)`` with bit counts
 computed from static shapes; put anything a later stage must not alter into
 ``side``; record ``TreeSpec.of(x)`` as ``spec`` if ``decode`` must rebuild
-the input's structure.
+the input's structure. One :func:`register_stage` call makes it a stage of
+:func:`parse_chain` (and of the runner's ``--upload`` / ``--download``); a
+built-in one is one new module plus one such line in ``stages.py``. E.g.
+signs with one float32 scale (mean ``|x|``) per leaf, after top-k:
+
+>>> import jax, jax.numpy as jnp
+>>> from fedlite_jax import transforms as T
+>>> def sign_mean():
+...   def encode(x, state, key):
+...     values = jax.tree.map(lambda v: jnp.sign(v) * jnp.abs(v).mean(), x)
+...     bits = sum(v.size + 32 for v in jax.tree.leaves(x))  # signs + scale
+...     return T.Encoded(values, (), float(bits), 0.0), state
+...   return T.CommTransform(T.no_state, encode, T.decode_values)
+>>> T.register_stage('sign_mean', lambda args, seed, generator: sign_mean())
+>>> t = T.parse_chain('top_k:2,sign_mean')
+>>> x = jnp.array([0.5, -2.0, 0.1, 3.0])
+>>> message, _ = t.encode(x, t.init(x), jax.random.PRNGKey(0))
+>>> message.bits  # 2 signs + one 32-bit scale + 2 indices of log2(4) bits
+38.0
+>>> t.decode(message, t.init(x))[0].tolist()
+[0.0, -2.5, 0.0, 2.5]
 
 Transforms here
 ---------------
@@ -72,17 +92,20 @@ Transforms here
   FetchSGD's ``'none'``), optional sender-side error feedback.
 * :func:`count_sketch`: FetchSGD's count sketch (rows x cols), decode =
   median estimates (+ top-k).
-* :func:`uniform_quantization`, :func:`terngrad`: the quantizers of
-  :mod:`fedlite_jax.quantization`.
+* :func:`uniform_quantization` (:mod:`~fedlite_jax.transforms.uniform`:
+  stochastic k-level quantization, Suresh et al. 2017; Ro et al. 2022) and
+  :func:`terngrad` (:mod:`~fedlite_jax.transforms.ternary`: Wen et al. 2017).
 """
 
 from fedlite_jax.transforms.base import chain
 from fedlite_jax.transforms.base import CommTransform
+from fedlite_jax.transforms.base import decode_values
 from fedlite_jax.transforms.base import dtype_bits
 from fedlite_jax.transforms.base import Encoded
 from fedlite_jax.transforms.base import identity
 from fedlite_jax.transforms.base import init_read_only
 from fedlite_jax.transforms.base import message_bits
+from fedlite_jax.transforms.base import no_state
 from fedlite_jax.transforms.base import state_is_read_only
 from fedlite_jax.transforms.base import TreeSpec
 from fedlite_jax.transforms.intrinsic import index_bits
@@ -95,8 +118,6 @@ from fedlite_jax.transforms.intrinsic import sample_subspace
 from fedlite_jax.transforms.intrinsic import make_subspaces
 from fedlite_jax.transforms.intrinsic import select_subspace
 from fedlite_jax.transforms.intrinsic import subspace_seed
-from fedlite_jax.transforms.quantize import terngrad
-from fedlite_jax.transforms.quantize import uniform_quantization
 from fedlite_jax.transforms.sketch import count_sketch
 from fedlite_jax.transforms.sketch import median_rows
 from fedlite_jax.transforms.sketch import sketch_hashes
@@ -104,11 +125,14 @@ from fedlite_jax.transforms.sketch import sketch_message_bits
 from fedlite_jax.transforms.sketch import sketch_vector
 from fedlite_jax.transforms.sketch import unsketch
 from fedlite_jax.transforms.stages import parse_chain
+from fedlite_jax.transforms.stages import register_stage
 from fedlite_jax.transforms.stages import STAGE_FORMS
+from fedlite_jax.transforms.ternary import terngrad
 from fedlite_jax.transforms.topk import scatter
 from fedlite_jax.transforms.topk import top_k
 from fedlite_jax.transforms.topk import topk_abs
 from fedlite_jax.transforms.topk import topk_message_bits
+from fedlite_jax.transforms.uniform import uniform_quantization
 from fedlite_jax.transforms import pvt
 from fedlite_jax.transforms.product_quantization import product_quantization
 
@@ -120,6 +144,7 @@ __all__ = [
     'TreeSpec',
     'chain',
     'count_sketch',
+    'decode_values',
     'dtype_bits',
     'identity',
     'index_bits',
@@ -132,9 +157,11 @@ __all__ = [
     'make_subspaces',
     'median_rows',
     'message_bits',
+    'no_state',
     'parse_chain',
     'product_quantization',
     'pvt',
+    'register_stage',
     'scatter',
     'select_subspace',
     'sketch_hashes',

@@ -11,7 +11,8 @@ positional arguments, separated by ``:``::
   terngrad
   identity
 
-Stages and their argument forms (:data:`STAGE_FORMS`):
+The stages (:data:`STAGE_FORMS`, each registered once below with
+:func:`register_stage`):
 
 * ``identity`` -- :func:`~fedlite_jax.transforms.identity` (32 bits/float).
 * ``intrinsic_projection:d[:K[:seed]]`` --
@@ -37,23 +38,53 @@ from typing import Callable, Sequence
 
 from fedlite_jax.transforms import base
 from fedlite_jax.transforms import intrinsic
-from fedlite_jax.transforms import quantize
 from fedlite_jax.transforms import sketch
+from fedlite_jax.transforms import ternary
 from fedlite_jax.transforms import topk
+from fedlite_jax.transforms import uniform
 
-__all__ = ['STAGE_FORMS', 'parse_chain']
+__all__ = ['STAGE_FORMS', 'parse_chain', 'register_stage']
 
-STAGE_FORMS = (
-    'identity',
-    'intrinsic_projection:d[:K[:seed]]',
-    'uniform_quantization:bits',
-    'terngrad',
-    'top_k:k[:log2|none]',
-    'count_sketch:rows:cols[:seed]',
-)
-"""The allowed stages with their argument forms (``[...]`` = optional)."""
+Builder = Callable[[Sequence[str], int, str], base.CommTransform]
+"""``build(args, seed, generator) -> CommTransform``: ``args`` are the
+stage's argument strings, ``seed`` and ``generator`` those of
+:func:`parse_chain`."""
 
-_Builder = Callable[[Sequence[str], int, str], base.CommTransform]
+STAGE_FORMS: list[str] = []
+"""The registered stages with their argument forms (``[...]`` = optional),
+in registration order; :func:`register_stage` keeps it up to date."""
+
+# name -> (form, min args, max args, builder)
+_STAGES: dict[str, tuple[str, int, int, Builder]] = {}
+
+
+def register_stage(form: str, build: Builder, *, replace: bool = False) -> None:
+  """Adds the stage ``form`` (e.g. ``'top_k:k[:log2|none]'``) to the vocabulary.
+
+  The name is the text before the first ``:`` or ``[``; every ``:`` is one
+  argument, optional from the first ``[`` on. :func:`parse_chain` checks the
+  argument count and calls ``build(args, seed, generator)``; a
+  ``ValueError`` or ``TypeError`` it raises becomes the bad-stage message.
+
+  Args:
+    form: the stage's name and argument form, as listed in error messages.
+    build: a :data:`Builder`.
+    replace: allow replacing a stage of the same name.
+
+  Raises:
+    ValueError: a duplicate name without ``replace``, or an empty name.
+  """
+  name = form.split('[')[0].split(':')[0].strip()
+  if not name:
+    raise ValueError(f'stage form {form!r} has no name.')
+  if name in _STAGES and not replace:
+    raise ValueError(f'stage {name!r} is already registered '
+                     '(replace=True to replace it).')
+  if name in _STAGES:
+    STAGE_FORMS[STAGE_FORMS.index(_STAGES[name][0])] = form
+  else:
+    STAGE_FORMS.append(form)
+  _STAGES[name] = (form, form.split('[')[0].count(':'), form.count(':'), build)
 
 
 def _int(text: str, name: str) -> int:
@@ -61,11 +92,6 @@ def _int(text: str, name: str) -> int:
     return int(text)
   except ValueError:
     raise ValueError(f'{name} must be an integer, got {text!r}') from None
-
-
-def _identity(args, seed, generator):
-  del args, seed, generator
-  return base.identity()
 
 
 def _intrinsic(args, seed, generator):
@@ -76,23 +102,6 @@ def _intrinsic(args, seed, generator):
   return intrinsic.intrinsic_projection(d, num_subspaces=k, seed=s)
 
 
-def _uniform(args, seed, generator):
-  del seed
-  return quantize.uniform_quantization(_int(args[0], 'bits'),
-                                       generator=generator)
-
-
-def _terngrad(args, seed, generator):
-  del args, seed
-  return quantize.terngrad(generator=generator)
-
-
-def _top_k(args, seed, generator):
-  del seed, generator
-  index_bits = args[1] if len(args) > 1 else 'log2'
-  return topk.top_k(_int(args[0], 'k'), index_bits=index_bits)
-
-
 def _count_sketch(args, seed, generator):
   del generator
   s = _int(args[2], 'seed') if len(args) > 2 else seed
@@ -100,22 +109,23 @@ def _count_sketch(args, seed, generator):
                              seed=s)
 
 
-# name -> (min args, max args, builder)
-_STAGES: dict[str, tuple[int, int, _Builder]] = {
-    'identity': (0, 0, _identity),
-    'intrinsic_projection': (1, 3, _intrinsic),
-    'uniform_quantization': (1, 1, _uniform),
-    'terngrad': (0, 0, _terngrad),
-    'top_k': (1, 2, _top_k),
-    'count_sketch': (2, 3, _count_sketch),
-}
+register_stage('identity', lambda args, seed, generator: base.identity())
+register_stage('intrinsic_projection:d[:K[:seed]]', _intrinsic)
+register_stage('uniform_quantization:bits',
+               lambda args, seed, generator: uniform.uniform_quantization(
+                   _int(args[0], 'bits'), generator=generator))
+register_stage('terngrad', lambda args, seed, generator: ternary.terngrad(
+    generator=generator))
+register_stage('top_k:k[:log2|none]', lambda args, seed, generator: topk.top_k(
+    _int(args[0], 'k'), index_bits=args[1] if len(args) > 1 else 'log2'))
+register_stage('count_sketch:rows:cols[:seed]', _count_sketch)
 
 
 def _stage(text: str, seed: int, generator: str) -> base.CommTransform:
   name, *args = [part.strip() for part in text.split(':')]
   if name not in _STAGES:
     raise ValueError(f'unknown stage {name!r}')
-  lo, hi, build = _STAGES[name]
+  _, lo, hi, build = _STAGES[name]
   if not lo <= len(args) <= hi:
     want = (f'{lo}' if lo == hi else f'{lo} to {hi}')
     raise ValueError(f'{name} takes {want} argument(s), got {len(args)}')
@@ -135,7 +145,7 @@ def parse_chain(spec: str, *, seed: int = 0,
     seed: default seed of ``intrinsic_projection`` / ``count_sketch`` stages
       that give none (a protocol constant both sides know; costs no bits).
     generator: random generator of the quantizer stages (``'hash'`` or
-      ``'threefry'``, see :mod:`fedlite_jax.quantization`).
+      ``'threefry'``, see :mod:`fedlite_jax.transforms.uniform`).
 
   Returns:
     The single stage's transform, or :func:`~fedlite_jax.transforms.chain`

@@ -1,4 +1,4 @@
-"""Stochastic k-level uniform quantization with its bit cost.
+"""Stochastic k-level uniform quantization, its bit cost and its random numbers.
 
 Source: Suresh, Yu, Kumar, McMahan, "Distributed Mean Estimation with Limited
 Communication", ICML 2017, Section 2.2 (stochastic k-level quantization), as
@@ -67,11 +67,32 @@ Float precision and the high end of ``bits`` (1..32 allowed):
   ``hi``), even when ``hi - lo`` overflows. Otherwise non-finite values, or a
   range ``hi - lo`` that overflows the dtype, give unspecified results.
 
-Randomness: ``generator='hash'`` (default, a counter-based hash fused into the
-quantizer) or ``'threefry'`` (``jax.random.uniform``); see
-:mod:`fedlite_jax.quantization.rng`. With ``'threefry'`` the uniforms are
-exactly those of ``jax.random.uniform(key, x.shape)``; on pytrees each leaf
-``i`` uses ``jax.random.split(key, num_leaves)[i]``.
+Random numbers (one uniform per quantized value), by name (:data:`GENERATORS`):
+
+* ``'threefry'``: ``jax.random.uniform(key, shape, dtype)``, JAX's own
+  generator. On XLA:CPU it dominates the cost: about 100 ms of a 120 ms
+  quantization of 20M float32 values (docs/DESIGN_NOTES.md, "Random
+  numbers").
+* ``'hash'`` (default): counter-based. Two 32-bit seeds ``(s0, s1)`` are
+  drawn once from the key with ``jax.random.bits``; element ``i`` (row-major
+  flat index) gets ``h_i = mix(mix(i ^ s0) + s1)``, where ``mix`` is the
+  "lowbias32" integer finalizer (Wellons,
+  https://github.com/skeeto/hash-prospector: xorshift 16, multiply
+  0x7feb352d, xorshift 15, multiply 0x846ca68b, xorshift 16; a bijection of
+  uint32). Elementwise integer arithmetic, so XLA fuses it into the
+  quantizer's single loop: no random buffer is written. For a fixed ``i``,
+  uniform seed bits make ``h_i`` exactly uniform on uint32 (``s1`` is uniform
+  and independent of ``s0``; ``mix`` is a bijection), so stochastic rounding
+  stays unbiased over keys; within one call ``i -> h_i`` is a bijection and
+  neighbours are decorrelated by the avalanche of ``mix``. Not cryptographic
+  and not a stream JAX defines (the same key gives different numbers than
+  ``'threefry'``); at most 2**32 elements (32-bit counters). Float32 results
+  are ``(h >> 8) * 2**-24``, float64 ``h * 2**-32``, so ``P(u < p)`` differs
+  from ``p`` by less than ``2**-24`` (``2**-32``).
+
+With ``'threefry'`` the uniforms of one array are exactly those of
+``jax.random.uniform(key, x.shape)``; on pytrees each leaf ``i`` uses
+``jax.random.split(key, num_leaves)[i]``.
 """
 
 from __future__ import annotations
@@ -79,14 +100,14 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from fedlite_jax.quantization import rng as rng_lib
+from fedlite_jax.transforms import base
 
 PyTree = Any
 
@@ -95,18 +116,109 @@ MAX_BITS = 32
 FLOAT_BITS = 32
 """Bits charged for each float sent alongside the codes (min, max, scale)."""
 
+GENERATORS = ('hash', 'threefry')
+"""Names accepted by :func:`random_uniform` and by ``generator=``."""
 
-class Quantized(NamedTuple):
-  """Dequantized values and the size of the message that encodes them.
+_MAX_HASH_ELEMENTS = 2**32
 
-  Attributes:
-    values: the dequantized array (same shape and dtype as the input) or
-      pytree of arrays (same structure).
-    num_bits: total message size in bits (a Python float, computed from static
-      shapes; exact integers for uniform quantization).
+# ------------------------------------------------------------ random numbers
+
+
+def validate_generator(generator: str) -> None:
+  """Raises ``ValueError`` unless ``generator`` is one of :data:`GENERATORS`."""
+  if generator not in GENERATORS:
+    raise ValueError(
+        f'generator must be one of {GENERATORS}, got {generator!r}.')
+
+
+def _lowbias32(x: jax.Array) -> jax.Array:
+  """Wellons' lowbias32 finalizer: a bijection of uint32 with strong mixing."""
+  x = x ^ (x >> jnp.uint32(16))
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> jnp.uint32(15))
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> jnp.uint32(16))
+
+
+def hash_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """32 pseudo-random bits per element from a key and the element's index.
+
+  Args:
+    key: a JAX PRNG key (raw ``uint32[2]`` or typed).
+    shape: output shape (static).
+
+  Returns:
+    ``uint32`` array of ``shape``: ``mix(mix(i ^ s0) + s1)`` for the row-major
+    flat index ``i``, with ``(s0, s1) = jax.random.bits(key, (2,), uint32)``.
+
+  Raises:
+    ValueError: if ``shape`` has more than 2**32 elements.
   """
-  values: Any
-  num_bits: float
+  shape = tuple(int(d) for d in shape)
+  size = math.prod(shape)
+  if size > _MAX_HASH_ELEMENTS:
+    raise ValueError(
+        f'hash generator supports at most 2**32 elements, got {size}.')
+  seeds = jax.random.bits(key, (2,), jnp.uint32)
+  index = lax.iota(jnp.uint32, size).reshape(shape)
+  return _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
+
+
+def hash_uniform(key: jax.Array,
+                 shape: Sequence[int],
+                 dtype: jnp.dtype = jnp.float32) -> jax.Array:
+  """Uniform numbers in [0, 1) from :func:`hash_bits` (counter-based, fast).
+
+  Args:
+    key: a JAX PRNG key.
+    shape: output shape (static).
+    dtype: ``float32`` (24 random bits per value, step ``2**-24``) or
+      ``float64`` (32 random bits, step ``2**-32``; needs ``jax_enable_x64``).
+      Other floating dtypes get the float32 values cast to them.
+
+  Returns:
+    Array of ``shape`` and ``dtype`` with values in [0, 1).
+
+  Raises:
+    ValueError: if ``shape`` has more than 2**32 elements.
+  """
+  bits = hash_bits(key, shape)
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float64:
+    return bits.astype(jnp.float64) * 2.0**-32
+  # The top 24 bits fit a float32 mantissa exactly; an int32 conversion is
+  # cheaper than uint32 on CPUs without unsigned vector conversions.
+  u = (bits >> jnp.uint32(8)).astype(jnp.int32).astype(jnp.float32)
+  return (u * jnp.float32(2.0**-24)).astype(dtype)
+
+
+def random_uniform(key: jax.Array,
+                   shape: Sequence[int],
+                   dtype: jnp.dtype = jnp.float32,
+                   generator: str = 'hash') -> jax.Array:
+  """Uniform numbers in [0, 1) from the named generator.
+
+  Args:
+    key: a JAX PRNG key (raw or typed).
+    shape: output shape (static).
+    dtype: a floating dtype.
+    generator: ``'hash'`` (:func:`hash_uniform`) or ``'threefry'``
+      (``jax.random.uniform(key, shape, dtype)``).
+
+  Returns:
+    Array of ``shape`` and ``dtype`` with values in [0, 1).
+
+  Raises:
+    ValueError: for an unknown ``generator``, or a ``'hash'`` request of more
+      than 2**32 elements.
+  """
+  validate_generator(generator)
+  if generator == 'threefry':
+    return jax.random.uniform(key, tuple(shape), dtype)
+  return hash_uniform(key, shape, dtype)
+
+
+# ------------------------------------------------------ layers and clipping
 
 
 def validate_bits(bits: int) -> int:
@@ -135,6 +247,13 @@ def validate_bits(bits: int) -> int:
   return bits
 
 
+def validate_options(clip_std: Optional[float], generator: str) -> None:
+  """Raises ``ValueError`` for an unknown ``generator`` or ``clip_std <= 0``."""
+  validate_generator(generator)
+  if clip_std is not None and not clip_std > 0:
+    raise ValueError(f'clip_std must be None or > 0, got {clip_std!r}.')
+
+
 def passthrough_bits(dtype: Any) -> int:
   """Smallest ``bits`` at which :func:`uniform_quantize` is the identity.
 
@@ -153,6 +272,40 @@ def check_floating(x: Any, what: str) -> None:
   dtype = jnp.result_type(x)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f'{what} must have a floating dtype, got {dtype}.')
+
+
+def as_layers(tree: PyTree, split: bool) -> PyTree:
+  """``tree`` as JAX arrays, every leaf checked to be floating.
+
+  ``split=False``: ``tree`` is one array (``jnp.asarray``); else a pytree.
+
+  Raises:
+    TypeError: a non-floating array or leaf.
+  """
+  if not split:
+    tree = jnp.asarray(tree)
+    check_floating(tree, 'x')
+    return tree
+  tree = jax.tree.map(jnp.asarray, tree)
+  for leaf in jax.tree.leaves(tree):
+    check_floating(leaf, 'every leaf')
+  return tree
+
+
+def per_layer(fn: Callable[[jax.Array, jax.Array], jax.Array], tree: PyTree,
+              key: jax.Array, split: bool) -> PyTree:
+  """``fn(leaf, leaf_key)`` on every leaf (one leaf = one layer).
+
+  Leaf ``i`` gets ``jax.random.split(key, num_leaves)[i]`` (as FedJAX's
+  ``*_quantize_pytree``); with ``split=False`` (``tree`` one array) ``key``
+  itself.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  keys = jax.random.split(key, len(leaves)) if split else [key]
+  return jax.tree.unflatten(treedef,
+                            [fn(leaf, keys[i]) for i, leaf in enumerate(leaves)])
 
 
 def _compute_dtype(dtype: Any) -> Any:
@@ -254,13 +407,7 @@ def leaf_shape(leaf: Any) -> tuple[int, ...]:
   return tuple(np.shape(leaf) if shape is None else shape)
 
 
-def _leaf_num_bits(shape: tuple[int, ...], bits: int,
-                   zero_center: bool) -> float:
-  size = math.prod(shape)
-  if size == 0:
-    return 0.0
-  num_floats = 1 if zero_center else 2
-  return float(bits * size + FLOAT_BITS * num_floats)
+# ---------------------------------------------------------------- quantizer
 
 
 def uniform_num_bits(tree: PyTree, bits: int, *,
@@ -286,8 +433,9 @@ def uniform_num_bits(tree: PyTree, bits: int, *,
     TypeError, ValueError: as :func:`validate_bits`.
   """
   bits = validate_bits(bits)
-  return float(sum(_leaf_num_bits(leaf_shape(leaf), bits, zero_center)
-                   for leaf in jax.tree.leaves(tree)))
+  floats = FLOAT_BITS * (1 if zero_center else 2)
+  sizes = (math.prod(leaf_shape(leaf)) for leaf in jax.tree.leaves(tree))
+  return float(sum(bits * size + floats for size in sizes if size))
 
 
 def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
@@ -316,7 +464,7 @@ def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
   # fused pass, bit-identical results for finite inputs.
   t = jnp.where(xc >= hi, levels, (xc - lo) * scale)
   floor = jnp.floor(t)
-  u = rng_lib.random_uniform(key, x.shape, dtype, generator)
+  u = random_uniform(key, x.shape, dtype, generator)
   code = floor + (u < t - floor).astype(dtype)
   step = span / levels
   # The end codes map to lo and hi exactly (also if span overflows to inf).
@@ -328,32 +476,31 @@ def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
   return out.astype(x.dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=('bits', 'zero_center', 'clip_std', 'generator'))
-def _quantize_array_jit(x, key, *, bits, zero_center, clip_std, generator):
-  return _quantize_values(x, key, bits, zero_center, clip_std, generator)
+@functools.partial(jax.jit, static_argnames=(
+    'split', 'bits', 'zero_center', 'clip_std', 'generator'))
+def _quantize_jit(tree, key, *, split, bits, zero_center, clip_std,
+                  generator):
+  return per_layer(
+      lambda x, k: _quantize_values(x, k, bits, zero_center, clip_std,
+                                    generator), tree, key, split)
 
 
-@functools.partial(
-    jax.jit, static_argnames=('bits', 'zero_center', 'clip_std', 'generator'))
-def _quantize_tree_jit(tree, key, *, bits, zero_center, clip_std, generator):
-  leaves, treedef = jax.tree.flatten(tree)
-  if not leaves:
-    return tree
-  keys = jax.random.split(key, len(leaves))
-  new_leaves = [
-      _quantize_values(leaf, keys[i], bits, zero_center, clip_std, generator)
-      for i, leaf in enumerate(leaves)
-  ]
-  return jax.tree.unflatten(treedef, new_leaves)
-
-
-def _validate(bits: int, clip_std: Optional[float], generator: str) -> int:
+def _quantize(tree: PyTree, key: jax.Array, bits: int, zero_center: bool,
+              clip_std: Optional[float], generator: str,
+              split: bool) -> base.Encoded:
+  """:func:`uniform_quantize` (``split=False``) or its tree form."""
   bits = validate_bits(bits)
-  rng_lib.validate_generator(generator)
-  if clip_std is not None and not clip_std > 0:
-    raise ValueError(f'clip_std must be None or > 0, got {clip_std!r}.')
-  return bits
+  validate_options(clip_std, generator)
+  tree = as_layers(tree, split)
+  if clip_std is None and all(bits >= passthrough_bits(leaf.dtype)
+                              for leaf in jax.tree.leaves(tree)):
+    values = tree  # Identity (see the module docstring); nothing to compile.
+  else:
+    values = _quantize_jit(tree, key, split=split, bits=bits,
+                           zero_center=zero_center, clip_std=clip_std,
+                           generator=generator)
+  return base.Encoded(
+      values, (), uniform_num_bits(tree, bits, zero_center=zero_center), 0.0)
 
 
 def uniform_quantize(x: jax.Array,
@@ -362,7 +509,7 @@ def uniform_quantize(x: jax.Array,
                      *,
                      zero_center: bool = False,
                      clip_std: Optional[float] = None,
-                     generator: str = 'hash') -> Quantized:
+                     generator: str = 'hash') -> base.Encoded:
   """Stochastic k-level uniform quantization of one layer (``k = 2**bits``).
 
   Suresh et al. 2017, Sec. 2.2; Ro et al. 2022, App. C. See the module
@@ -374,7 +521,7 @@ def uniform_quantize(x: jax.Array,
 
   Args:
     x: floating array of any shape: one layer, quantized with one (min, max).
-    key: JAX PRNG key (raw ``uint32[2]`` or typed).
+    key: JAX PRNG key (raw ``uint32[2]`` or typed), used as is.
     bits: bits per value, a static integer in 1..32 (``bits=1``: 2 levels,
       min and max).
     zero_center: grid on ``[-max|x|, max|x|]`` (one float sent) instead of
@@ -385,25 +532,16 @@ def uniform_quantize(x: jax.Array,
       (``jax.random.uniform(key, x.shape)``).
 
   Returns:
-    ``Quantized(values, num_bits)``: ``values`` has ``x``'s shape and dtype;
-    ``num_bits = bits * x.size + 64`` (``+ 32`` with ``zero_center``; 0 for an
-    empty array).
+    :class:`~fedlite_jax.transforms.Encoded`: ``values`` has ``x``'s shape
+    and dtype; ``bits = value_bits = bits * x.size + 64`` (``+ 32`` with
+    ``zero_center``; 0 for an empty array).
 
   Raises:
     TypeError: non-integer ``bits`` or non-floating ``x``.
     ValueError: ``bits`` outside 1..32, unknown ``generator``, ``clip_std``
       not > 0.
   """
-  bits = _validate(bits, clip_std, generator)
-  x = jnp.asarray(x)
-  check_floating(x, 'x')
-  if clip_std is None and bits >= passthrough_bits(x.dtype):
-    values = x  # Identity (see the module docstring); nothing to compile.
-  else:
-    values = _quantize_array_jit(
-        x, key, bits=bits, zero_center=zero_center, clip_std=clip_std,
-        generator=generator)
-  return Quantized(values, _leaf_num_bits(x.shape, bits, zero_center))
+  return _quantize(x, key, bits, zero_center, clip_std, generator, False)
 
 
 def uniform_quantize_tree(tree: PyTree,
@@ -412,7 +550,7 @@ def uniform_quantize_tree(tree: PyTree,
                           *,
                           zero_center: bool = False,
                           clip_std: Optional[float] = None,
-                          generator: str = 'hash') -> Quantized:
+                          generator: str = 'hash') -> base.Encoded:
   """:func:`uniform_quantize` applied per leaf (one leaf = one layer).
 
   Leaf ``i`` uses ``jax.random.split(key, num_leaves)[i]`` (as FedJAX's
@@ -427,8 +565,8 @@ def uniform_quantize_tree(tree: PyTree,
     generator: ``'hash'`` or ``'threefry'``.
 
   Returns:
-    ``Quantized(values, num_bits)``: ``values`` has ``tree``'s structure,
-    shapes and dtypes; ``num_bits = uniform_num_bits(tree, bits,
+    :class:`~fedlite_jax.transforms.Encoded`: ``values`` has ``tree``'s
+    structure, shapes and dtypes; ``bits = uniform_num_bits(tree, bits,
     zero_center=zero_center)``.
 
   Raises:
@@ -436,17 +574,37 @@ def uniform_quantize_tree(tree: PyTree,
     ValueError: ``bits`` outside 1..32, unknown ``generator``, ``clip_std``
       not > 0.
   """
-  bits = _validate(bits, clip_std, generator)
-  tree = jax.tree.map(jnp.asarray, tree)
-  leaves = jax.tree.leaves(tree)
-  for leaf in leaves:
-    check_floating(leaf, 'every leaf')
-  if clip_std is None and all(bits >= passthrough_bits(leaf.dtype)
-                              for leaf in leaves):
-    values = tree  # Identity for every leaf; nothing to compile.
-  else:
-    values = _quantize_tree_jit(
-        tree, key, bits=bits, zero_center=zero_center, clip_std=clip_std,
-        generator=generator)
-  return Quantized(values,
-                   uniform_num_bits(tree, bits, zero_center=zero_center))
+  return _quantize(tree, key, bits, zero_center, clip_std, generator, True)
+
+
+def uniform_quantization(bits: int,
+                         *,
+                         zero_center: bool = False,
+                         clip_std: Optional[float] = None,
+                         generator: str = 'hash') -> base.CommTransform:
+  """:func:`uniform_quantize_tree` as a stateless transform.
+
+  ``encode(x, state, key)`` is ``uniform_quantize_tree(x, key, bits, ...)``
+  (``2**bits`` levels per leaf); ``decode`` returns its values.
+
+  Args:
+    bits: bits per value, 1..32 (static).
+    zero_center: grid ``[-max|x|, max|x|]`` (one float sent per leaf).
+    clip_std: optional clipping at ``clip_std * std`` before quantizing.
+    generator: ``'hash'`` or ``'threefry'``.
+
+  Returns:
+    A :class:`~fedlite_jax.transforms.CommTransform`.
+
+  Raises:
+    TypeError, ValueError: as :func:`validate_bits` and
+      :func:`validate_options` (here), non-floating inputs (at ``encode``).
+  """
+  bits = validate_bits(bits)
+  validate_options(clip_std, generator)
+
+  def encode(x, state, key):
+    return uniform_quantize_tree(x, key, bits, zero_center=zero_center,
+                                 clip_std=clip_std, generator=generator), state
+
+  return base.CommTransform(base.no_state, encode, base.decode_values)

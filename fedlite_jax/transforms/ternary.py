@@ -17,13 +17,13 @@ for the *clipped* layer and therefore biased with respect to the unclipped
 one (by ``clip(v) - v`` on the clipped coordinates). ``|v_i| == s`` maps to
 ``sign(v_i) * s`` exactly; an all-zero layer stays zero; a constant layer is
 returned unchanged (clipping is skipped for it, see
-:func:`fedlite_jax.quantization.uniform.clip_by_std`).
+:func:`fedlite_jax.transforms.uniform.clip_by_std`).
 
 Cost: ``log2(3)`` bits per value (an ideal ternary code, e.g. 5 trits per
 byte gives 1.6) plus one float32 (``s``) per non-empty layer. FedJAX's
 ``terngrad_quantizer`` charges two floats per layer; the values are the same.
 
-Randomness: as in :mod:`fedlite_jax.quantization.uniform` (``generator`` is
+Randomness: as in :mod:`fedlite_jax.transforms.uniform` (``generator`` is
 ``'hash'`` or ``'threefry'``; per-leaf keys ``jax.random.split(key, n)``).
 Computation is in float32 (float64 for float64 layers) and cast back.
 """
@@ -37,11 +37,10 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from fedlite_jax.quantization import rng as rng_lib
-from fedlite_jax.quantization import uniform as uniform_lib
+from fedlite_jax.transforms import base
+from fedlite_jax.transforms import uniform
 
 PyTree = Any
-Quantized = uniform_lib.Quantized
 
 DEFAULT_CLIP_STD = 2.5
 """TernGrad's clipping constant ``c`` (Wen et al. 2017)."""
@@ -62,9 +61,9 @@ def terngrad_num_bits(tree: PyTree) -> float:
   """
   total = 0.0
   for leaf in jax.tree.leaves(tree):
-    size = math.prod(uniform_lib.leaf_shape(leaf))
+    size = math.prod(uniform.leaf_shape(leaf))
     if size:
-      total += BITS_PER_VALUE * size + uniform_lib.FLOAT_BITS
+      total += BITS_PER_VALUE * size + uniform.FLOAT_BITS
   return total
 
 
@@ -74,48 +73,43 @@ def _ternarize(v: jax.Array, key: jax.Array, clip_std: Optional[float],
   if v.size == 0:
     return v
   dtype = jnp.float64 if v.dtype == jnp.float64 else jnp.float32
-  vc, lo, hi = uniform_lib.min_max(v.astype(dtype), clip_std)
+  vc, lo, hi = uniform.min_max(v.astype(dtype), clip_std)
   s = jnp.maximum(hi, -lo)  # max |clip(v)|, reduced from v itself.
   prob = jnp.abs(vc) / jnp.where(s > 0, s, 1).astype(dtype)  # 1 at |v| == s.
-  u = rng_lib.random_uniform(key, v.shape, dtype, generator)
+  u = uniform.random_uniform(key, v.shape, dtype, generator)
   out = jnp.where(u < prob, jnp.sign(vc) * s, jnp.zeros((), dtype))
   return out.astype(v.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=('clip_std', 'generator'))
-def _ternarize_jit(v, key, *, clip_std, generator):
-  return _ternarize(v, key, clip_std, generator)
+@functools.partial(jax.jit,
+                   static_argnames=('split', 'clip_std', 'generator'))
+def _ternarize_jit(tree, key, *, split, clip_std, generator):
+  return uniform.per_layer(
+      lambda v, k: _ternarize(v, k, clip_std, generator), tree, key, split)
 
 
-@functools.partial(jax.jit, static_argnames=('clip_std', 'generator'))
-def _ternarize_tree_jit(tree, key, *, clip_std, generator):
-  leaves, treedef = jax.tree.flatten(tree)
-  if not leaves:
-    return tree
-  keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(
-      treedef, [_ternarize(leaf, keys[i], clip_std, generator)
-                for i, leaf in enumerate(leaves)])
-
-
-def _validate(clip_std: Optional[float], generator: str) -> None:
-  rng_lib.validate_generator(generator)
-  if clip_std is not None and not clip_std > 0:
-    raise ValueError(f'clip_std must be None or > 0, got {clip_std!r}.')
+def _terngrad(tree: PyTree, key: jax.Array, clip_std: Optional[float],
+              generator: str, split: bool) -> base.Encoded:
+  """:func:`terngrad_quantize` (``split=False``) or its tree form."""
+  uniform.validate_options(clip_std, generator)
+  tree = uniform.as_layers(tree, split)
+  values = _ternarize_jit(tree, key, split=split, clip_std=clip_std,
+                          generator=generator)
+  return base.Encoded(values, (), terngrad_num_bits(tree), 0.0)
 
 
 def terngrad_quantize(v: jax.Array,
                       key: jax.Array,
                       *,
                       clip_std: Optional[float] = DEFAULT_CLIP_STD,
-                      generator: str = 'hash') -> Quantized:
+                      generator: str = 'hash') -> base.Encoded:
   """TernGrad on one layer (Wen et al. 2017, Sec. 3).
 
   Jittable (``clip_std`` and ``generator`` static) and vmappable.
 
   Args:
     v: floating array of any shape (one layer).
-    key: JAX PRNG key (raw or typed).
+    key: JAX PRNG key (raw or typed), used as is.
     clip_std: clip to ``+-clip_std * std(v)`` before ternarizing (default
       2.5, TernGrad's ``c``); ``None`` disables clipping. With clipping,
       ``s = max|clip(v)|`` and the result is unbiased for ``clip(v)``, not
@@ -124,25 +118,22 @@ def terngrad_quantize(v: jax.Array,
       (``jax.random.uniform(key, v.shape)``).
 
   Returns:
-    ``Quantized(values, num_bits)``: ``values`` (``v``'s shape and dtype) in
-    ``{0, -s, +s}``; ``num_bits = log2(3) * v.size + 32`` (0 if empty).
+    :class:`~fedlite_jax.transforms.Encoded`: ``values`` (``v``'s shape and
+    dtype) in ``{0, -s, +s}``; ``bits = value_bits = log2(3) * v.size + 32``
+    (0 if empty).
 
   Raises:
     TypeError: non-floating ``v``.
     ValueError: unknown ``generator`` or ``clip_std`` not > 0.
   """
-  _validate(clip_std, generator)
-  v = jnp.asarray(v)
-  uniform_lib.check_floating(v, 'v')
-  values = _ternarize_jit(v, key, clip_std=clip_std, generator=generator)
-  return Quantized(values, terngrad_num_bits(v))
+  return _terngrad(v, key, clip_std, generator, False)
 
 
 def terngrad_quantize_tree(tree: PyTree,
                            key: jax.Array,
                            *,
                            clip_std: Optional[float] = DEFAULT_CLIP_STD,
-                           generator: str = 'hash') -> Quantized:
+                           generator: str = 'hash') -> base.Encoded:
   """:func:`terngrad_quantize` per leaf (one leaf = one layer, own ``s``).
 
   Leaf ``i`` uses ``jax.random.split(key, num_leaves)[i]`` (as FedJAX's
@@ -155,16 +146,36 @@ def terngrad_quantize_tree(tree: PyTree,
     generator: ``'hash'`` or ``'threefry'``.
 
   Returns:
-    ``Quantized(values, num_bits)`` with ``num_bits = terngrad_num_bits(tree)``.
+    :class:`~fedlite_jax.transforms.Encoded` with ``bits =
+    terngrad_num_bits(tree)``.
 
   Raises:
     TypeError: a non-floating leaf.
     ValueError: unknown ``generator`` or ``clip_std`` not > 0.
   """
-  _validate(clip_std, generator)
-  tree = jax.tree.map(jnp.asarray, tree)
-  for leaf in jax.tree.leaves(tree):
-    uniform_lib.check_floating(leaf, 'every leaf')
-  values = _ternarize_tree_jit(tree, key, clip_std=clip_std,
-                               generator=generator)
-  return Quantized(values, terngrad_num_bits(tree))
+  return _terngrad(tree, key, clip_std, generator, True)
+
+
+def terngrad(*, clip_std: Optional[float] = DEFAULT_CLIP_STD,
+             generator: str = 'hash') -> base.CommTransform:
+  """:func:`terngrad_quantize_tree` as a stateless transform.
+
+  ``log2(3)`` bits per value plus 32 per leaf; ``decode`` returns the values.
+
+  Args:
+    clip_std: clipping at ``clip_std * std`` (TernGrad's 2.5), or None.
+    generator: ``'hash'`` or ``'threefry'``.
+
+  Returns:
+    A :class:`~fedlite_jax.transforms.CommTransform`.
+
+  Raises:
+    ValueError: ``clip_std <= 0`` or an unknown ``generator``.
+  """
+  uniform.validate_options(clip_std, generator)
+
+  def encode(x, state, key):
+    return terngrad_quantize_tree(x, key, clip_std=clip_std,
+                                  generator=generator), state
+
+  return base.CommTransform(base.no_state, encode, base.decode_values)
