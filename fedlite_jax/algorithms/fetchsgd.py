@@ -28,7 +28,7 @@ Per round:
 Bits: upload ``32 rows cols`` per client; download
 ``download_accounting='changed'`` (default; CommEfficient: 4 bytes per
 weight changed since the client last participated, see
-:mod:`local_delta`) or ``'dense'`` (``32 D``).
+:mod:`rounds_common`) or ``'dense'`` (``32 D``).
 """
 
 from __future__ import annotations

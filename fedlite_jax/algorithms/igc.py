@@ -16,7 +16,7 @@ One implementation covers all four (K = ``num_subspaces``, TV =
   over ``sigma``, the epoch and round numbers, and each training client's
   last participation epoch.
 * Client (through the round engine, all clients of a round in one compiled
-  program on accelerators): local steps (:mod:`local_delta`), then
+  program on accelerators): local steps (:mod:`rounds_common`), then
   ``k ~ Unif{0..K-1}`` and ``c = A_e^(k)T delta`` (the
   :func:`~fedlite_jax.transforms.intrinsic_projection` transform, optionally
   followed by ``upload_transform``, e.g. 8-bit quantization of ``c``);

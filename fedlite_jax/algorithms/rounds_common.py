@@ -2,14 +2,12 @@
 FetchSGD): argument checks, the client program, client work, non-finite
 handling, download accounting and per-client diagnostics.
 
-Client program (:func:`delta_client_program`): local steps of a local rule
-from the received model ``Q(w)`` -- the client optimizer (FedAvg, McMahan et
-al. 2017, Alg. 1), FedProx's proximal gradient (Li et al., MLSys 2020, Alg.
-2: ``+ mu (w - Q(w))``) or MimeLite's fixed server statistics (Karimireddy
-et al. 2020, Alg. 1) -- then ``compress(delta)`` with ``delta = Q(w) -
-w_client``. Local steps split the client's round key exactly as FedJAX's
-``fed_avg`` (same dropout and shuffle draws); the PVT mask (Ro et al. 2022,
-Sec. 4) uses ``fold_in(key, pvt.PVT_STREAM)``.
+Client program (:func:`delta_client_program`): local steps from the
+received ``Q(w)`` -- FedAvg (McMahan et al. 2017, Alg. 1), FedProx (Li et
+al. 2020, Alg. 2: ``+ mu (w - Q(w))``) or MimeLite's fixed statistics
+(Karimireddy et al. 2020, Alg. 1) -- splitting the client's round key as
+FedJAX's ``fed_avg``; the PVT mask (Ro et al. 2022, Sec. 4) uses
+``fold_in(key, pvt.PVT_STREAM)``; then ``compress(Q(w) - w_client)``.
 
 Download accounting ``'changed'`` (FetchSGD / CommEfficient
 ``fed_aggregator.py``): the server keeps ``last_changed[j]``, the last round
