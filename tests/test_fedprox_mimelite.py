@@ -19,6 +19,7 @@ import pytest
 
 from fedlite_jax import datasets
 from fedlite_jax.algorithms import fedopt
+from fedlite_jax.algorithms import mime_lite
 
 
 @pytest.fixture(scope='module')
@@ -93,7 +94,7 @@ def test_mimelite_matches_fedjax(femnist, engine):
       fedjax.model_per_example_loss(model),
       fedjax.optimizers.create_optimizer_from_optax(base), hp,
       fedjax.PaddedBatchHParams(batch_size=64), server_learning_rate=0.7)
-  ours = fedopt.efficient_mime_lite(
+  ours = mime_lite.efficient_mime_lite(
       fedjax.model_grad(model), base, hp, grads_batch_size=64,
       server_learning_rate=0.7, engine=engine)
   ref_state = ref.init(params)
@@ -159,7 +160,7 @@ def test_mimelite_closed_form_sgd_base():
   counts = [3, 5]
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=8, num_epochs=None,
                                         num_steps=1, seed=0)
-  alg = fedopt.efficient_mime_lite(
+  alg = mime_lite.efficient_mime_lite(
       _quadratic_grad, optax.sgd(eta), hp, grads_batch_size=4,
       server_learning_rate=s, engine='loop')
   state, _ = alg.apply(alg.init({'w': jnp.asarray(w0)}),
@@ -175,7 +176,7 @@ def test_bad_settings_raise():
         _quadratic_grad, optax.sgd(0.1), optax.sgd(1.0),
         fedjax.ShuffleRepeatBatchHParams(batch_size=2), fedprox_mu=-1.0)
   with pytest.raises(ValueError, match='grads_batch_size'):
-    fedopt.efficient_mime_lite(
+    mime_lite.efficient_mime_lite(
         _quadratic_grad, optax.sgd(0.1),
         fedjax.ShuffleRepeatBatchHParams(batch_size=2), grads_batch_size=0)
 

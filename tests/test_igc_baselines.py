@@ -26,6 +26,7 @@ from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd
+from fedlite_jax.algorithms import rounds_common
 
 LR = 0.5
 BATCH = 16
@@ -187,24 +188,24 @@ def test_changed_counts_hand_computed():
   for changed in ([0, 1], [1, 2], [5]):
     new = theta[-1].copy()
     new[changed] += 1.0
-    last = np.asarray(fedopt.mark_changed(
+    last = np.asarray(rounds_common.mark_changed(
         jnp.asarray(last), jnp.asarray(theta[-1]), jnp.asarray(new),
         jnp.asarray(len(theta) - 1)))
     theta.append(new)
   np.testing.assert_array_equal(last, [0, 1, 1, -1, -1, 2])
   # A client downloading at round 3 that last took part in round p (-1:
   # never, it knows theta_0) needs the weights changed by rounds p..2.
-  counts = fedopt.changed_counts(jnp.asarray(last),
+  counts = rounds_common.changed_counts(jnp.asarray(last),
                                  jnp.asarray([-1, 0, 1, 2, 3]))
   np.testing.assert_array_equal(np.asarray(counts), [4, 4, 3, 1, 0])
   # The same in bits, and dense accounting: 32 x D for every client, also
   # when no participation history is kept (no client ids: W = 0 rows).
   np.testing.assert_array_equal(
-      fedopt.download_bits('changed', 32 * 6, 5, jnp.asarray(last),
+      rounds_common.download_bits('changed', 32 * 6, 5, jnp.asarray(last),
                            jnp.asarray([-1, 0, 1, 2, 3])),
       [128, 128, 96, 32, 0])
   np.testing.assert_array_equal(
-      fedopt.download_bits('dense', 32 * 6, 3, jnp.asarray(last),
+      rounds_common.download_bits('dense', 32 * 6, 3, jnp.asarray(last),
                            jnp.zeros((0,), jnp.int32)), [192] * 3)
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from fedlite_jax import transforms
 from fedlite_jax.algorithms import fedopt
+from fedlite_jax.algorithms import mime_lite
 from fedlite_jax.transforms import pvt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.comm import lm_costs
@@ -134,7 +135,7 @@ def test_download_quantization_is_fresh_per_round_and_unbiased():
 def test_mime_lite_with_pvt_and_quantization_bits():
   params = {'a': {'kernel': jnp.ones((3, 4))}, 'b': {'kernel': jnp.ones(6)},
             'c': {'bias': jnp.zeros(2)}}
-  alg = fedopt.efficient_mime_lite(
+  alg = mime_lite.efficient_mime_lite(
       _grad_fn, optax.adagrad(0.1), HP, grads_batch_size=2,
       compression=fedopt.Compression(
           upload=transforms.uniform_quantization(8),

@@ -1,13 +1,15 @@
 """Federated algorithms as ``fedjax.FederatedAlgorithm`` builders.
 
 :mod:`fedopt` is the one round of every delta-based method (FedAvg, FedAdam,
-FedProx, MimeLite, SGD with local steps, Top-K, quantized / PVT variants);
-:mod:`igc`, :mod:`fetchsgd` and :mod:`splitfed` add their own server rules.
+FedProx, SGD with local steps, Top-K, quantized / PVT variants);
+:mod:`mime_lite`, :mod:`igc`, :mod:`fetchsgd` and :mod:`splitfed` add their
+own client or server rules; :mod:`rounds_common` holds the shared round
+pieces.
 """
 
 from fedlite_jax.algorithms.fedopt import Compression
 from fedlite_jax.algorithms.fedopt import compressed_sgd
 from fedlite_jax.algorithms.fedopt import efficient_federated_averaging
-from fedlite_jax.algorithms.fedopt import efficient_mime_lite
 from fedlite_jax.algorithms.fedopt import federated_averaging
 from fedlite_jax.algorithms.fedopt import FedOptState
+from fedlite_jax.algorithms.mime_lite import efficient_mime_lite

@@ -28,7 +28,7 @@ Per round:
 Bits: upload ``32 rows cols`` per client; download
 ``download_accounting='changed'`` (default; CommEfficient: 4 bytes per
 weight changed since the client last participated, see
-:mod:`local_delta`) or ``'dense'`` (``32 D``).
+:mod:`rounds_common`) or ``'dense'`` (``32 D``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import fedopt
+from fedlite_jax.algorithms import rounds_common as rc
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
@@ -102,7 +102,7 @@ def fetchsgd_server_step(mean_sketch: jax.Array, momentum: jax.Array,
 
 
 def fetchsgd(
-    grad_fn: fedopt.GradFn,
+    grad_fn: rc.GradFn,
     client_optimizer: optax.GradientTransformation,
     *,
     batch_size: int,
@@ -117,9 +117,7 @@ def fetchsgd(
     client_ids: Optional[Sequence[bytes]] = None,
     nonfinite: str = 'raise',
     engine: str = 'auto',
-    steps_per_call: int = 1,
-    step_bucket: str | int = 'grid',
-    clients_per_chunk: int | str | None = 'auto',
+    **engine_options,
 ) -> fedjax.FederatedAlgorithm:
   """Builds FetchSGD as a ``fedjax.FederatedAlgorithm``.
 
@@ -138,8 +136,9 @@ def fetchsgd(
     download_accounting: ``'changed'`` (needs ``client_ids``) or ``'dense'``.
     client_ids: the training clients' ids.
     nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
-    engine, steps_per_call, step_bucket, clients_per_chunk: round engine
-      settings (:func:`fedlite_jax.rounds.make_engine`).
+    engine, engine_options: round engine name and settings
+      (``steps_per_call``, ``step_bucket``, ``clients_per_chunk``;
+      :func:`fedlite_jax.rounds.make_engine`).
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; per-client diagnostics
@@ -152,37 +151,35 @@ def fetchsgd(
       every sketch non-finite (``'skip'``), or a non-finite server state
       (model, momentum or error accumulator).
   """
-  rows = fedopt.check_positive_int(rows, 'sketch_rows')
-  cols = fedopt.check_positive_int(cols, 'sketch_cols')
-  k = fedopt.check_positive_int(k, 'topk_k')
+  rows = rc.check_int(rows, 'sketch_rows')
+  cols = rc.check_int(cols, 'sketch_cols')
+  k = rc.check_int(k, 'topk_k')
   if not 0 <= momentum < 1:
     raise ValueError(f'momentum must be in [0, 1); got {momentum}.')
   if not server_lr > 0:
     raise ValueError(f'server_lr must be > 0; got {server_lr}.')
-  fedopt.check_choice(download_accounting, fedopt.DOWNLOAD_ACCOUNTING,
+  rc.check_choice(download_accounting, rc.DOWNLOAD_ACCOUNTING,
                            'download_accounting')
   nonfinite_lib.check_policy(nonfinite)
-  index = fedopt.client_id_index(client_ids)
+  index = rc.client_id_index(client_ids)
   if download_accounting == 'changed' and not index:
     raise ValueError("download_accounting='changed' needs the training "
                      'client_ids.')
-  hparams = fedopt.batch_hparams(batch_size, local_steps)
+  hparams = rc.batch_hparams(batch_size, local_steps)
   upload = tx.count_sketch(rows, cols, seed)
   upload_bits = tx.sketch_message_bits(rows, cols)
 
   def compress(shared, client_input, delta, mask):
     del shared, mask  # no PVT
-    msg, _ = upload.encode(delta, (), fedopt.compression_key(client_input))
+    msg, _ = upload.encode(delta, (), rc.compression_key(client_input))
     return msg.values, {}
 
   round_engine = make_engine(
-      engine, fedopt.delta_client_program(grad_fn, client_optimizer,
-                                               compress),
-      steps_per_call=steps_per_call, step_bucket=step_bucket,
-      clients_per_chunk=clients_per_chunk)
+      engine, rc.delta_client_program(grad_fn, client_optimizer, compress),
+      **engine_options)
 
   def spec_of(params):
-    return fedopt.model_spec(params, k, 'fetchsgd: topk_k')
+    return rc.model_spec(params, k, 'fetchsgd: topk_k')
 
   @jax.jit
   def server_update(state, weighted_sum, total_weight):
@@ -192,7 +189,7 @@ def fetchsgd(
         weighted_sum / total_weight, state.momentum, state.error, k=k,
         rho=momentum, seed=seed, D=spec.size)
     new = old - server_lr * delta
-    last_changed = fedopt.mark_changed(state.last_changed, old, new,
+    last_changed = rc.mark_changed(state.last_changed, old, new,
                                             state.round)
     new_state = state.replace(params=spec.unravel(new), momentum=v, error=e,
                               last_changed=last_changed)
@@ -210,20 +207,20 @@ def fetchsgd(
   def apply(state: FetchSGDState, clients):
     D = spec_of(state.params).size
     round_num = int(state.round)
-    work = fedopt.make_work(clients, hparams)
-    positions = fedopt.client_positions(index, work)
-    download = fedopt.download_bits(
-        download_accounting, fedopt.FLOAT_BITS * D, len(work),
+    work = rc.make_work(clients, hparams)
+    positions = rc.client_positions(index, work)
+    download = rc.download_bits(
+        download_accounting, rc.FLOAT_BITS * D, len(work),
         state.last_changed,
         state.last_round[positions])
     result = round_engine({'params': state.params}, work)
-    total, skipped = fedopt.skip_nonfinite(result, work, nonfinite,
+    total, skipped = rc.skip_nonfinite(result, work, nonfinite,
                                                 'fetchsgd', round_num)
     state, finite = server_update(state, result.weighted_sum,
                                   np.float32(total))
     nonfinite_lib.check_server_state(finite, 'fetchsgd', skipped, round_num)
-    state = fedopt.participation(state, index, positions, round_num)
-    return state, fedopt.client_diagnostics(
+    state = rc.participation(state, index, positions, round_num)
+    return state, rc.client_diagnostics(
         work, result, upload_bits=upload_bits, download=download,
         num_examples=[len(w.batches) * hparams.batch_size for w in work],
         skipped=skipped)

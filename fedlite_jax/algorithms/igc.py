@@ -16,7 +16,7 @@ One implementation covers all four (K = ``num_subspaces``, TV =
   over ``sigma``, the epoch and round numbers, and each training client's
   last participation epoch.
 * Client (through the round engine, all clients of a round in one compiled
-  program on accelerators): local steps (:mod:`local_delta`), then
+  program on accelerators): local steps (:mod:`rounds_common`), then
   ``k ~ Unif{0..K-1}`` and ``c = A_e^(k)T delta`` (the
   :func:`~fedlite_jax.transforms.intrinsic_projection` transform, optionally
   followed by ``upload_transform``, e.g. 8-bit quantization of ``c``);
@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import fedopt
+from fedlite_jax.algorithms import rounds_common as rc
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.rounds import make_engine
@@ -113,8 +113,8 @@ class IGCState:
 def default_rounds_per_epoch(num_train_clients: int,
                              clients_per_round: int) -> int:
   """One epoch = one pass over the clients: ``ceil(N / W)`` rounds."""
-  n = fedopt.check_positive_int(num_train_clients, 'num_train_clients')
-  w = fedopt.check_positive_int(clients_per_round, 'clients_per_round')
+  n = rc.check_int(num_train_clients, 'num_train_clients')
+  w = rc.check_int(clients_per_round, 'clients_per_round')
   return -(-n // w)
 
 
@@ -154,7 +154,7 @@ def igc_upload_bits(d: int, num_subspaces: int = 1, *,
   Raises:
     ValueError: d < 1 or K < 1.
   """
-  d = fedopt.check_positive_int(d, 'intrinsic_dim (d)')
+  d = rc.check_int(d, 'intrinsic_dim (d)')
   k_bits = tx.index_bits(num_subspaces) if count_index_bits else 0
   return float((FLOAT_BITS * d if value_bits is None else value_bits) + k_bits)
 
@@ -178,14 +178,14 @@ def igc_download_bits(D: int, d: int, num_subspaces: int = 1,
   Raises:
     ValueError: bad sizes or accounting.
   """
-  D = fedopt.check_positive_int(D, 'D')
-  d = fedopt.check_positive_int(d, 'intrinsic_dim (d)')
-  K = fedopt.check_positive_int(num_subspaces, 'num_subspaces (K)')
-  fedopt.check_choice(accounting, IGC_DOWNLOAD_ACCOUNTING,
+  D = rc.check_int(D, 'D')
+  d = rc.check_int(d, 'intrinsic_dim (d)')
+  K = rc.check_int(num_subspaces, 'num_subspaces (K)')
+  rc.check_choice(accounting, IGC_DOWNLOAD_ACCOUNTING,
                            'download_accounting')
   if accounting == 'table1':
     return float(FLOAT_BITS * d * K * (2 if time_varying else 1))
-  vectors = fedopt.check_positive_int(vectors, 'vectors')
+  vectors = rc.check_int(vectors, 'vectors')
   return float(FLOAT_BITS * min(vectors * d * K, D))
 
 
@@ -211,7 +211,7 @@ def igc_client_bits(D: int, d: int, num_subspaces: int = 1,
 
 
 def intrinsic_gradient_compression(
-    grad_fn: fedopt.GradFn,
+    grad_fn: rc.GradFn,
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation,
     *,
@@ -228,11 +228,9 @@ def intrinsic_gradient_compression(
     download_accounting: str = 'table1',
     client_ids: Optional[Sequence[bytes]] = None,
     nonfinite: str = 'raise',
-    engine: str = 'auto',
-    steps_per_call: int = 1,
-    step_bucket: str | int = 'grid',
-    clients_per_chunk: int | str | None = 'auto',
     project_on_server: bool = False,
+    engine: str = 'auto',
+    **engine_options,
 ) -> fedjax.FederatedAlgorithm:
   """Builds static / K-subspace / time-varying IGC as a FederatedAlgorithm.
 
@@ -259,8 +257,6 @@ def intrinsic_gradient_compression(
     client_ids: the training clients' ids (for per-client participation).
     nonfinite: ``'raise'`` or ``'skip'`` (see :mod:`nonfinite`; a skipped
       client uploads 0 bits).
-    engine, steps_per_call, step_bucket, clients_per_chunk: round engine
-      settings (:func:`fedlite_jax.rounds.make_engine`).
     project_on_server: a faster SIMULATION of the same algorithm: the
       projection is linear, so ``sum_i w_i A^(k_i)T delta_i`` (what the
       server aggregates) equals ``A^(k)T`` of the per-subspace weighted sum
@@ -269,6 +265,9 @@ def intrinsic_gradient_compression(
       projecting its own. Equal to the default to float rounding (tested);
       bits are accounted exactly as before. Needs ``upload_transform=None``
       (a quantized upload is not linear).
+    engine, engine_options: round engine name and settings
+      (``steps_per_call``, ``step_bucket``, ``clients_per_chunk``;
+      :func:`fedlite_jax.rounds.make_engine`).
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; ``apply`` returns per-client
@@ -283,22 +282,22 @@ def intrinsic_gradient_compression(
     FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
       every update non-finite (``'skip'``), or a non-finite server state.
   """
-  d = fedopt.check_positive_int(intrinsic_dim, 'intrinsic_dim (d)')
-  K = fedopt.check_positive_int(num_subspaces, 'num_subspaces (K)')
-  fedopt.check_choice(download_accounting, IGC_DOWNLOAD_ACCOUNTING,
+  d = rc.check_int(intrinsic_dim, 'intrinsic_dim (d)')
+  K = rc.check_int(num_subspaces, 'num_subspaces (K)')
+  rc.check_choice(download_accounting, IGC_DOWNLOAD_ACCOUNTING,
                            'download_accounting')
   nonfinite_lib.check_policy(nonfinite)
   if time_varying:
     if rounds_per_epoch is None:
       raise ValueError('time_varying=True needs rounds_per_epoch (one epoch '
                        '= one pass over the clients).')
-    rounds_per_epoch = fedopt.check_positive_int(rounds_per_epoch,
+    rounds_per_epoch = rc.check_int(rounds_per_epoch,
                                                       'rounds_per_epoch')
-  index = fedopt.client_id_index(client_ids)
+  index = rc.client_id_index(client_ids)
   if download_accounting == 'exact' and not index:
     raise ValueError("download_accounting='exact' needs the training "
                      'client_ids.')
-  hparams = fedopt.batch_hparams(batch_size, local_steps)
+  hparams = rc.batch_hparams(batch_size, local_steps)
   projection = tx.intrinsic_projection(d, K, seed, scale, count_index_bits)
   coord_shape = jax.ShapeDtypeStruct((d,), jnp.float32)
   if upload_transform is not None:
@@ -320,7 +319,7 @@ def intrinsic_gradient_compression(
 
   def compress(shared, client_input, delta, mask):
     del mask  # no PVT
-    key = fedopt.compression_key(client_input)
+    key = rc.compression_key(client_input)
     k_proj, k_tail = jax.random.split(key)
     msg, _ = projection.encode(delta, tx.IntrinsicState(shared['fastfood']),
                                k_proj)
@@ -335,7 +334,7 @@ def intrinsic_gradient_compression(
   def defer_projection(shared, client_input, delta, mask):
     del mask  # no PVT
     # The same subspace draw as projection.encode (same key split).
-    k_proj, _ = jax.random.split(fedopt.compression_key(client_input))
+    k_proj, _ = jax.random.split(rc.compression_key(client_input))
     k = tx.sample_subspace(k_proj, K)
     if K == 1:  # The delta pytree itself: no per-client ravel or mask.
       return delta, {'subspace': k}
@@ -351,11 +350,10 @@ def intrinsic_gradient_compression(
     return tx.project_subspaces(fastfood, per_subspace_sums)
 
   round_engine = make_engine(
-      engine, fedopt.delta_client_program(
+      engine, rc.delta_client_program(
           grad_fn, client_optimizer,
           defer_projection if project_on_server else compress),
-      steps_per_call=steps_per_call, step_bucket=step_bucket,
-      clients_per_chunk=clients_per_chunk)
+      **engine_options)
   cache: dict[str, Any] = {}
 
   def subspaces(D: int, epoch: int) -> ff.FastfoodParams:
@@ -366,7 +364,7 @@ def intrinsic_gradient_compression(
     return cache['fastfood']
 
   def spec_of(params):
-    return fedopt.model_spec(params, d, 'intrinsic_dim d')
+    return rc.model_spec(params, d, 'intrinsic_dim d')
 
   @jax.jit
   def server_update(state, fastfood, weighted_sum, total_weight):
@@ -400,10 +398,10 @@ def intrinsic_gradient_compression(
                             opt_state=server_optimizer.init(sigma),
                             epoch=jnp.asarray(epoch, jnp.int32))
     fastfood = subspaces(D, epoch)
-    work = fedopt.make_work(clients, hparams)
+    work = rc.make_work(clients, hparams)
     result = round_engine({'params': state.params, 'fastfood': fastfood},
                           work)
-    total, skipped = fedopt.skip_nonfinite(result, work, nonfinite,
+    total, skipped = rc.skip_nonfinite(result, work, nonfinite,
                                                 name, round_num)
     weighted_sum = result.weighted_sum
     if project_on_server:
@@ -412,13 +410,13 @@ def intrinsic_gradient_compression(
                                   np.float32(total))
     nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     last_epoch = np.asarray(state.last_epoch)
-    positions = fedopt.client_positions(index, work)
+    positions = rc.client_positions(index, work)
     prev = [int(last_epoch[p]) for p in positions] if index else [-1] * len(work)
     bits = [igc_client_bits(
         D, d, K, time_varying, accounting=download_accounting, epoch=epoch,
         last_epoch=p, value_bits=value_bits,
         count_index_bits=count_index_bits) for p in prev]
-    diagnostics = fedopt.client_diagnostics(
+    diagnostics = rc.client_diagnostics(
         work, result, upload_bits=bits[0]['upload_bits'],
         download=[b['download_bits'] for b in bits],
         num_examples=[len(w.batches) * hparams.batch_size for w in work],

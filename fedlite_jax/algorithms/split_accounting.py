@@ -39,6 +39,7 @@ import dataclasses
 import math
 from typing import Mapping, Optional
 
+from fedlite_jax.checks import check_int
 from fedlite_jax.fedlite import pq
 
 #: Bits per float in the ledger (float32 on the wire).
@@ -147,12 +148,6 @@ def skipped_client_bits(bits: IterationBits) -> dict[str, float]:
   return dataclasses.replace(bits, **zeros).diagnostics()
 
 
-def _positive_int(name: str, value: object) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
-  return value
-
-
 def iteration_bits(*,
                    cut_size: int,
                    num_vectors: int,
@@ -186,10 +181,10 @@ def iteration_bits(*,
       (``q`` not dividing ``d``, ``R`` not dividing ``q``, ``L`` outside
       ``[1, N q / R]``; see :func:`fedlite_jax.fedlite.pq.validate_pq_config`).
   """
-  d = _positive_int('cut_size (d)', cut_size)
-  n = _positive_int('num_vectors (N)', num_vectors)
-  wc = _positive_int('num_client_params (|w_c|)', num_client_params)
-  w = _positive_int('num_params (|w|)', num_params)
+  d = check_int(cut_size, 'cut_size (d)')
+  n = check_int(num_vectors, 'num_vectors (N)')
+  wc = check_int(num_client_params, 'num_client_params (|w_c|)')
+  w = check_int(num_params, 'num_params (|w|)')
   if wc > w:
     raise ValueError(f'num_client_params={wc} exceeds num_params={w}.')
   for name, value in (('phi', phi), ('float_bits', float_bits)):

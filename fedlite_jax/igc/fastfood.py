@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlite_jax.checks import check_int
 from fedlite_jax.igc.fwht import fwht
 from fedlite_jax.igc.fwht import is_power_of_two
 
@@ -132,33 +133,6 @@ class FastfoodParams:
   d: int
   L: int
   scale_convention: str
-
-
-def check_int(value: Any, name: str, minimum: int = 1) -> int:
-  """``value`` as a Python int, checked to be ``>= minimum``.
-
-  The one integer-argument check of :mod:`fedlite_jax.igc` and
-  :mod:`fedlite_jax.transforms` (sizes, counts, seeds, top-k's k).
-
-  Args:
-    value: anything with ``__index__`` (Python and NumPy integers).
-    name: the argument's name in the error message.
-    minimum: the smallest allowed value.
-
-  Returns:
-    ``operator.index(value)``.
-
-  Raises:
-    TypeError: if ``value`` is not an integer (a float, a string, a tracer).
-    ValueError: if it is below ``minimum``.
-  """
-  try:
-    i = operator.index(value)
-  except TypeError as e:
-    raise TypeError(f'{name} must be an integer; got {value!r}.') from e
-  if i < minimum:
-    raise ValueError(f'{name} must be >= {minimum}; got {i}.')
-  return i
 
 
 def check_seed(seed: Any, name: str = 'seed') -> int:

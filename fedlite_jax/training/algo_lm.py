@@ -33,6 +33,7 @@ import fedjax
 import optax
 
 from fedlite_jax.algorithms import fedopt
+from fedlite_jax.algorithms import mime_lite
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
@@ -115,7 +116,7 @@ def mime_base_optimizer(config) -> optax.GradientTransformation:
 
 def build_mime_lite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   config = ctx.config
-  return fedopt.efficient_mime_lite(
+  return mime_lite.efficient_mime_lite(
       fedjax.model_grad(ctx.split_model.model),
       mime_base_optimizer(config),
       optimizers.client_batch_hparams(config),

@@ -1,0 +1,320 @@
+"""Round pieces shared by the delta-based algorithms (FedOpt, MimeLite, IGC,
+FetchSGD): argument checks, the client program, client work, non-finite
+handling, download accounting and per-client diagnostics.
+
+Client program (:func:`delta_client_program`): local steps from the
+received ``Q(w)`` -- FedAvg (McMahan et al. 2017, Alg. 1), FedProx (Li et
+al. 2020, Alg. 2: ``+ mu (w - Q(w))``) or MimeLite's fixed statistics
+(Karimireddy et al. 2020, Alg. 1) -- splitting the client's round key as
+FedJAX's ``fed_avg``; the PVT mask (Ro et al. 2022, Sec. 4) uses
+``fold_in(key, pvt.PVT_STREAM)``; then ``compress(Q(w) - w_client)``.
+
+Download accounting ``'changed'`` (FetchSGD / CommEfficient
+``fed_aggregator.py``): the server keeps ``last_changed[j]``, the last round
+whose update changed weight ``j`` (-1: never), and ``last_round[c]``, the
+last round client ``c`` took part in (-1: never); a client that last took
+part in round ``p`` (never: ``p = 0``, it knows the initial model, which
+derives from the seed) downloads ``32 #{j : last_changed[j] >= p}`` bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+
+import fedjax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedlite_jax import transforms as tx
+from fedlite_jax.algorithms import batching
+from fedlite_jax.algorithms import nonfinite as nonfinite_lib
+from fedlite_jax.checks import check_int
+from fedlite_jax.rounds import ClientProgram
+from fedlite_jax.rounds import ClientWork
+from fedlite_jax.transforms import pvt as pvt_lib
+
+Params = Any
+PyTree = Any
+GradFn = Callable[[Params, dict, jax.Array], Params]
+Clients = Sequence[tuple[bytes, fedjax.ClientDataset, jax.Array]]
+PlanFn = Callable[[], Optional[pvt_lib.PVTPlan]]
+
+FLOAT_BITS = 32
+WEIGHTINGS = ('examples', 'uniform')
+DOWNLOAD_ACCOUNTING = ('changed', 'dense')
+UPLOAD_STREAM = 0x75706C64  # 'upld'
+GRAD_UPLOAD_STREAM = 0x67726164  # 'grad'
+DOWNLOAD_STREAM = 0x646F776E  # 'down'
+# IGC's and FetchSGD's compression key (ASCII 'comp'): their subspace choice
+# and sketch streams, kept so their results stay reproducible.
+COMPRESS_STREAM = 0x636F6D70
+
+__all__ = [
+    'COMPRESS_STREAM', 'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'FLOAT_BITS',
+    'GRAD_UPLOAD_STREAM', 'LocalState', 'UPLOAD_STREAM', 'WEIGHTINGS',
+    'batch_hparams', 'changed_counts', 'check_choice', 'check_int',
+    'client_diagnostics', 'client_id_index', 'client_positions',
+    'compression_key', 'delta_client_program', 'download_bits',
+    'make_work', 'mark_changed', 'model_spec', 'num_params', 'participation',
+    'pvt_mask', 'skip_nonfinite',
+]
+
+
+# --------------------------------------------------------------------------
+# Argument checks and static pieces.
+
+def check_choice(value: str, allowed: Sequence[str], name: str) -> str:
+  """Returns ``value`` or raises ``ValueError`` naming ``name`` and ``allowed``."""
+  if value not in allowed:
+    raise ValueError(f'{name}={value!r}: allowed values are '
+                     f'{", ".join(allowed)}.')
+  return value
+
+
+def num_params(params: Params) -> int:
+  """Number of scalar parameters in a pytree."""
+  return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def batch_hparams(batch_size: int,
+                  local_steps: int) -> fedjax.ShuffleRepeatBatchHParams:
+  """``local_steps`` shuffled batches of ``batch_size`` (seed from the key)."""
+  return fedjax.ShuffleRepeatBatchHParams(
+      batch_size=check_int(batch_size, 'batch_size'), num_epochs=None,
+      num_steps=check_int(local_steps, 'local_steps'))
+
+
+def compression_key(client_input: Mapping[str, jax.Array]) -> jax.Array:
+  """IGC's / FetchSGD's compression key (independent of the local steps)."""
+  return jax.random.fold_in(client_input['rng'], COMPRESS_STREAM)
+
+
+def model_spec(params: Params, at_least: int, what: str) -> tx.TreeSpec:
+  """The model's :class:`TreeSpec`; ``ValueError`` if it has fewer than
+  ``at_least`` parameters (``what`` names the setting)."""
+  spec = tx.TreeSpec.of(params)
+  if at_least > spec.size:
+    raise ValueError(f'{what}={at_least} exceeds the number of model '
+                     f'parameters D={spec.size}.')
+  return spec
+
+
+# --------------------------------------------------------------------------
+# The client program: local steps of a local rule, then compress the delta.
+
+def pvt_mask(plan: Optional[pvt_lib.PVTPlan],
+             client_input: Mapping[str, jax.Array]) -> Optional[jax.Array]:
+  """The client's PVT mask ``bool[num_leaves]``, or None (no PVT)."""
+  if plan is None or plan.trains_everything:
+    return None
+  return pvt_lib.sample_mask(
+      plan, jax.random.fold_in(client_input['rng'], pvt_lib.PVT_STREAM))
+
+
+def _masked(tree: PyTree, mask: Optional[jax.Array]) -> PyTree:
+  return tree if mask is None else pvt_lib.apply_mask(tree, mask)
+
+
+class LocalState(NamedTuple):
+  """A client's state between local steps of :func:`delta_client_program`.
+
+  Attributes:
+    params: the client model.
+    opt_state: the client optimizer's state (MimeLite: the server's
+      statistics, never updated).
+    rng: the key of the next step.
+    input: the client input ``{'rng': key}``.
+    anchor: FedProx's ``Q(w)``; None without a proximal term.
+    mask: the PVT mask ``bool[num_leaves]``; None without PVT.
+  """
+  params: Params
+  opt_state: optax.OptState
+  rng: jax.Array
+  input: Mapping[str, jax.Array]
+  anchor: Optional[Params]
+  mask: Optional[jax.Array]
+
+
+def delta_client_program(grad_fn: GradFn,
+                         optimizer: optax.GradientTransformation,
+                         compress: Callable[..., tuple[PyTree, PyTree]], *,
+                         fedprox_mu: float = 0.0, mime: bool = False,
+                         plan: PlanFn = lambda: None) -> ClientProgram:
+  """Local steps, then ``compress(shared, client_input, delta, mask)``.
+
+  Args:
+    grad_fn: ``(params, batch, rng) -> grads``.
+    optimizer: the client optimizer (MimeLite: the base optimizer, whose
+      state comes from ``shared['opt_state']`` and is not updated).
+    compress: ``(shared, client_input, delta, mask) -> (output, diag)``;
+      ``mask`` is the PVT mask ``bool[num_leaves]`` or None.
+    fedprox_mu: ``mu >= 0`` of FedProx's proximal term (0: none).
+    mime: MimeLite's fixed server statistics.
+    plan: returns the PVT plan, or None (no PVT).
+
+  Returns:
+    A :class:`~fedlite_jax.rounds.ClientProgram` over :class:`LocalState`.
+    Shared input: ``{'params': Q(w), ...}``; client input: ``{'rng': key}``.
+    Frozen variables (PVT) get zero gradients and updates. Output:
+    ``compress``'s, zeroed when not finite (:func:`nonfinite.guarded`);
+    diagnostics add ``delta_l2_norm`` and ``finite``.
+  """
+
+  def init(shared, client_input):
+    params = shared['params']
+    return LocalState(
+        params=params,
+        opt_state=shared['opt_state'] if mime else optimizer.init(params),
+        rng=client_input['rng'], input=client_input,
+        anchor=params if fedprox_mu else None,
+        mask=pvt_mask(plan(), client_input))
+
+  def step(state, batch):
+    rng, use_rng = jax.random.split(state.rng)
+    params = state.params
+    grads = _masked(grad_fn(params, batch, use_rng), state.mask)
+    if fedprox_mu:
+      # d/dw of 0.5 mu ||w - w_s||^2 (FedProx, Li et al. 2020, Alg. 2).
+      grads = _masked(jax.tree.map(lambda g, w, s: g + fedprox_mu * (w - s),
+                                   grads, params, state.anchor), state.mask)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    return state._replace(
+        params=optax.apply_updates(params, _masked(updates, state.mask)),
+        opt_state=state.opt_state if mime else opt_state, rng=rng)
+
+  def final(shared, state):
+    delta = jax.tree.map(lambda a, b: a - b, shared['params'], state.params)
+    output, diag = compress(shared, state.input, delta, state.mask)
+    sq = sum(jnp.vdot(x, x) for x in jax.tree.leaves(delta))
+    return output, {**diag, 'delta_l2_norm': jnp.sqrt(sq)}
+
+  return nonfinite_lib.guarded(ClientProgram(init, step, final))
+
+
+def make_work(clients: Clients, hparams: fedjax.ShuffleRepeatBatchHParams,
+              weighting: str = 'uniform') -> list[ClientWork]:
+  """One :class:`ClientWork` per client: its batches and ``{'rng': key}``.
+
+  Weight: the client's number of examples (``'examples'``) or 1
+  (``'uniform'``).
+
+  Raises:
+    ValueError: no client.
+  """
+  if not clients:
+    raise ValueError('A round needs at least one client; got none.')
+  return [ClientWork(cid, batching.client_batches(cds, hparams, rng),
+                     {'rng': rng},
+                     float(len(cds)) if weighting == 'examples' else 1.0)
+          for cid, cds, rng in clients]
+
+
+def skip_nonfinite(result, work: Sequence[ClientWork], nonfinite: str,
+                   algorithm: str, round_num: int
+                   ) -> tuple[float, list[bytes]]:
+  """The non-finite policy (:func:`nonfinite.resolve`) applied to a round.
+
+  Returns:
+    ``(total weight of the kept clients, skipped client ids)``.
+
+  Raises:
+    FloatingPointError: as :func:`nonfinite.resolve`.
+  """
+  ids = [w.client_id for w in work]
+  skipped = nonfinite_lib.resolve(
+      ids, [d['finite'] for d in result.diagnostics], nonfinite, algorithm,
+      round_num)
+  return nonfinite_lib.kept_weight([w.weight for w in work], ids,
+                                   skipped), skipped
+
+
+# --------------------------------------------------------------------------
+# Download accounting (module docstring).
+
+def client_id_index(client_ids: Optional[Sequence[bytes]]) -> dict[bytes, int]:
+  """``{client_id: position}`` (empty for None)."""
+  return {bytes(c): i for i, c in enumerate(client_ids or ())}
+
+
+def client_positions(index: Mapping[bytes, int],
+                     work: Sequence[ClientWork]) -> np.ndarray:
+  """``int32[W]`` positions of the round's clients in ``index`` (empty index:
+  empty array).
+
+  Raises:
+    KeyError: a client that is not among the training clients.
+  """
+  out = []
+  for w in work if index else ():
+    if bytes(w.client_id) not in index:
+      raise KeyError(
+          f'Client {w.client_id!r} is not among the {len(index)} training '
+          'client ids the algorithm was built with (client_ids).')
+    out.append(index[bytes(w.client_id)])
+  return np.asarray(out, np.int32)
+
+
+@jax.jit
+def changed_counts(last_changed: jax.Array,
+                   last_round: jax.Array) -> jax.Array:
+  """``int32[W]``: ``#{j : last_changed[j] >= max(last_round[c], 0)}``."""
+  since = jnp.maximum(last_round, 0)
+  return jax.vmap(lambda p: jnp.sum(last_changed >= p, dtype=jnp.int32))(since)
+
+
+@jax.jit
+def mark_changed(last_changed: jax.Array, old_flat: jax.Array,
+                 new_flat: jax.Array, round_num: jax.Array) -> jax.Array:
+  """``last_changed`` with ``round_num`` where ``new_flat != old_flat``."""
+  return jnp.where(new_flat != old_flat, round_num.astype(jnp.int32),
+                   last_changed)
+
+
+def download_bits(accounting: str, dense_bits: float, num_clients: int,
+                  last_changed: jax.Array, last_round: jax.Array
+                  ) -> np.ndarray:
+  """Download bits of each client of a round, float64 ``[W]``.
+
+  Args:
+    accounting: ``'dense'`` (``dense_bits`` each) or ``'changed'`` (32 x the
+      weights changed since the client last took part).
+    dense_bits: the whole model's download message (bits).
+    num_clients: W.
+    last_changed: ``int32[D]``; last_round: ``int32[W]`` (``'changed'`` only).
+  """
+  if accounting == 'dense':
+    return np.full((num_clients,), float(dense_bits))
+  return FLOAT_BITS * np.asarray(changed_counts(last_changed, last_round),
+                                 np.float64)
+
+
+def participation(state: Any, index: Mapping[bytes, int],
+                  positions: np.ndarray, round_num: int) -> Any:
+  """``state`` with ``round = round_num + 1`` and the participants'
+  ``last_round = round_num`` (skipped clients too: they downloaded)."""
+  last_round = state.last_round
+  if index:
+    last_round = last_round.at[positions].set(round_num)
+  return state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
+                       last_round=last_round)
+
+
+def client_diagnostics(work: Sequence[ClientWork], result, *, upload_bits,
+                       download: np.ndarray, num_examples: Sequence[float],
+                       skipped: Sequence[bytes] = (), extra=None
+                       ) -> dict[bytes, dict[str, Any]]:
+  """``{client_id: {'upload_bits', 'download_bits', 'num_examples',
+  'delta_l2_norm', 'finite', 'skipped', ...}}`` (bits; upload 0 for the
+  ``skipped`` clients). ``upload_bits``: a number or ``diag -> bits``;
+  ``extra``: ``diag -> dict`` merged in."""
+  out = {}
+  for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
+    up = upload_bits(diag) if callable(upload_bits) else upload_bits
+    out[w.client_id] = {
+        'upload_bits': float(up), 'download_bits': float(download[i]),
+        'num_examples': float(num_examples[i]),
+        'delta_l2_norm': float(diag['delta_l2_norm']),
+        'finite': bool(diag['finite']), **(extra(diag) if extra else {})}
+  return nonfinite_lib.mark_skipped(out, skipped)
