@@ -20,17 +20,16 @@ pkgs = {  # target name -> (folder, deps, doc)
   'models': ('fedlite_jax/models', [':fedlite_jax'], 'Split-ready flax models.'),
   'rounds': ('fedlite_jax/rounds', [':fedlite_jax'], 'Round engines (loop / vmap).'),
   'comm': ('fedlite_jax/comm', [], 'Communication ledger.'),
-  'algorithms': ('fedlite_jax/algorithms', [':fedlite_jax', ':rounds', ':transforms', ':igc', ':quantization'], 'Federated algorithms (FedJAX FederatedAlgorithm builders).'),
-  'igc': ('fedlite_jax/igc', [], 'FWHT, Fastfood, intrinsic reparameterization.'),
-  'transforms': ('fedlite_jax/transforms', [':igc', ':quantization'], 'Composable compression transforms with bit costs.'),
-  'quantization': ('fedlite_jax/quantization', [], 'Stochastic k-level quantization, TernGrad.'),
+  'algorithms': ('fedlite_jax/algorithms', [':fedlite_jax', ':rounds', ':transforms', ':igc'], 'Federated algorithms (FedJAX FederatedAlgorithm builders).'),
+  'igc': ('fedlite_jax/igc', [':fedlite_jax'], 'FWHT, Fastfood, intrinsic reparameterization.'),
+  'transforms': ('fedlite_jax/transforms', [':igc'], 'Composable compression transforms with bit costs.'),
   'fedlite': ('fedlite_jax/fedlite', [], 'Grouped product quantization and the VQ layer.'),
   'training': ('fedlite_jax/training', [':algorithms', ':comm', ':datasets', ':models', ':checkpoint_lib'], 'Training package: the experiment runner library.'),
 }
 ext = {
   'fedlite_jax': ['jax', 'numpy', 'fedjax'], 'datasets': ['fedjax', 'numpy', 'h5py', 'mlxtend', 'absl-py', 'msgpack'],
   'models': ['flax', 'jax', 'fedjax'], 'rounds': ['jax', 'numpy'], 'comm': [], 'algorithms': ['absl-py', 'fedjax', 'jax', 'numpy', 'optax'],
-  'igc': ['jax', 'numpy'], 'transforms': ['jax', 'numpy'], 'quantization': ['jax'], 'fedlite': ['jax', 'flax'],
+  'igc': ['jax', 'numpy'], 'transforms': ['jax', 'numpy'], 'fedlite': ['jax', 'flax'],
   'training': ['absl-py', 'fedjax', 'jax', 'matplotlib', 'optax', 'tensorboardX', 'tqdm'],
 }
 out = ['# Bazel targets (rules_python). tests/test_build.py checks that every module,',
