@@ -109,7 +109,7 @@ from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.fedlite import pq
 from fedlite_jax.fedlite import vq_layer
 from fedlite_jax.models import split as split_lib
-from fedlite_jax.rounds import engine as engine_lib
+from fedlite_jax.rounds import chunking
 from fedlite_jax.rounds import sharding
 
 Params = Any
@@ -350,7 +350,7 @@ def split_learning(
       iteration's gradient is summed over chunks of this many clients on
       the device (peak memory follows the chunk), then applied once; an int
       > 0, 0/None (the whole cohort in one program), or 'auto'
-      (:func:`fedlite_jax.rounds.engine.resolve_clients_per_chunk` from the
+      (:func:`fedlite_jax.rounds.chunking.resolve_clients_per_chunk` from the
       client model's size). Same result to float tolerance.
     nonfinite: ``'raise'`` or ``'skip'`` (module docstring).
 
@@ -398,7 +398,7 @@ def split_learning(
           f'q={quantizer.num_subvectors}.')
   execution = resolve_client_execution(client_execution)
   if clients_per_chunk != 'auto':
-    engine_lib.resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates.
+    chunking.resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates.
   model = split_model.model
   client_apply = split_model.client_apply
   server_apply = split_model.server_apply
@@ -555,8 +555,8 @@ def split_learning(
       state = jax.device_put(state, mesh.replicated)
 
     if not per_chunk_ref:
-      per_chunk_ref.append(engine_lib.resolve_clients_per_chunk(
-          clients_per_chunk, engine_lib.tree_bytes(
+      per_chunk_ref.append(chunking.resolve_clients_per_chunk(
+          clients_per_chunk, chunking.tree_bytes(
               split_model.split_params(state.params)[0])))
     devices = 1 if mesh is None else mesh.num_devices
     padded = -(-len(clients) // devices) * devices
@@ -595,7 +595,7 @@ def split_learning(
       return new_state, {k: np.concatenate([d[k] for d in diags])
                          for k in diags[0]}, finite
 
-    engine_lib.record('split', per_chunk_ref[0], clients=len(clients),
+    chunking.record('split', per_chunk_ref[0], clients=len(clients),
                       client_steps=len(clients), padded_steps=slots_total,
                       chunks=slots_total // lanes)
     ids = [cid for cid, _, _ in clients]
