@@ -11,9 +11,10 @@ One ``apply`` is one iteration of Section 3 for the sampled clients ``S``:
    and computes ``Z_i = u(w_c; batch_i)`` (``[B, d]``, or ``[B, T, d]`` for
    the NWP LSTM: ``N = B T`` vectors of size ``d``, one per token position).
 2. **Upload.** SplitFed sends ``Z_i``; FedLite sends the grouped-PQ message
-   of ``Z_i`` (codebook + codewords, :func:`fedlite_jax.fedlite.pq.grouped_pq`,
-   with a fresh codebook every iteration, as the paper requires), from which
-   the server rebuilds ``Z~_i``. Labels go up as well.
+   of ``Z_i`` (codebook + codewords, through the transform
+   :func:`fedlite_jax.transforms.product_quantization`, a fresh codebook
+   every iteration), from which the server rebuilds ``Z~_i``. Labels go up
+   as well.
 3. **Server update.** The server evaluates its part on the concatenation of
    all clients' (quantized) activations; its objective is
    ``F_s = sum_i p_i l_i / sum_i p_i`` with ``l_i`` the mean training loss of
@@ -21,64 +22,42 @@ One ``apply`` is one iteration of Section 3 for the sampled clients ``S``:
    examples, as ``fedjax.model_grad``). It steps ``w_s`` with its own
    optimizer on ``dF_s/dw_s`` and returns ``G_i = dl_i/dZ~_i`` to client ``i``.
 4. **Client backward.** Equation 5 for every example, averaged like the
-   loss: ``g_i = [G_i + lambda' M_i (Z_i - Z~_i)]^T dZ_i/dw_c``. With the
-   default ``lambda_scaling='example'``, ``lambda' = lambda / B``: the
-   corrected per-example gradients ``[dl_j/dz~_j + lambda (z_j - z~_j)]
-   dz_j/dw_c`` are averaged over the batch exactly as the paper's analysis
-   does (Appendix B, equation 36), i.e. the Appendix A surrogate
-   ``(lambda/2) ||z_j - z~_j||^2`` is added to every example's loss (summed
-   over its vectors for sequences) before the batch mean
-   (``loss_reduction='mean'``, ``num_vectors = B``). With
-   ``lambda_scaling='batch'``, ``lambda' = lambda``: ``lambda (Z - Z~)`` is
-   added to the gradient of the client's batch-mean loss (a plain
-   ``custom_vjp`` adding ``lambda (z - z~)`` in a mean-loss model,
-   ``loss_reduction='sum'``; ``lambda_batch = lambda_example / B``). The
-   paper does not say which its code used. ``M_i`` masks vectors that carry
-   no loss (NWP positions whose target is PAD, see :func:`loss_vector_mask`);
-   ``lambda = 0`` is the straight-through update and SplitFed has no
-   correction (``Z~ = Z``). The correction is not built here: the server's
-   objective reads the clients' ``Z`` through
-   :func:`fedlite_jax.fedlite.vq_layer.vq_with_correction` (forward ``Z~``,
-   ``vector_weights = (p_i / sum p) M_i``), so differentiating it w.r.t.
-   ``Z`` yields the corrected cotangents
-   ``(p_i / sum p) [G_i + lambda' M_i (Z_i - Z~_i)]``.
+   loss: ``g_i = [G_i + lambda' M_i (Z_i - Z~_i)]^T dZ_i/dw_c``.
+   ``lambda_scaling='example'`` (default): ``lambda' = lambda / B``, the
+   corrected per-example gradients averaged over the batch as in the
+   paper's analysis (Appendix B, equation 36; the Appendix A surrogate
+   ``(lambda/2) ||z_j - z~_j||^2`` added to every example's loss, summed
+   over its vectors for sequences, before the batch mean). ``'batch'``: ``lambda' = lambda``, ``lambda (Z - Z~)`` added
+   to the gradient of the client's batch-mean loss (``lambda_batch =
+   lambda_example / B``; the paper does not say which its code used).
+   ``M_i`` masks vectors that carry no loss (NWP PAD targets,
+   :func:`loss_vector_mask`); ``lambda = 0`` is straight-through and
+   SplitFed has no correction (``Z~ = Z``). The server's objective reads
+   ``Z`` through :func:`fedlite_jax.fedlite.vq_layer.vq_with_correction`
+   (forward ``Z~``, ``vector_weights = (p_i / sum p) M_i``), so its gradient
+   w.r.t. ``Z`` is the corrected cotangent.
 5. **Client-model synchronization.** ``g_c = sum_i p_i g_i / sum_i p_i`` is
    applied to ``w_c`` with the client optimizer.
 
-Weights ``p_i``: ``'uniform'`` (default, ``p_i = 1``: every client contributes
-``B`` examples, so with SGD and no quantization the iteration IS one step of
-mini-batch SGD on the whole model over the ``B |S|`` examples, with learning
-rate ``eta_c`` on ``w_c`` and ``eta_s`` on ``w_s``; ``eta_c = eta_s = eta``
-gives plain SGD(``eta``) -- ``tests/test_splitfed.py`` checks this against
-``jax.grad`` of the whole ``fedjax.Model``) or ``'num_examples'`` (``p_i =
-|D_i|``, the client's dataset size; still exact SGD on that weighted loss).
+Weights ``p_i``: ``'uniform'`` (default, ``p_i = 1``; with SGD and no
+quantization the iteration IS one step of mini-batch SGD on the whole model
+over the ``B |S|`` examples, rate ``eta_c`` on ``w_c`` and ``eta_s`` on
+``w_s``, checked in ``tests/test_splitfed.py``) or ``'num_examples'`` (``p_i
+= |D_i|``; exact SGD on that weighted loss).
 
-Mini-batch choice: clients are stateless (FedJAX gives each sampled client a
-fresh PRNG key per round), so "its next batch" is the first batch of a
-shuffle-repeat pass seeded by the client's key
-(``fedjax.ShuffleRepeatBatchHParams(batch_size=B, num_epochs=None,
-num_steps=1)``, seed :func:`fedlite_jax.algorithms.batching.
-shuffle_seed_from_rng`): ``B`` examples uniformly without replacement, or the
-whole dataset plus uniformly re-drawn examples when it has fewer than ``B``.
-Dropout (client and server part) uses ``fold_in(key, 1)`` of the client's
-key -- the same key for both parts, so the split model draws exactly the
-masks ``model.apply_for_train(params, batch_i, fold_in(key, 1))`` would -- and
-the k-means initialization ``fold_in(key, 2)``.
+The client's mini-batch and forward/backward pass:
+:mod:`fedlite_jax.algorithms.split_clients`. Dropout (client and server
+part) uses ``fold_in(key, 1)`` of the client's key -- the same key for both
+parts, so the split model draws exactly the masks
+``model.apply_for_train(params, batch_i, fold_in(key, 1))`` would -- and the
+k-means initialization ``fold_in(key, 2)``.
 
-Execution: the whole iteration of all clients is ONE jitted program: the
-clients' forward passes (``client_execution='vmap'``: ``jax.vmap`` over
-clients with the shared ``w_c``, so a convolution is one convolution over
-``|S| B`` images, not a grouped one; ``'unroll'``: one forward per client,
-unrolled in the same program, the CPU default because XLA:CPU's
-convolution-kernel and max-pool gradients scale badly with the batch), the
-quantizer vmapped over clients (one k-means per client), the server step on
-all clients' activations, and the VJP of the client forward with the
-per-client cotangents ``(p_i / sum p) [G_i + correction_i]``, which yields
-``g_c`` directly (the weighted sum of the per-client ``g_i``, by linearity).
-The program is compiled once per cohort size and batch shape.
-
-Communication per client per iteration: see
-:mod:`fedlite_jax.algorithms.split_accounting`.
+Execution: the whole iteration of all clients is ONE jitted program (per
+chunk of clients): the clients' forward passes, the quantizer vmapped over
+clients, the server step on all clients' activations, and the VJP of the
+client forward with the per-client cotangents ``(p_i / sum p) [G_i +
+correction_i]``, which yields ``g_c`` directly (by linearity). Communication
+per client per iteration: :mod:`fedlite_jax.algorithms.split_accounting`.
 
 Non-finite clients (:mod:`fedlite_jax.algorithms.nonfinite`): a client
 whose activations, batch loss or returned gradient ``G_i`` is NaN/Inf
@@ -92,7 +71,6 @@ nothing and received no gradient
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
@@ -103,23 +81,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import split_accounting
+from fedlite_jax.algorithms import split_clients
+# Re-exported: the client side as users and tests reach it.
+from fedlite_jax.algorithms.split_clients import (  # noqa: F401
+    PAD_ID, ClientExecution, LambdaScaling, QuantizerConfig, client_batch,
+    loss_vector_mask, resolve_client_execution)
 from fedlite_jax.fedlite import pq
 from fedlite_jax.fedlite import vq_layer
 from fedlite_jax.models import split as split_lib
-from fedlite_jax.rounds import engine as engine_lib
+from fedlite_jax.rounds import chunking
 from fedlite_jax.rounds import sharding
 
 Params = Any
 Batch = Mapping[str, Any]
 ClientWeighting = Literal['uniform', 'num_examples']
 VectorMaskFn = Callable[[Batch, jax.Array], jax.Array]
-ClientExecution = Literal['auto', 'vmap', 'unroll']
-LambdaScaling = Literal['batch', 'example']
 
-PAD_ID = 0
 AUTO_LABEL_BITS = -1
 _DROPOUT_FOLD = 1
 _KMEANS_FOLD = 2
@@ -140,174 +119,8 @@ class SplitState:
   server_opt_state: optax.OptState
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizerConfig:
-  """FedLite's quantization layer (Sections 4.1 and 4.2).
-
-  Attributes:
-    num_subvectors: ``q``, subvectors per activation vector (divides ``d``).
-    num_groups: ``R``, groups sharing one codebook (divides ``q``; 1 is the
-      paper's default, ``R = q`` vanilla product quantization).
-    num_centroids: ``L``, k-means centroids per group
-      (``1 <= L <= N q / R`` with ``N`` vectors per client).
-    correction_lambda: ``lambda >= 0`` of equation 5 (module docstring); 0
-      is the straight-through update.
-    lambda_scaling: ``'example'`` (default; ``lambda / B``: equation 5 per
-      example, averaged as in Appendix B eq. 36) or ``'batch'`` (``lambda
-      (Z - Z~)`` added to the gradient of the client's batch-mean loss).
-    kmeans_iters: Lloyd iterations per k-means (``>= 0``).
-    empty_cluster: ``'farthest'`` or ``'keep'`` (see
-      :mod:`fedlite_jax.fedlite.pq`).
-  """
-  num_subvectors: int
-  num_groups: int = 1
-  num_centroids: int = 2
-  correction_lambda: float = 0.0
-  lambda_scaling: LambdaScaling = 'example'
-  kmeans_iters: int = pq.DEFAULT_NUM_ITERS
-  empty_cluster: pq.EmptyClusterRule = 'farthest'
-
-  def __post_init__(self):
-    for name in ('num_subvectors', 'num_groups', 'num_centroids'):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
-    if self.num_subvectors % self.num_groups:
-      raise ValueError(f'num_groups (R) must divide num_subvectors '
-                       f'q={self.num_subvectors}, got R={self.num_groups}.')
-    lam = self.correction_lambda
-    if (isinstance(lam, bool) or not isinstance(lam, (int, float)) or
-        not math.isfinite(lam) or lam < 0):
-      raise ValueError(f'correction_lambda must be a finite number >= 0, got '
-                       f'{lam!r}.')
-    if self.lambda_scaling not in ('batch', 'example'):
-      raise ValueError(f"lambda_scaling must be 'batch' or 'example', got "
-                       f'{self.lambda_scaling!r}.')
-    if (isinstance(self.kmeans_iters, bool) or
-        not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 0):
-      raise ValueError(f'kmeans_iters must be an integer >= 0, got '
-                       f'{self.kmeans_iters!r}.')
-    if self.empty_cluster not in ('farthest', 'keep'):
-      raise ValueError(f"empty_cluster must be 'farthest' or 'keep', got "
-                       f'{self.empty_cluster!r}.')
-
-  @property
-  def shape(self) -> split_accounting.PQShape:
-    return split_accounting.PQShape(self.num_subvectors, self.num_groups,
-                                    self.num_centroids)
-
-  def validate(self, cut_size: int, num_vectors: int) -> None:
-    """Checks ``q | d``, ``R | q`` and ``L <= N q / R``.
-
-    Raises:
-      ValueError: naming the offending value (``pq.validate_pq_config``).
-    """
-    pq.validate_pq_config(cut_size, num_vectors, self.num_subvectors,
-                          self.num_groups, self.num_centroids)
-
-
-def loss_vector_mask(batch: Batch, activations: jax.Array) -> jax.Array:
-  """Which activation vectors of one client carry training loss.
-
-  For sequence activations ``[B, T, d]`` with integer targets ``batch['y']``
-  of shape ``[B, T]`` (next-word prediction): positions whose target is not
-  PAD (id 0, FedJAX's convention; their loss is masked out of
-  ``train_loss``). Otherwise all vectors.
-
-  Args:
-    batch: one client's batch.
-    activations: its activations, ``[B, d]`` or ``[B, T, d]``.
-
-  Returns:
-    float32 of shape ``activations.shape[:-1]`` with entries in {0, 1}.
-  """
-  lead = activations.shape[:-1]
-  y = batch.get('y') if hasattr(batch, 'get') else None
-  if (len(lead) == 2 and y is not None and tuple(y.shape) == tuple(lead) and
-      jnp.issubdtype(y.dtype, jnp.integer)):
-    return (y != PAD_ID).astype(jnp.float32)
-  return jnp.ones(lead, jnp.float32)
-
-
 def _num_params(tree: Params) -> int:
   return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
-
-
-def _stack(batches: Sequence[Batch]) -> dict[str, np.ndarray]:
-  keys = set(batches[0])
-  for b in batches[1:]:
-    if set(b) != keys:
-      raise ValueError(f'Clients have different batch keys: {sorted(keys)} vs '
-                       f'{sorted(b)}.')
-  return {k: np.stack([np.asarray(b[k]) for b in batches]) for k in keys}
-
-
-def client_batch(dataset: fedjax.ClientDataset, batch_size: int,
-                 rng: jax.Array) -> dict[str, np.ndarray]:
-  """The one mini-batch a client uses in an iteration (module docstring).
-
-  Args:
-    dataset: the client's data (at least one example).
-    batch_size: ``B``.
-    rng: the client's PRNG key for this iteration.
-
-  Returns:
-    A dict of NumPy arrays with ``B`` rows each.
-
-  Raises:
-    ValueError: if the client has no examples.
-  """
-  hparams = fedjax.ShuffleRepeatBatchHParams(
-      batch_size=batch_size, num_epochs=None, num_steps=1)
-  return batching.client_batches(dataset, hparams, rng)[0]
-
-
-def resolve_client_execution(execution: ClientExecution) -> str:
-  """``'auto'`` -> ``'unroll'`` on CPU, ``'vmap'`` on GPU/TPU.
-
-  Raises:
-    ValueError: for a value other than 'auto', 'vmap', 'unroll'.
-  """
-  if execution not in ('auto', 'vmap', 'unroll'):
-    raise ValueError(f"client_execution must be 'auto', 'vmap' or 'unroll', "
-                     f'got {execution!r}.')
-  if execution == 'auto':
-    return 'unroll' if jax.default_backend() == 'cpu' else 'vmap'
-  return execution
-
-
-def _client_forward_vjp(client_apply, wc, batch, drop, execution: str):
-  """Client forward of all clients and the VJP of their sum w.r.t. ``w_c``.
-
-  Returns ``(z, vjp)``: ``z`` stacks the clients' activations ``[C, ...]``;
-  ``vjp(cotangent[C, ...])`` returns ``(sum_i cot_i^T dz_i/dw_c,)``.
-
-  ``'vmap'``: one ``jax.vmap`` over clients with the shared ``w_c``.
-  ``'unroll'``: a Python loop over clients inside the same jitted program
-  (one forward and one VJP per client, then a sum). On XLA:CPU the
-  convolution-kernel gradient and max-pool gradient scale badly with the
-  batch (EMNIST CNN client part, fwd+bwd: 35 ms at 20 images, 980 ms at 200),
-  so a whole FEMNIST iteration (10 clients x 20) ran ~1.5x faster unrolled
-  (0.8 vs 1.2 s on a loaded 2-core machine).
-  """
-  if execution == 'vmap':
-    return jax.vjp(
-        lambda w: jax.vmap(client_apply, in_axes=(None, 0, 0))(w, batch, drop),
-        wc)
-  num_clients = drop.shape[0]
-  zs, vjps = [], []
-  for i in range(num_clients):
-    batch_i = jax.tree.map(lambda x, i=i: x[i], batch)
-    z_i, vjp_i = jax.vjp(
-        lambda w, b=batch_i, k=drop[i]: client_apply(w, b, k), wc)
-    zs.append(z_i)
-    vjps.append(vjp_i)
-
-  def vjp(cotangent):
-    grads = [vjps[i](cotangent[i])[0] for i in range(num_clients)]
-    return (jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *grads),)
-
-  return jnp.stack(zs), vjp
 
 
 def split_learning(
@@ -350,7 +163,7 @@ def split_learning(
       iteration's gradient is summed over chunks of this many clients on
       the device (peak memory follows the chunk), then applied once; an int
       > 0, 0/None (the whole cohort in one program), or 'auto'
-      (:func:`fedlite_jax.rounds.engine.resolve_clients_per_chunk` from the
+      (:func:`fedlite_jax.rounds.chunking.resolve_clients_per_chunk` from the
       client model's size). Same result to float tolerance.
     nonfinite: ``'raise'`` or ``'skip'`` (module docstring).
 
@@ -398,7 +211,7 @@ def split_learning(
           f'q={quantizer.num_subvectors}.')
   execution = resolve_client_execution(client_execution)
   if clients_per_chunk != 'auto':
-    engine_lib.resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates.
+    chunking.resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates.
   model = split_model.model
   client_apply = split_model.client_apply
   server_apply = split_model.server_apply
@@ -412,6 +225,9 @@ def split_learning(
     raise ValueError(f'{name} runs in one process (several devices are '
                      'fine); got a mesh over several processes.')
 
+  if quantizer is not None:
+    upload = split_clients.pq_upload(quantizer, phi)
+
   def objective_and_grads(params, batch, rngs, weights, total=None):
     """Steps 1-4 for the given clients; returns the sum of their gradients
     and per-client diagnostics. ``total``: the weight of the whole cohort
@@ -420,22 +236,19 @@ def split_learning(
     drop = jax.vmap(lambda k: jax.random.fold_in(k, _DROPOUT_FOLD))(rngs)
     p = weights / (jnp.sum(weights) if total is None else total)
 
-    z, client_vjp = _client_forward_vjp(client_apply, wc, batch, drop,
-                                        execution)  # [C, B, (T,) d]
+    z, client_vjp = split_clients.client_forward_vjp(client_apply, wc, batch,
+                                                     drop, execution)  # [C, B, (T,) d]
     num_clients = z.shape[0]
     diag = {}
     if quantizer is not None:
       flat = z.reshape(num_clients, -1, z.shape[-1])  # [C, N, d]
       kmeans_keys = jax.vmap(
           lambda k: jax.random.fold_in(k, _KMEANS_FOLD))(rngs)
-      quantize = functools.partial(
-          pq.grouped_pq, q=quantizer.num_subvectors, R=quantizer.num_groups,
-          L=quantizer.num_centroids, num_iters=quantizer.kmeans_iters,
-          phi=phi, empty_cluster=quantizer.empty_cluster)
-      result = jax.vmap(quantize)(flat, kmeans_keys)
-      z_up = result.reconstruction.reshape(z.shape)
-      diag['quantization_error'] = result.quantization_error
-      diag['relative_quantization_error'] = result.relative_error
+      z_up = jax.vmap(upload)(flat, kmeans_keys)  # [C, N, d]
+      (diag['quantization_error'],
+       diag['relative_quantization_error']) = jax.vmap(
+           pq.quantization_errors)(flat, z_up)
+      z_up = z_up.reshape(z.shape)
 
       # Equation 5 via the custom_vjp layer: forward Z~, backward
       # G + lambda' w (Z - Z~) with w = p_i M_i (p normalized; step 4).
@@ -555,8 +368,8 @@ def split_learning(
       state = jax.device_put(state, mesh.replicated)
 
     if not per_chunk_ref:
-      per_chunk_ref.append(engine_lib.resolve_clients_per_chunk(
-          clients_per_chunk, engine_lib.tree_bytes(
+      per_chunk_ref.append(chunking.resolve_clients_per_chunk(
+          clients_per_chunk, chunking.tree_bytes(
               split_model.split_params(state.params)[0])))
     devices = 1 if mesh is None else mesh.num_devices
     padded = -(-len(clients) // devices) * devices
@@ -575,7 +388,7 @@ def split_learning(
                      [0.0] * extra, np.float32)
 
       def args(part):
-        out = (_stack([batches[i] for i in slots[part]]),
+        out = (split_clients.stack_batches([batches[i] for i in slots[part]]),
                np.stack([rngs[i] for i in slots[part]]), w[part])
         return out if mesh is None else jax.device_put(out,
                                                        mesh.client_sharding)
@@ -595,7 +408,7 @@ def split_learning(
       return new_state, {k: np.concatenate([d[k] for d in diags])
                          for k in diags[0]}, finite
 
-    engine_lib.record('split', per_chunk_ref[0], clients=len(clients),
+    chunking.record('split', per_chunk_ref[0], clients=len(clients),
                       client_steps=len(clients), padded_steps=slots_total,
                       chunks=slots_total // lanes)
     ids = [cid for cid, _, _ in clients]

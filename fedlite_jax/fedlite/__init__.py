@@ -2,7 +2,7 @@
 gradient-corrected quantization layer, as pure JAX functions.
 
 * :mod:`fedlite_jax.fedlite.pq`: the quantizer of Section 4.1 and its message
-  size in bits.
+  size in bits; its batched Lloyd k-means in :mod:`fedlite_jax.fedlite.kmeans`.
 * :mod:`fedlite_jax.fedlite.vq_layer`: the ``custom_vjp`` layer of Section
   4.2 (equation 5) and a Flax module.
 
@@ -17,6 +17,7 @@ from fedlite_jax.fedlite.pq import kmeans_init_indices
 from fedlite_jax.fedlite.pq import pq_compression_ratio
 from fedlite_jax.fedlite.pq import pq_message_bits
 from fedlite_jax.fedlite.pq import PQResult
+from fedlite_jax.fedlite.pq import quantization_errors
 from fedlite_jax.fedlite.pq import uncompressed_bits
 from fedlite_jax.fedlite.pq import ungroup_subvectors
 from fedlite_jax.fedlite.pq import validate_pq_config

@@ -25,33 +25,22 @@ vectors and ``R = q`` is vanilla product quantization.
 Everything here is pure JAX: :func:`grouped_pq` jit-compiles with static
 ``q, R, L, num_iters`` and options, works inside an outer ``jax.jit``, and can
 be ``jax.vmap``-ed over a leading client axis (one key per client; the vmap
-folds clients into the group axis, see :func:`_batched_lloyd`).
+folds clients into the group axis,
+:func:`fedlite_jax.fedlite.kmeans.batched_lloyd`). Algorithms reach it
+through the communication transform
+:func:`fedlite_jax.transforms.product_quantization`.
 
-k-means details, which the paper leaves open:
-
-* **Initialization** (:func:`kmeans_init_indices`): stratified sampling of
-  distinct points. The ``N = B q / R`` points of a group are split into ``L``
-  contiguous strata ``[floor(l N / L), floor((l + 1) N / L))`` and centroid
-  ``l`` starts at a uniformly random point of stratum ``l`` (one uniform draw
-  per centroid, independent per group). The indices are distinct because
-  ``L <= N``; unlike ``jax.random.choice(replace=False)`` (a full sort of
-  ``N`` keys, ~7 ms per client at the FEMNIST setting on XLA:CPU) it costs
-  ``O(R L)``. Points of a group are ordered batch-major (point ``n`` is
-  vector ``n // (q/R)``, subvector ``r q/R + n % (q/R)``), so the strata are
-  runs of consecutive examples of the batch.
-* **Lloyd iterations**: exactly ``num_iters`` (assign, update) steps, then one
-  final assignment, so the codewords are always the nearest centroids of the
-  returned codebook (``num_iters = 0`` returns the initial points as the
-  codebook). Ties go to the lowest centroid index. The mean squared error is
-  non-increasing in ``num_iters`` (for a fixed key).
-* **Empty clusters** are handled deterministically, per group and iteration:
-  ``'keep'`` keeps an empty cluster's previous centroid (as
-  ``scipy.cluster.vq.kmeans2``); ``'farthest'`` (default) moves the
-  lowest-indexed empty cluster onto the point farthest from its centroid
-  (lowest point index on ties), like scikit-learn's relocation, unless every
-  point already coincides with its centroid; further empty clusters wait for
-  later iterations. With ``'farthest'`` and ``L >=`` the number of distinct
-  subvectors in every group, enough iterations give an exact reconstruction.
+k-means details, which the paper leaves open: Lloyd iterations and empty
+clusters as in :mod:`fedlite_jax.fedlite.kmeans` (``'farthest'`` by
+default); the initialization (:func:`kmeans_init_indices`) is stratified
+sampling of distinct points. The ``N = B q / R`` points of a group are split
+into ``L`` contiguous strata ``[floor(l N / L), floor((l + 1) N / L))`` and
+centroid ``l`` starts at a uniformly random point of stratum ``l`` (one
+uniform draw per centroid, independent per group). The indices are distinct
+because ``L <= N``; unlike ``jax.random.choice(replace=False)`` (a full sort
+of ``N`` keys) it costs ``O(R L)``. Points of a group are ordered
+batch-major (point ``n`` is vector ``n // (q/R)``, subvector ``r q/R + n %
+(q/R)``), so the strata are runs of consecutive examples of the batch.
 """
 
 from __future__ import annotations
@@ -59,12 +48,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Literal
+from typing import Literal
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+
+from fedlite_jax.fedlite import kmeans
 
 EmptyClusterRule = Literal['farthest', 'keep']
 UpdateMethod = Literal['auto', 'segment_sum', 'onehot']
@@ -73,16 +64,6 @@ UpdateMethod = Literal['auto', 'segment_sum', 'onehot']
 DEFAULT_PHI = 64.0
 #: Default number of Lloyd iterations (the paper does not say).
 DEFAULT_NUM_ITERS = 20
-
-# Centroids are scanned in blocks of this many when assigning points: inside a
-# block an unrolled running minimum (jnp.argmin over an axis of >= ~31 hits a
-# slow XLA:CPU path: 2.5 ms vs 0.1 ms for 32 x 23,040 distances), across
-# blocks a fori_loop (fully unrolled code for L = 960 compiled for 40 s and ran
-# 1000x slower). Measured on XLA:CPU, see benchmarks/bench_pq.py.
-_ASSIGN_BLOCK = 32
-# Subvectors up to this dimension get exact, unrolled distance computations.
-_DIRECT_MAX_DIM = 8
-_HIGHEST = lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +209,8 @@ def kmeans_init_indices(key: jax.Array, num_groups: int, num_points: int,
   ``[floor(l N / L), floor((l + 1) N / L))``, where ``N = num_points`` and
   ``L = num_centroids``: ``lo + min(floor(u size), size - 1)`` with
   ``u = jax.random.uniform(key, (R, L))`` (float32, so uniform up to a relative
-  bias below ``size * 2**-23``; ``jax.random.randint`` doubled the compile time
-  of the whole quantizer). No sort and no permutation; see the module
-  docstring.
+  bias below ``size * 2**-23``; ``jax.random.randint`` compiles slower). No
+  sort and no permutation; see the module docstring.
 
   Args:
     key: a JAX PRNG key (typed or raw uint32).
@@ -257,210 +237,6 @@ def kmeans_init_indices(key: jax.Array, num_groups: int, num_points: int,
   u = jax.random.uniform(key, (num_groups, num_centroids), jnp.float32)
   offset = jnp.floor(u * size.astype(np.float32)).astype(jnp.int32)
   return lo + jnp.minimum(offset, size - 1)
-
-
-def _nearest(c: jax.Array, xt: jax.Array) -> jax.Array:
-  """Index of the nearest centroid of every point, batched over groups.
-
-  Squared distances are formed in blocks of ``_ASSIGN_BLOCK`` centroids and
-  reduced with an unrolled running minimum (strict ``<``: the lowest index
-  wins ties). For subvectors of dimension ``m <= _DIRECT_MAX_DIM`` they are
-  exact sums of squared differences, unrolled over the ``m`` coordinates (4x
-  faster than a matmul with an inner dimension of 4 on XLA:CPU); for larger
-  ``m``, ``||c||^2 - 2 x.c`` (one matmul per block; ``||x||^2`` is constant
-  per point and dropped).
-
-  Args:
-    c: ``[G, L, m]`` centroids.
-    xt: ``[G, m, N]`` points, transposed (points on the minor axis, so that
-      the per-centroid rows of the distance matrix are contiguous).
-
-  Returns:
-    int32 ``[G, N]``.
-  """
-  g, num_centroids, m = c.shape
-  n = xt.shape[-1]
-  direct = m <= _DIRECT_MAX_DIM
-  cc = jnp.sum(c * c, axis=-1)
-  block = min(num_centroids, _ASSIGN_BLOCK)
-  num_blocks = -(-num_centroids // block)
-  pad = num_blocks * block - num_centroids
-  if pad:
-    # Padding centroids are at +inf distance and never chosen.
-    c = jnp.concatenate(
-        [c, jnp.full((g, pad, m), jnp.inf if direct else 0, c.dtype)], axis=1)
-    cc = jnp.concatenate([cc, jnp.full((g, pad), jnp.inf, cc.dtype)], axis=1)
-  c = c.reshape(g, num_blocks, block, m)
-  cc = cc.reshape(g, num_blocks, block)
-
-  def scan_block(b, carry):
-    best, arg = carry
-    cb = lax.dynamic_index_in_dim(c, b, axis=1, keepdims=False)
-    if direct:
-      rows = []
-      for l in range(block):
-        dist = jnp.square(xt[:, 0] - cb[:, l, 0:1])
-        for k in range(1, m):
-          dist = dist + jnp.square(xt[:, k] - cb[:, l, k:k + 1])
-        rows.append(dist)
-    else:
-      ccb = lax.dynamic_index_in_dim(cc, b, axis=1, keepdims=False)
-      dist = ccb[:, :, None] - 2.0 * jnp.einsum(
-          'glm,gmn->gln', cb, xt, precision=_HIGHEST)
-      rows = [dist[:, l] for l in range(block)]
-    for l, dist in enumerate(rows):
-      closer = dist < best
-      best = jnp.where(closer, dist, best)
-      arg = jnp.where(closer, b * block + l, arg)
-    return best, arg
-
-  init = (jnp.full((g, n), jnp.inf, xt.dtype), jnp.zeros((g, n), jnp.int32))
-  if num_blocks == 1:
-    _, arg = scan_block(0, init)
-  else:
-    _, arg = lax.fori_loop(0, num_blocks, scan_block, init)
-  return arg
-
-
-def _cluster_sums(x: jax.Array, assign: jax.Array, num_centroids: int,
-                  method: str) -> tuple[jax.Array, jax.Array]:
-  """Per-cluster sums ``[G, L, m]`` and int32 counts ``[G, L]``.
-
-  ``method='segment_sum'`` scatters (fastest on XLA:CPU: 0.1-0.2 ms at the
-  paper's settings vs 0.6-90 ms for the one-hot matmul at L >= 30);
-  ``'onehot'`` contracts a ``[G, L, N]`` one-hot with the points
-  (deterministic where scatter-adds are atomic, e.g. GPUs).
-  """
-  g, n, m = x.shape
-  if method == 'segment_sum':
-    ids = (assign + num_centroids *
-           jnp.arange(g, dtype=jnp.int32)[:, None]).reshape(-1)
-    sums = jax.ops.segment_sum(x.reshape(g * n, m), ids, g * num_centroids)
-    counts = jax.ops.segment_sum(jnp.ones((g * n,), jnp.int32), ids,
-                                 g * num_centroids)
-    return (sums.reshape(g, num_centroids, m),
-            counts.reshape(g, num_centroids))
-  onehot = assign[:, None, :] == lax.broadcasted_iota(
-      jnp.int32, (1, num_centroids, 1), 1)
-  sums = jnp.einsum('gln,gnm->glm', onehot.astype(x.dtype), x,
-                    precision=_HIGHEST)
-  counts = jnp.sum(onehot, axis=-1, dtype=jnp.int32)
-  return sums, counts
-
-
-def _relocate_empty(x: jax.Array, c: jax.Array, assign: jax.Array,
-                    counts: jax.Array, new: jax.Array) -> jax.Array:
-  """The ``'farthest'`` empty-cluster rule for one Lloyd step.
-
-  Args:
-    x: ``[G, N, m]`` points.
-    c: ``[G, L, m]`` centroids the points were assigned to.
-    assign: int32 ``[G, N]`` nearest centroid of each point under ``c``.
-    counts: int32 ``[G, L]`` points per cluster.
-    new: ``[G, L, m]`` updated centroids (means; ``c`` where empty).
-
-  Returns:
-    ``new`` with, in every group that has an empty cluster and a point not
-    equal to its centroid, the lowest-indexed empty cluster moved onto the
-    point farthest from its centroid (lowest point index on ties).
-  """
-  g, n, _ = x.shape
-  num_centroids = c.shape[1]
-  dist = jnp.sum(
-      jnp.square(x - jnp.take_along_axis(c, assign[:, :, None], axis=1)),
-      axis=-1)
-  far_val = jnp.max(dist, axis=1, keepdims=True)
-  far = jnp.min(jnp.where(dist == far_val,
-                          lax.broadcasted_iota(jnp.int32, (g, n), 1), n),
-                axis=1)
-  far = jnp.minimum(far, n - 1)  # Only reached with NaN distances.
-  point = jnp.take_along_axis(x, far[:, None, None], axis=1)  # [G, 1, m]
-  centroid_ids = lax.broadcasted_iota(jnp.int32, (g, num_centroids), 1)
-  first_empty = jnp.min(
-      jnp.where(counts == 0, centroid_ids, num_centroids), axis=1)
-  move = (centroid_ids == first_empty[:, None]) & (far_val > 0)
-  return jnp.where(move[..., None], point, new)
-
-
-def _lloyd(x: jax.Array, c0: jax.Array, num_iters: int,
-           empty_cluster: str,
-           method: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``num_iters`` Lloyd steps and a final assignment, batched over groups.
-
-  Args:
-    x: ``[G, N, m]`` points.
-    c0: ``[G, L, m]`` initial centroids.
-    num_iters: Lloyd steps.
-    empty_cluster: ``'farthest'`` or ``'keep'``.
-    method: ``'segment_sum'`` or ``'onehot'`` (see :func:`_cluster_sums`).
-
-  Returns:
-    ``(codebook [G, L, m], assignment int32 [G, N], reconstruction [G, N, m])``.
-  """
-  num_centroids = c0.shape[1]
-  xt = jnp.swapaxes(x, 1, 2)
-
-  def trip(i, carry):
-    c, _ = carry
-    assign = _nearest(c, xt)
-    sums, counts = _cluster_sums(x, assign, num_centroids, method)
-    new = jnp.where((counts > 0)[..., None],
-                    sums / jnp.maximum(counts, 1)[..., None].astype(x.dtype),
-                    c)
-    if empty_cluster == 'farthest':
-      new = lax.cond(jnp.any(counts == 0),
-                     functools.partial(_relocate_empty, x, c, assign, counts),
-                     lambda new: new, new)
-    return jnp.where(i < num_iters, new, c), assign
-
-  # Trip i assigns the points to the centroids of trip i and updates them
-  # (except on the last trip), so the loop yields the final codebook and the
-  # assignment to it. The assignment must come out of a loop: computed after
-  # it, XLA:CPU fuses its unrolled select chain into the gather c[assign] and
-  # into every consumer of that, and LLVM ran for minutes at L = 32 (a one-hot
-  # matmul instead cost 1.7 ms per client at the SO NWP setting; tracking the
-  # nearest centroid's value in the running minimum 2 ms). At least 2 trips,
-  # since XLA inlines single-trip loops.
-  c, assign = lax.fori_loop(
-      0, max(num_iters, 1) + 1, trip,
-      (c0, jnp.zeros(x.shape[:2], jnp.int32)))
-  return c, assign, jnp.take_along_axis(c, assign[:, :, None], axis=1)
-
-
-_LloydFn = Callable[[jax.Array, jax.Array],
-                    tuple[jax.Array, jax.Array, jax.Array]]
-
-
-@functools.lru_cache(maxsize=None)
-def _batched_lloyd(num_iters: int, empty_cluster: str,
-                   method: str) -> _LloydFn:
-  """:func:`_lloyd` whose ``vmap`` folds the mapped axis into the group axis.
-
-  Groups are independent k-means problems, so ``C`` clients of ``R`` groups
-  are one problem with ``C R`` groups. ``jax.vmap`` of the plain code instead
-  batched every scatter, loop and unrolled slice: 2.6x slower per client than
-  a Python loop over clients at the FEMNIST setting on XLA:CPU; folded, it is
-  on par with the loop (and one program on accelerators).
-  """
-
-  @jax.custom_batching.custom_vmap
-  def run(x, c0):
-    return _lloyd(x, c0, num_iters, empty_cluster, method)
-
-  @run.def_vmap
-  def _rule(axis_size, in_batched, x, c0):
-    x_batched, c0_batched = in_batched
-    if not x_batched:
-      x = jnp.broadcast_to(x, (axis_size,) + x.shape)
-    if not c0_batched:
-      c0 = jnp.broadcast_to(c0, (axis_size,) + c0.shape)
-    lead = x.shape[:2]
-    outs = run(x.reshape((-1,) + x.shape[2:]),
-               c0.reshape((-1,) + c0.shape[2:]))
-    return (tuple(o.reshape(lead + o.shape[1:]) for o in outs),
-            (True, True, True))
-
-  return run
 
 
 def group_subvectors(z: jax.Array, q: int, R: int) -> jax.Array:
@@ -507,7 +283,8 @@ def grouped_pq(z: jax.Array,
     L: centroids per group, ``1 <= L <= B q / R``.
     num_iters: Lloyd iterations (``>= 0``), followed by a final assignment.
     phi: bits per float for the message size (paper: 64).
-    empty_cluster: ``'farthest'`` or ``'keep'`` (module docstring).
+    empty_cluster: ``'farthest'`` or ``'keep'``
+      (:mod:`fedlite_jax.fedlite.kmeans`).
     update_method: how cluster sums are formed: ``'segment_sum'`` (a scatter;
       fastest on CPU), ``'onehot'`` (a one-hot matmul; deterministic on GPU,
       where scatter-adds are atomic), or ``'auto'`` (``'segment_sum'`` when
@@ -545,6 +322,25 @@ def grouped_pq(z: jax.Array,
                      empty_cluster, update_method)
 
 
+def quantization_errors(z: jax.Array,
+                        z_tilde: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The errors of :class:`PQResult` for a ``[B, d]`` batch and its ``Z~``.
+
+  Computed in float32 (float64 for float64 ``z``); differentiable in ``z``.
+
+  Returns:
+    float32 scalars ``(sum_j ||z_j - z~_j||^2 / B, ||Z - Z~||_F^2 /
+    ||Z||_F^2)`` (the latter 0 when ``Z`` is all zeros).
+  """
+  zc = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+  sq_err = jnp.sum(jnp.square(zc - z_tilde.astype(zc.dtype)),
+                   dtype=jnp.float32)
+  sq_norm = jnp.sum(jnp.square(zc), dtype=jnp.float32)
+  relative = jnp.where(sq_norm > 0,
+                       sq_err / jnp.where(sq_norm > 0, sq_norm, 1), 0.)
+  return sq_err / z.shape[0], relative
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
                 num_iters: int, phi: float, empty_cluster: str,
@@ -558,21 +354,19 @@ def _grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
   x = group_subvectors(lax.stop_gradient(zc), q, R)  # [R, N, m]
   init = kmeans_init_indices(key, R, x.shape[1], L)
   c0 = jnp.take_along_axis(x, init[:, :, None], axis=1)
-  codebook, assign, recon = _batched_lloyd(num_iters, empty_cluster,
-                                           update_method)(x, c0)
+  codebook, assign, recon = kmeans.batched_lloyd(num_iters, empty_cluster,
+                                                 update_method)(x, c0)
   recon = ungroup_subvectors(recon, num_vectors)
   codewords = ungroup_subvectors(assign[:, :, None], num_vectors)
-  sq_err = jnp.sum(jnp.square(zc - recon), dtype=jnp.float32)
-  sq_norm = jnp.sum(jnp.square(zc), dtype=jnp.float32)
+  error, relative = quantization_errors(z, recon)
   message = pq_message_bits(d, num_vectors, q, R, L, phi)
   uncompressed = uncompressed_bits(d, num_vectors, phi)
   return PQResult(
       codebook=codebook,
       codewords=codewords,
       reconstruction=recon.astype(z.dtype),
-      quantization_error=sq_err / num_vectors,
-      relative_error=jnp.where(sq_norm > 0,
-                               sq_err / jnp.where(sq_norm > 0, sq_norm, 1), 0.),
+      quantization_error=error,
+      relative_error=relative,
       message_bits=message,
       uncompressed_bits=uncompressed,
       compression_ratio=uncompressed / message)

@@ -12,6 +12,11 @@ vmapped programs in chunks and :class:`CompressedBackend` adds download/upload
 compression with a communication ledger.
 """
 
+from fedlite_jax.rounds.chunking import Chunk
+from fedlite_jax.rounds.chunking import bucket_steps
+from fedlite_jax.rounds.chunking import plan_chunks
+from fedlite_jax.rounds.chunking import recording_stats
+from fedlite_jax.rounds.chunking import resolve_clients_per_chunk
 from fedlite_jax.rounds.compressed_backend import CompressedBackend
 from fedlite_jax.rounds.engine import ClientProgram
 from fedlite_jax.rounds.engine import ClientWork
@@ -20,13 +25,8 @@ from fedlite_jax.rounds.engine import LoopEngine
 from fedlite_jax.rounds.engine import RoundResult
 from fedlite_jax.rounds.engine import VmapEngine
 from fedlite_jax.rounds.engine import VmappedClients
-from fedlite_jax.rounds.engine import Chunk
-from fedlite_jax.rounds.engine import bucket_steps
 from fedlite_jax.rounds.engine import default_engine_name
 from fedlite_jax.rounds.engine import make_engine
-from fedlite_jax.rounds.engine import plan_chunks
-from fedlite_jax.rounds.engine import recording_stats
-from fedlite_jax.rounds.engine import resolve_clients_per_chunk
 from fedlite_jax.rounds.fedjax_backend import VmapBackend
 from fedlite_jax.rounds.remote import RemoteClientDataset
 from fedlite_jax.rounds.sharding import ClientMesh

@@ -6,44 +6,40 @@ of :class:`ClientWork` items, and return ``sum_i w_i * output_i``, ``sum_i
 w_i`` and the per-client diagnostics. Weighted sums (not means) let algorithms
 such as PVT divide per variable by the weight of the clients that trained it.
 
-* :class:`VmapEngine`: the clients of a round as compiled programs of
-  ``jax.vmap`` over clients and ``lax.scan`` over local steps, run in
-  chunks of at most ``clients_per_chunk`` clients (per device), the
-  weighted sum accumulated on the device, so peak memory follows the chunk,
-  not the cohort. Clients are sorted by local step count and grouped
-  (:func:`plan_chunks`) so that the steps executed, masked ones included,
-  stay close to the useful ones; step counts are bucketed
-  (:func:`bucket_steps`) so compiled shapes repeat from round to round.
-  This is the layout for GPU/TPU. The vmapped program itself is
-  :class:`VmappedClients`, which :class:`~fedlite_jax.rounds.VmapBackend`
-  shares for FedJAX's ``for_each_client``.
+* :class:`VmapEngine`: the clients as compiled programs of ``jax.vmap`` over
+  clients and ``lax.scan`` over local steps (:class:`VmappedClients`, which
+  :class:`~fedlite_jax.rounds.VmapBackend` shares), in chunks of similar step
+  counts (:mod:`fedlite_jax.rounds.chunking`), the weighted sum accumulated
+  on the device, so peak memory follows the chunk, not the cohort. The
+  layout for GPU/TPU.
 * :class:`LoopEngine`: a Python loop over clients calling jitted blocks of
-  ``steps_per_call`` unrolled steps. On XLA:CPU a ``while`` loop (scan) or a
-  vmap around a convolutional training step is 3-13x slower than per-step
-  jitted calls (docs/DESIGN_NOTES.md, jax-ml/jax#12868), so this is the CPU
-  default. ``benchmarks/bench_fedavg.py`` measures both.
+  ``steps_per_call`` unrolled steps: XLA:CPU runs a ``while`` loop (scan) or
+  a vmap around a convolutional training step slower than per-step jitted
+  calls (docs/DESIGN_NOTES.md, jax-ml/jax#12868), so this is the CPU default.
 
 Masked steps use ``jnp.where(mask, new_state, state)``: the state after a
-masked step is bit-identical to the state before it.
-
-Engine statistics (useful and executed local steps, chunks) are reported to
-every :func:`recording_stats` context that is open.
+masked step is bit-identical to the state before it. Engine statistics go to
+every open :func:`~fedlite_jax.rounds.chunking.recording_stats` context.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlite_jax.rounds import chunking
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
+# Re-exported: the chunking names that tests, benchmarks and the runner use.
+from fedlite_jax.rounds.chunking import (  # noqa: F401
+    AUTO_LANE_EXTRA_BYTES, AUTO_MAX_CLIENTS_PER_CHUNK, AUTO_MEMORY_FRACTION,
+    AUTO_PARAM_COPIES, bucket_steps, executed_steps, plan_chunks,
+    recording_stats, resolve_clients_per_chunk, tree_bytes)
 
 PyTree = Any
 Batch = dict
@@ -101,70 +97,8 @@ class RoundResult:
   diagnostics: list[PyTree]
 
 
-class StatsRecorder:
-  """Engine counts accumulated while a :func:`recording_stats` context is open.
-
-  Counts: ``clients`` (client updates run), ``client_steps`` (useful local
-  steps), ``padded_steps`` (local steps executed, masked steps of shorter
-  clients and of padding clients included), ``chunks`` (compiled-program
-  runs: one per chunk for the vmap engine, one per client for the loop
-  engine); ``name`` and ``clients_per_chunk`` are the last engine's.
-  """
-
-  _KEYS = ('clients', 'client_steps', 'padded_steps', 'chunks')
-
-  def __init__(self):
-    self._counts = dict.fromkeys(self._KEYS, 0)
-    self._totals = dict.fromkeys(self._KEYS, 0)
-    self.name: Optional[str] = None
-    self.clients_per_chunk: Optional[int] = None
-
-  def add(self, name: str, clients_per_chunk: int, **counts: int) -> None:
-    self.name, self.clients_per_chunk = name, int(clients_per_chunk)
-    for k, v in counts.items():
-      self._counts[k] += int(v)
-      self._totals[k] += int(v)
-
-  def _view(self, counts: dict[str, int]) -> dict[str, Any]:
-    return {'name': self.name, 'clients_per_chunk': self.clients_per_chunk,
-            **counts}
-
-  def take(self) -> dict[str, Any]:
-    """The counts since the last ``take`` (then reset), with name and chunk size."""
-    out = self._view(dict(self._counts))
-    self._counts = dict.fromkeys(self._KEYS, 0)
-    return out
-
-  def totals(self) -> dict[str, Any]:
-    """The counts since the recorder was opened."""
-    return self._view(dict(self._totals))
-
-
-_RECORDERS: list[StatsRecorder] = []
-
-
-@contextlib.contextmanager
-def recording_stats() -> Iterator[StatsRecorder]:
-  """Collects the counts of every engine call made inside the context."""
-  recorder = StatsRecorder()
-  _RECORDERS.append(recorder)
-  try:
-    yield recorder
-  finally:
-    _RECORDERS.remove(recorder)
-
-
-def record(name: str, clients_per_chunk: int, **counts: int) -> None:
-  """Adds one run's counts (:class:`StatsRecorder`) to the open recorders."""
-  for recorder in _RECORDERS:
-    recorder.add(name, clients_per_chunk, **counts)
-
-
-_record = record
-
-
 def default_engine_name() -> str:
-  """'vmap' on GPU/TPU, 'loop' on CPU (measured; see module docstring)."""
+  """'vmap' on GPU/TPU, 'loop' on CPU (see the module docstring)."""
   return 'loop' if jax.default_backend() == 'cpu' else 'vmap'
 
 
@@ -262,11 +196,10 @@ class LoopEngine:
       total += float(w.weight)
       diags.append(diag)
     steps = [len(w.batches) for w in work]
-    _record(self.name, 1, clients=len(work), client_steps=sum(steps),
+    chunking.record(self.name, 1, clients=len(work), client_steps=sum(steps),
             padded_steps=sum(-(-n // self._k) * self._k for n in steps),
             chunks=len(work))
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
-
 
   def _output_shape(self, shared_input: PyTree, state: PyTree) -> PyTree:
     """Shapes of ``program.final``'s output, traced once per input shapes."""
@@ -279,234 +212,14 @@ class LoopEngine:
     return self._output_shapes[key]
 
 
-def bucket_steps(num_steps: int, policy: str | int) -> int:
-  """The padded local-step count of a chunk whose longest client has ``num_steps``.
-
-  Args:
-    num_steps: the most local steps (batches) of any client of the chunk.
-    policy: 'grid' (the smallest value >= ``num_steps`` on a grid of four
-      values per octave: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...; at
-      most 1.25x ``num_steps``, at most 4 compiled shapes per doubling),
-      'pow2' (next power of two), 'exact' (``num_steps``) or an int fixed
-      budget.
-
-  Returns:
-    The step count every client of the chunk is padded to with masked no-op
-    steps.
-
-  Raises:
-    ValueError: an unknown policy, or ``num_steps`` above an int budget.
-  """
-  num_steps = int(num_steps)
-  if isinstance(policy, int):
-    if num_steps > policy:
-      raise ValueError(
-          f'A client has {num_steps} local steps, more than the fixed step '
-          f'budget {policy}; raise the budget or cap the client data.')
-    return policy
-  if policy == 'grid':
-    if num_steps <= 4:
-      return max(1, num_steps)
-    unit = 1 << ((num_steps - 1).bit_length() - 3)
-    return -(-num_steps // unit) * unit
-  if policy == 'pow2':
-    return 1 << max(0, (num_steps - 1).bit_length())
-  if policy == 'exact':
-    return num_steps
-  raise ValueError(f"step_bucket must be 'grid', 'pow2', 'exact' or an int; "
-                   f'got {policy!r}.')
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-  """One compiled-program run of a round: some clients side by side.
-
-  Attributes:
-    members: cohort positions of the chunk's clients, in lane order.
-    lanes: client rows of the program (>= ``len(members)``); the extra rows
-      are padding clients (zero weight, every step masked).
-    steps: local steps of the program (>= every member's step count).
-  """
-  members: tuple[int, ...]
-  lanes: int
-  steps: int
-
-
-def executed_steps(chunks: Sequence[Chunk]) -> int:
-  """Local steps the chunks execute, masked ones included: ``sum lanes * steps``."""
-  return sum(c.lanes * c.steps for c in chunks)
-
-
-def _lane_sizes(max_lanes: int, multiple: int) -> np.ndarray:
-  """Allowed lane counts: ``multiple * 2^k`` below ``max_lanes``, and it."""
-  sizes, v = {max_lanes}, multiple
-  while v < max_lanes:
-    sizes.add(v)
-    v *= 2
-  return np.asarray(sorted(sizes))
-
-
-#: :func:`plan_chunks` keeps executed steps within this factor of the useful
-#: ones when it can (on the 'grid' bucket it always can: chunks of one
-#: client are within 1.25x).
-TARGET_PADDING = 1.25
-
-
-def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
-                step_bucket: str | int = 'grid', lane_multiple: int = 1,
-                chunk_cost: Optional[float] = None) -> list[Chunk]:
-  """Groups a cohort into chunks of similar local step counts.
-
-  The clients are sorted by step count (stable) and cut into contiguous
-  groups; each group runs as one chunk of ``lanes`` rows (a power of two
-  times ``lane_multiple``, or the maximum) and ``bucket_steps(longest)``
-  steps. The cut minimises ``sum(lanes * steps) + chunk_cost * chunks`` by
-  dynamic programming. Without ``chunk_cost`` the largest of ``max_lanes /
-  4^k`` (then 0) whose plan executes at most :data:`TARGET_PADDING` times
-  the useful steps is used: few chunks (few dispatches and compiled shapes)
-  with little padding. Deterministic in ``step_counts``.
-
-  Args:
-    step_counts: ``[n]`` local steps of each client (>= 0).
-    clients_per_chunk: most clients of a chunk per device (> 0); 0 or None:
-      no limit (one chunk may hold the whole cohort).
-    step_bucket: :func:`bucket_steps` policy.
-    lane_multiple: lanes are a multiple of this (the device count).
-    chunk_cost: the price of one more chunk in lane-steps (>= 0).
-
-  Returns:
-    Chunks covering every client once, in ascending step order.
-
-  Raises:
-    ValueError: negative step counts or chunk sizes.
-  """
-  counts = np.asarray([int(c) for c in step_counts], np.int64)
-  if np.any(counts < 0):
-    raise ValueError(f'step counts must be >= 0; got {counts.min()}.')
-  if clients_per_chunk is not None and clients_per_chunk < 0:
-    raise ValueError(f'clients_per_chunk must be >= 0 (0: no limit); got '
-                     f'{clients_per_chunk}.')
-  if lane_multiple < 1:
-    raise ValueError(f'lane_multiple must be >= 1; got {lane_multiple}.')
-  n = len(counts)
-  if n == 0:
-    return []
-  needed = -(-n // lane_multiple) * lane_multiple
-  max_lanes = needed if not clients_per_chunk else min(
-      clients_per_chunk * lane_multiple, needed)
-  sizes = _lane_sizes(max_lanes, lane_multiple)
-  # lanes_for[m]: the smallest allowed lane count holding m clients.
-  lanes_for = sizes[np.searchsorted(sizes, np.arange(max_lanes + 1))]
-  order = np.argsort(counts, kind='stable')
-  steps = np.asarray([bucket_steps(max(int(c), 1), step_bucket)
-                      for c in counts[order]], np.int64)
-
-  def solve(price: float) -> list[Chunk]:
-    best = np.zeros(n + 1, np.float64)
-    cut = np.zeros(n + 1, np.int64)
-    for j in range(1, n + 1):
-      i = np.arange(max(0, j - max_lanes), j)
-      cost = best[i] + lanes_for[j - i] * steps[j - 1] + price
-      k = int(np.argmin(cost))  # Ties: the largest chunk (smallest i).
-      best[j], cut[j] = cost[k], i[k]
-    chunks, j = [], n
-    while j > 0:
-      i = int(cut[j])
-      chunks.append(Chunk(tuple(int(x) for x in order[i:j]),
-                          int(lanes_for[j - i]), int(steps[j - 1])))
-      j = i
-    return chunks[::-1]
-
-  if chunk_cost is not None:
-    if not chunk_cost >= 0:
-      raise ValueError(f'chunk_cost must be >= 0; got {chunk_cost}.')
-    return solve(float(chunk_cost))
-  useful = max(int(counts.sum()), 1)
-  price = float(max_lanes)
-  while price >= 1:
-    chunks = solve(price)
-    if executed_steps(chunks) <= TARGET_PADDING * useful:
-      return chunks
-    price /= 4
-  return solve(0.0)
-
-
-#: ``clients_per_chunk='auto'``: a lane is budgeted this many copies of the
-#: model's parameters (parameters, local optimizer state, gradients, the
-#: delta and its compressed form, scan carries) plus :data:`AUTO_LANE_EXTRA_BYTES`
-#: of activations and batches, within :data:`AUTO_MEMORY_FRACTION` of the
-#: device's memory, and at most :data:`AUTO_MAX_CLIENTS_PER_CHUNK` clients.
-AUTO_PARAM_COPIES = 16
-AUTO_LANE_EXTRA_BYTES = 64 * 2**20
-AUTO_MEMORY_FRACTION = 0.5
-AUTO_MAX_CLIENTS_PER_CHUNK = 256
-
-
-def device_memory_bytes(device: Optional[jax.Device] = None) -> int:
-  """The memory of ``device`` in bytes: its allocator limit on GPU/TPU, the
-  host's physical memory on CPU (the total, not the momentary free bytes, so
-  that a run's chunking, and so its results, do not depend on other jobs)."""
-  device = device or jax.local_devices()[0]
-  stats = None
-  try:
-    stats = device.memory_stats()
-  except Exception:  # pylint: disable=broad-except  # Backends without stats.
-    stats = None
-  if stats and stats.get('bytes_limit'):
-    return int(stats['bytes_limit'])
-  return int(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
-
-
-def resolve_clients_per_chunk(value: int | str | None, param_bytes: int,
-                              memory_bytes: Optional[int] = None) -> int:
-  """Clients per chunk (per device) for ``value``; 0 means no limit.
-
-  Args:
-    value: an int > 0, 0 or None (the whole cohort in one chunk), or 'auto':
-      ``floor(AUTO_MEMORY_FRACTION * memory / (AUTO_PARAM_COPIES *
-      param_bytes + AUTO_LANE_EXTRA_BYTES))`` clamped to [1,
-      AUTO_MAX_CLIENTS_PER_CHUNK].
-    param_bytes: bytes of one copy of the client's model parameters.
-    memory_bytes: the device's memory (default :func:`device_memory_bytes`).
-
-  Raises:
-    ValueError: a negative int or another string.
-  """
-  if value is None:
-    return 0
-  if isinstance(value, str):
-    if value != 'auto':
-      raise ValueError(f"clients_per_chunk must be an int >= 0 or 'auto'; got "
-                       f'{value!r}.')
-    memory = device_memory_bytes() if memory_bytes is None else memory_bytes
-    lane = AUTO_PARAM_COPIES * max(int(param_bytes), 1) + AUTO_LANE_EXTRA_BYTES
-    return int(min(max(AUTO_MEMORY_FRACTION * memory // lane, 1),
-                   AUTO_MAX_CLIENTS_PER_CHUNK))
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-      value < 0:
-    raise ValueError(f"clients_per_chunk must be an int >= 0 or 'auto'; got "
-                     f'{value!r}.')
-  return int(value)
-
-
-def tree_bytes(tree: PyTree) -> int:
-  """Bytes of the arrays of ``tree``."""
-  return sum(int(np.prod(np.shape(x))) * np.dtype(jnp.result_type(x)).itemsize
-             for x in jax.tree.leaves(tree))
-
-
 class VmappedClients:
   """A client update for many clients as ONE jitted program (vmap + scan).
 
-  ``jax.vmap`` over a client axis of ``lax.scan`` over local steps. Each
-  client's steps are padded to ``steps`` with masked no-op steps (zero
-  batches; the state after a masked step is bit-identical to the state
-  before it and its step result is zeros). The client axis is padded with
-  padding clients (zero ``client_input``, no steps) to a multiple of the
-  mesh's device count and split over the mesh (``shared_input``
-  replicated). :class:`VmapEngine` (weighted sum inside the program) and
-  :class:`~fedlite_jax.rounds.VmapBackend` (per-client outputs and step
-  results) are this program.
+  ``jax.vmap`` over clients of ``lax.scan`` over local steps, each client
+  padded to ``steps`` with masked no-op steps (zero batches and step
+  results, state unchanged) and the client axis padded with padding clients
+  (zero ``client_input``, no steps) to a multiple of the mesh's devices.
+  :class:`VmapEngine` and :class:`~fedlite_jax.rounds.VmapBackend` run it.
 
   Args:
     init: ``(shared_input, client_input) -> state``.
@@ -514,10 +227,9 @@ class VmappedClients:
     final: ``(shared_input, state) -> output``.
     mesh: the :class:`ClientMesh` to split clients over (several processes
       allowed); None runs on the default device with no padding clients.
-    reduce: ``(outputs, step_results) -> result``, traced inside the same
-      program (e.g. a sum over clients, which becomes a cross-device
-      all-reduce on a mesh); leaves of ``outputs`` are ``[rows, ...]``, of
-      ``step_results`` ``[rows, steps, ...]``. None returns both unreduced.
+    reduce: ``(outputs, step_results) -> result`` inside the same program
+      (e.g. a sum over clients: an all-reduce on a mesh); leaves are
+      ``[rows, ...]`` and ``[rows, steps, ...]``. None: both unreduced.
     out_shardings: ``jax.jit`` output shardings of the result (None: XLA's
       choice).
   """
@@ -628,21 +340,17 @@ class VmappedClients:
 class VmapEngine:
   """The clients of a round as vmapped programs, in chunks (vmap + scan).
 
-  Each chunk of :func:`plan_chunks` is one run of a :class:`VmappedClients`
-  program whose weighted sum over the chunk's clients is part of the same
-  program; the chunk sums are accumulated on the device. The next chunk's
-  batches are stacked on the host while the device runs the current one
-  (asynchronous dispatch), and per-client diagnostics come to the host once,
-  after the last chunk.
+  Each chunk (:func:`~fedlite_jax.rounds.chunking.plan_round`) is one run of
+  a :class:`VmappedClients` program that also sums its clients' weighted
+  outputs; the chunk sums are accumulated on the device, and the next chunk
+  is stacked on the host while the device runs the current one.
 
   Args:
     program: the client update.
     step_bucket: :func:`bucket_steps` policy of each chunk's step count:
       'grid' (default), 'pow2', 'exact' or an int fixed budget.
     mesh: split each chunk's clients over this :class:`ClientMesh` (devices
-      and processes; ``fedlite_jax.rounds.sharding``); None runs on the
-      default device. The chunk sum is a cross-device reduction inside the
-      program.
+      and processes); None runs on the default device.
     clients_per_chunk: most clients of a chunk per device: an int > 0, 0 or
       None (no limit: lanes follow the cohort), or 'auto'
       (:func:`resolve_clients_per_chunk` from the parameter bytes of
@@ -694,40 +402,8 @@ class VmapEngine:
 
   @property
   def clients_per_chunk(self) -> Optional[int]:
-    """The resolved chunk size per device (0: no limit); None before the
-    first call when set to 'auto'."""
+    """The resolved chunk size per device (0: no limit; None: not yet)."""
     return self._per_chunk
-
-  def _plan(self, steps: Sequence[int]) -> list[list[Chunk]]:
-    """Per chunk, per process, the chunk of that process's clients.
-
-    Single process: :func:`plan_chunks`. Several processes: each process
-    sorts its own clients by step count and chunk ``k`` takes the ``k``-th
-    block of ``clients_per_chunk * local devices`` of them on every process,
-    at the step bucket of the longest of them all; every process derives the
-    same plan from the cohort's step counts.
-    """
-    mesh = self._mesh
-    per = self._per_chunk
-    if mesh is None or not mesh.multi_process:
-      devices = 1 if mesh is None else mesh.num_devices
-      return [[c] for c in plan_chunks(steps, per, self._bucket, devices)]
-    cohort = len(steps)
-    local_devices = mesh.num_devices // mesh.num_processes
-    blocks = []
-    for p in range(mesh.num_processes):
-      lo, hi = mesh.local_clients(cohort, p)
-      blocks.append(sorted(range(lo, hi), key=lambda i: (steps[i], i)))
-    size = max(len(b) for b in blocks)
-    lanes = (-(-size // local_devices) if not per else
-             min(per, -(-size // local_devices))) * local_devices
-    out = []
-    for start in range(0, size, lanes):
-      members = [tuple(b[start:start + lanes]) for b in blocks]
-      longest = max(steps[i] for m in members for i in m)
-      n = bucket_steps(max(longest, 1), self._bucket)
-      out.append([Chunk(m, lanes, n) for m in members])
-    return out
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
@@ -737,7 +413,7 @@ class VmapEngine:
       self._per_chunk = resolve_clients_per_chunk(
           self._per_chunk_setting, tree_bytes(shared_input))
     steps = [len(w.batches) for w in work]
-    plan = self._plan(steps)
+    plan = chunking.plan_round(steps, self._per_chunk, self._bucket, mesh)
     process = 0 if mesh is None else mesh.process_index
     first = next(w for w in work
                  if not isinstance(w.batches, remote.RemoteBatches))
@@ -769,7 +445,7 @@ class VmapEngine:
       # server update that follows is an ordinary (process-local) program.
       weighted_sum = jax.tree.map(lambda x: x.addressable_data(0),
                                   weighted_sum)
-    _record(self.name, self._per_chunk, clients=len(work),
+    chunking.record(self.name, self._per_chunk, clients=len(work),
             client_steps=sum(steps),
             padded_steps=sum(c.lanes * c.steps for pp in plan for c in pp),
             chunks=len(plan))

@@ -24,9 +24,9 @@ How a call is run:
 * Chunks: clients with the same client-input shapes and first-batch shapes
   form a group; each group is cut into chunks of at most
   ``clients_per_chunk`` clients per device by
-  :func:`~fedlite_jax.rounds.engine.plan_chunks` (clients sorted by local
+  :func:`~fedlite_jax.rounds.chunking.plan_chunks` (clients sorted by local
   step count, steps padded with masked no-op steps to
-  :func:`~fedlite_jax.rounds.engine.bucket_steps`, lanes a multiple of the
+  :func:`~fedlite_jax.rounds.chunking.bucket_steps`, lanes a multiple of the
   device count). Chunks run one at a time and their clients are yielded as
   soon as the chunk is done, so at most one chunk's outputs are live on the
   device while the algorithm consumes them. Clients come back group by group
@@ -49,7 +49,7 @@ How a call is run:
 Same results as FedJAX's ``jit`` backend to float tolerance
 (``tests/test_fedjax_backend.py``); ``benchmarks/bench_scaling.py`` times
 it. Counts (clients, useful and executed local steps, program runs) go to
-:func:`fedlite_jax.rounds.engine.recording_stats` under the name
+:func:`fedlite_jax.rounds.chunking.recording_stats` under the name
 ``'vmap_backend'``.
 """
 
@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlite_jax.rounds import chunking
 from fedlite_jax.rounds import engine as engine_lib
 from fedlite_jax.rounds import sharding
 
@@ -126,7 +127,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
       bucket_steps`): 'grid' (default), 'pow2', 'exact' or an int budget.
     clients_per_chunk: most clients of a chunk per device: an int > 0, 0 or
       None (no limit), or 'auto'
-      (:func:`~fedlite_jax.rounds.engine.resolve_clients_per_chunk` from the
+      (:func:`~fedlite_jax.rounds.chunking.resolve_clients_per_chunk` from the
       bytes of the first call's ``shared_input`` and the device's memory).
 
   Raises:
@@ -138,9 +139,9 @@ class VmapBackend(fedjax.ForEachClientBackend):
   def __init__(self, mesh: Optional[sharding.ClientMesh] = None,
                step_bucket: str | int = 'grid',
                clients_per_chunk: int | str | None = 'auto'):
-    engine_lib.bucket_steps(1, step_bucket)  # Validates the policy.
+    chunking.bucket_steps(1, step_bucket)  # Validates the policy.
     if clients_per_chunk != 'auto':
-      engine_lib.resolve_clients_per_chunk(clients_per_chunk, 0)
+      chunking.resolve_clients_per_chunk(clients_per_chunk, 0)
     self._mesh = mesh
     self._bucket = step_bucket
     self._per_chunk_setting = clients_per_chunk
@@ -198,8 +199,8 @@ class VmapBackend(fedjax.ForEachClientBackend):
       if not clients:
         return
       if self._per_chunk is None:
-        self._per_chunk = engine_lib.resolve_clients_per_chunk(
-            self._per_chunk_setting, engine_lib.tree_bytes(shared_input))
+        self._per_chunk = chunking.resolve_clients_per_chunk(
+            self._per_chunk_setting, chunking.tree_bytes(shared_input))
       per_chunk = self._per_chunk
       segments = [_segments(b) for _, b, _ in clients]
       groups = collections.OrderedDict()
@@ -229,7 +230,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
             seg_batches = [clients[i][1][segments[i][j][1]:segments[i][j][2]]
                            for i in part]
             longest = max(len(b) for b in seg_batches)
-            steps = engine_lib.bucket_steps(longest, self._bucket)
+            steps = chunking.bucket_steps(longest, self._bucket)
             part_lanes = lanes_for(len(part), lanes)
             prog = program(j == 0, last)
             out, step_results = prog(shared_input, seg_batches,
@@ -262,7 +263,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
           yield cid, no_steps(shared_input, cin), []
         for members in groups.values():
           steps = [len(clients[i][1]) for i in members]
-          for chunk in engine_lib.plan_chunks(steps, per_chunk, self._bucket,
+          for chunk in chunking.plan_chunks(steps, per_chunk, self._bucket,
                                               devices):
             done = run_chunk([members[m] for m in chunk.members], chunk.lanes)
             counts['clients'] += len(done)
@@ -273,6 +274,6 @@ class VmapBackend(fedjax.ForEachClientBackend):
               i, output, results = done.pop()
               yield clients[i][0], output, results
       finally:
-        engine_lib._record('vmap_backend', per_chunk, **counts)  # pylint: disable=protected-access
+        chunking.record('vmap_backend', per_chunk, **counts)
 
     return run
