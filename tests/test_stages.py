@@ -3,7 +3,7 @@
 Independent expectations: message sizes from the papers' formulas (IGC:
 ``32 d`` coordinates then ``b d + 64`` after b-bit quantization; top-k:
 ``k (32 + ceil(log2 D))``), the transforms built by hand for the same
-stages (same key -> same message), and the legacy runner flags.
+stages (same key -> same message), and the runner's stage flags.
 """
 
 import math
@@ -146,20 +146,18 @@ def _bits(transform):
   return T.message_bits(transform, EXAMPLE)
 
 
-def test_runner_options_upload_download_and_legacy_aliases():
+def test_runner_options_upload_download():
   new = algo_lm.compression_from_options(
       {'upload': 'intrinsic_projection:256,uniform_quantization:8',
        'download': 'uniform_quantization:16'})
   assert _bits(new.upload) == 8 * 256 + 64
   assert _bits(new.download) == 16 * D + 2 * 64
-  legacy = algo_lm.compression_from_options(
-      {'upload_quantizer': 'uniform', 'upload_bits': 8, 'download_bits': 16})
-  alias = algo_lm.compression_from_options(
-      {'upload': 'uniform_quantization:8',
-       'download': 'uniform_quantization:16'})
+  # The stage strings build the transforms the removed flags built.
+  staged = algo_lm.compression_from_options(
+      {'upload': 'terngrad:none', 'download': 'uniform_quantization:16'})
+  direct = (T.terngrad(clip_std=None), T.uniform_quantization(16))
   x, key = _tree(), jax.random.PRNGKey(1)
-  for a, b in ((legacy.upload, alias.upload),
-               (legacy.download, alias.download)):
+  for a, b in zip((staged.upload, staged.download), direct):
     for u, v in zip(jax.tree.leaves(a.encode(x, (), key)[0].values),
                     jax.tree.leaves(b.encode(x, (), key)[0].values)):
       np.testing.assert_array_equal(u, v)
@@ -168,12 +166,9 @@ def test_runner_options_upload_download_and_legacy_aliases():
 
 
 @pytest.mark.parametrize('options,match', [
-    ({'upload': 'terngrad', 'upload_quantizer': 'uniform'},
-     r'--upload=terngrad replaces --upload_quantizer=uniform'),
-    ({'upload': 'terngrad', 'upload_bits': 8},
-     r'replaces --upload_bits=8'),
-    ({'download': 'uniform_quantization:8', 'download_bits': 16},
-     r'--download=uniform_quantization:8 replaces --download_bits=16'),
+    ({'upload': 'terngrad:nan'}, r'--upload=terngrad:nan: bad compression'),
+    ({'download': 'uniform_quantization:0'},
+     r'--download=uniform_quantization:0: bad compression stage'),
     ({'upload': 'top_k'}, r"--upload=top_k: bad compression stage 'top_k'"),
 ])
 def test_runner_options_errors(options, match):

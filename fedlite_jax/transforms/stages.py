@@ -20,7 +20,8 @@ Stages and their argument forms (:data:`STAGE_FORMS`):
   ``seed`` argument of :func:`parse_chain`).
 * ``uniform_quantization:bits`` --
   :func:`~fedlite_jax.transforms.uniform_quantization` (1..32 bits).
-* ``terngrad`` -- :func:`~fedlite_jax.transforms.terngrad` (2.5 std clip).
+* ``terngrad[:clip_std|none]`` -- :func:`~fedlite_jax.transforms.terngrad`
+  (clip at 2.5 std by default; ``none`` = no clipping).
 * ``top_k:k[:log2|none]`` -- :func:`~fedlite_jax.transforms.top_k` (index
   bits ``log2`` by default), without error feedback.
 * ``count_sketch:rows:cols[:seed]`` --
@@ -33,6 +34,7 @@ key use differs), so ``uniform_quantization:8`` is exactly
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from fedlite_jax.transforms import base
@@ -47,7 +49,7 @@ STAGE_FORMS = (
     'identity',
     'intrinsic_projection:d[:K[:seed]]',
     'uniform_quantization:bits',
-    'terngrad',
+    'terngrad[:clip_std|none]',
     'top_k:k[:log2|none]',
     'count_sketch:rows:cols[:seed]',
 )
@@ -83,8 +85,19 @@ def _uniform(args, seed, generator):
 
 
 def _terngrad(args, seed, generator):
-  del args, seed
-  return quantize.terngrad(generator=generator)
+  del seed
+  if not args:
+    return quantize.terngrad(generator=generator)
+  if args[0] == 'none':
+    return quantize.terngrad(clip_std=None, generator=generator)
+  try:
+    clip_std = float(args[0])
+  except ValueError:
+    clip_std = math.nan
+  if not math.isfinite(clip_std):
+    raise ValueError(f"clip_std must be a finite number or 'none', got "
+                     f'{args[0]!r}')
+  return quantize.terngrad(clip_std=clip_std, generator=generator)
 
 
 def _top_k(args, seed, generator):
@@ -105,7 +118,7 @@ _STAGES: dict[str, tuple[int, int, _Builder]] = {
     'identity': (0, 0, _identity),
     'intrinsic_projection': (1, 3, _intrinsic),
     'uniform_quantization': (1, 1, _uniform),
-    'terngrad': (0, 0, _terngrad),
+    'terngrad': (0, 1, _terngrad),
     'top_k': (1, 2, _top_k),
     'count_sketch': (2, 3, _count_sketch),
 }
