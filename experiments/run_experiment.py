@@ -16,8 +16,10 @@ This is a script, not a package module: FedJAX's wheel installs a top-level
 ``fedlite_jax.training``.
 """
 
+import re
 import sqlite3
 import sys
+from typing import Optional
 
 from absl import app
 from absl import flags
@@ -154,6 +156,14 @@ def _human_bytes(n: float) -> str:
   return f'{n} B'
 
 
+def _flag_named_in(message: str) -> Optional[str]:
+  """The first RunConfig field or algorithm option with an underscore
+  (``round_engine``, not ``model``) that ``message`` names, else None."""
+  names = {n for n in _FIELDS + list(registry.all_options()) if '_' in n}
+  found = [w for w in re.findall(r'\w+', message) if w in names]
+  return found[0] if found else None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -169,6 +179,15 @@ def main(argv):
     # OSError: an output or data path that fails after the checks (disk
     # full, permissions changed); its message names the file.
     sys.stderr.write(f'run_experiment.py: error: {e}\n')
+    sys.exit(2)
+  except ValueError as e:
+    # Library errors name parameters (round_engine, clients_per_chunk, ...);
+    # one that names a setting of this binary is that flag's error.
+    flag = _flag_named_in(str(e))
+    if flag is None:
+      raise
+    first = str(e).strip().splitlines()[0]
+    sys.stderr.write(f'run_experiment.py: error: --{flag}: {first}\n')
     sys.exit(2)
   except sqlite3.DatabaseError as e:
     sys.stderr.write(f'run_experiment.py: error: reading the data failed: '

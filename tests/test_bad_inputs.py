@@ -495,3 +495,38 @@ def test_validate_only_gives_the_real_runs_stage_errors(repo_root, tmp_path):
         row, err_r[-2000:])
     assert (code_v, err_v) == (code_r, err_r), row
     assert err_r.count('\n') == 1, err_r
+
+
+def test_flags_come_from_run_config_metadata(repo_root, tmp_path):
+  """Each RunConfig field is a flag with its default and help; library
+  ValueErrors naming a parameter map to that flag."""
+  script = textwrap.dedent(f'''
+      import dataclasses, importlib.util
+      spec = importlib.util.spec_from_file_location(
+          'run_experiment', {str(repo_root / 'experiments' /
+                                  'run_experiment.py')!r})
+      binary = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(binary)
+      from fedlite_jax import rounds
+      from fedlite_jax.training import config
+      binary.FLAGS(['run_experiment.py'])
+      for f in dataclasses.fields(config.RunConfig):
+        if f.name == 'options':
+          continue
+        flag = binary.FLAGS[f.name]
+        want = f.default if f.default is None or f.metadata['kind'] is not \\
+            str else str(f.default)
+        assert flag.default == want, (f.name, flag.default, want)
+        assert f.name in ('algorithm',) or flag.help.endswith(
+          f.metadata['help'])
+      assert binary.FLAGS['round_engine'].parser.enum_values == list(
+          rounds.ENGINE_NAMES)
+      assert binary._flag_named_in(
+          'clients_per_chunk must be >= 0; got -1.') == 'clients_per_chunk'
+      assert binary._flag_named_in('the model has no parameters') is None
+      print('OK')
+      ''')
+  proc = subprocess.run([sys.executable, '-c', script], capture_output=True,
+                        text=True, timeout=600, cwd=tmp_path,
+                        env=_env(repo_root, tmp_path))
+  assert proc.returncode == 0 and 'OK' in proc.stdout, proc.stderr[-4000:]
