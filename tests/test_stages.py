@@ -175,3 +175,41 @@ def test_runner_options_errors(options, match):
   with pytest.raises(ConfigError, match=match) as info:
     algo_lm.compression_from_options(options)
   assert '\n' not in str(info.value)
+
+
+# Runs recorded with the removed flags before they were removed
+# (embedded_mnist, 2 rounds of 4 clients, task defaults otherwise): the
+# stage strings must give the same final loss and exactly the same bytes.
+# name -> (algorithm, stage-string options, removed flags, (loss, upload
+# bytes, download bytes) recorded with the removed flags).
+RECORDED_WITH_REMOVED_FLAGS = {
+    'fedavg_up8_down16_pvt40': (
+        'fedavg', {'upload': 'uniform_quantization:8',
+                   'download': 'uniform_quantization:16',
+                   'pvt_fraction': 0.4},
+        '--upload_quantizer=uniform --upload_bits=8 --download_bits=16 '
+        '--pvt_fraction=0.4', (2.177410125732422, 3619904.0, 19198624.0)),
+    'fedavg_terngrad_noclip': (
+        'fedavg', {'upload': 'terngrad:none'},
+        '--upload_quantizer=terngrad --noterngrad_clip',
+        (1.868877649307251, 1902023.9752903022, 38396224.0)),
+    'topk_5000': (
+        'topk', {'upload': 'top_k:5000', 'local_steps': 2},
+        '--topk_k=5000 --local_steps=2',
+        (2.2499585151672363, 265000.0, 278320.0)),
+}
+
+
+@pytest.mark.parametrize('name', sorted(RECORDED_WITH_REMOVED_FLAGS))
+def test_stage_strings_reproduce_the_removed_flags(name, tmp_path):
+  from fedlite_jax.training import RunConfig  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import run  # pylint: disable=g-import-not-at-top
+  algorithm, options, _, (loss, up, down) = RECORDED_WITH_REMOVED_FLAGS[name]
+  summary = run(RunConfig(
+      task='embedded_mnist', algorithm=algorithm, num_rounds=2,
+      clients_per_round=4, eval_every=1, checkpoint_every=0, progress=False,
+      output_dir=str(tmp_path), options=options))
+  comm = summary['communication']
+  assert comm['total_upload_bytes'] == up
+  assert comm['total_download_bytes'] == down
+  assert summary['final_eval']['loss'] == pytest.approx(loss, abs=1e-6)

@@ -11,15 +11,13 @@ compression flags (:data:`COMPRESSION_OPTIONS`, Ro et al. 2022) for
   ``--upload`` / ``--download``: the compression as stages of
   :func:`fedlite_jax.transforms.parse_chain`, e.g.
   ``--upload=intrinsic_projection:4096,uniform_quantization:8
-  --download=uniform_quantization:16``; when given they replace the legacy
-  flags below (``--upload_quantizer``/``--upload_bits``/...,
-  ``--download_bits``), which stay as aliases (giving both is an error);
-  ``--download_bits`` (32 = uncompressed; 1..31 stochastic uniform
-  quantization of the server model), ``--upload_quantizer`` (none, uniform,
-  terngrad), ``--upload_bits`` (uniform: 1..32), ``--upload_zero_center``,
-  ``--upload_clip_std`` (uniform: clip at c std, 0 = off),
-  ``--terngrad_clip`` (TernGrad's 2.5 std clipping on/off),
-  ``--pvt_fraction`` (0 < f <= 1), ``--quantizer_rng`` (hash, threefry).
+  --download=uniform_quantization:16`` (``terngrad``, ``terngrad:none``
+  without clipping, ``top_k:k``, ...); ``--pvt_fraction`` (0 < f <= 1;
+  needs per-variable upload stages), ``--quantizer_rng`` (hash, threefry).
+  ``topk`` and ``igc_*`` take ``--upload`` too.
+
+The earlier compression flags (:data:`REMOVED_FLAGS`) are one-line errors
+naming their stage-string replacement (:func:`check_removed`).
 
 This module imports no algorithm module (``algo_*``) and no registry.
 """

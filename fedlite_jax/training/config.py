@@ -1,5 +1,9 @@
 """Run configuration: every flag of ``experiments/run_experiment.py``.
 
+Each :class:`RunConfig` field carries its flag's help, type, choices and
+bound in its metadata (:func:`_field`); the binary defines its flags from
+them, and the algorithms' options from :class:`registry.Option`.
+
 Fields left as ``None`` take the task's defaults (``tasks.TASKS[...]``);
 :func:`resolve` fills and validates them, raising :class:`ConfigError` with a
 one-line message that names the bad value and what is allowed.
