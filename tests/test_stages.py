@@ -197,6 +197,11 @@ RECORDED_WITH_REMOVED_FLAGS = {
         'topk', {'upload': 'top_k:5000', 'local_steps': 2},
         '--topk_k=5000 --local_steps=2',
         (2.2499585151672363, 265000.0, 278320.0)),
+    'igc_static_q8': (
+        'igc_static', {'upload': 'uniform_quantization:8',
+                       'intrinsic_dim': 1024},
+        '--igc_upload_quant_bits=8 --intrinsic_dim=1024',
+        (2.278721809387207, 8256.0, 32768.0)),
 }
 
 
