@@ -127,12 +127,12 @@ def _stage_replacement(given, algorithm: str) -> list[str]:
   """The ``--upload`` / ``--download`` / ... flags that replace ``given``."""
   out = []
   if 'download_bits' in given:
-    bits = int(given['download_bits'])
-    out.append(f'--download=uniform_quantization:{bits}' if bits != 32
+    bits = str(given['download_bits']).strip()
+    out.append(f'--download=uniform_quantization:{bits}' if bits != '32'
                else 'no --download (32 = float32)')
   if 'igc_upload_quant_bits' in given:
-    bits = int(given['igc_upload_quant_bits'])
-    out.append(f'--upload=uniform_quantization:{bits}' if bits
+    bits = str(given['igc_upload_quant_bits']).strip()
+    out.append(f'--upload=uniform_quantization:{bits}' if bits != '0'
                else 'no --upload (0 = float32)')
   if algorithm == 'topk' and ({'topk_k', 'topk_index_bits'} & set(given)):
     k = given.get('topk_k', TOPK_K.default)
