@@ -158,7 +158,9 @@ def main() -> None:
   parser.add_argument('--rounds', type=int, default=3, help='timed rounds')
   parser.add_argument('--warmup', type=int, default=1, help='untimed rounds')
   parser.add_argument('--pvt', type=float, default=0.4)
-  parser.add_argument('--upload_bits', type=int, default=8)
+  parser.add_argument('--upload', default='uniform_quantization:8',
+                      help='upload stages (transforms.parse_chain), as the '
+                      "runner's --upload")
   parser.add_argument('--num_masks', type=int, default=8,
                       help='PVT masks the client-step timing averages over')
   parser.add_argument('--step_reps', type=int, default=5)
@@ -184,8 +186,11 @@ def main() -> None:
                                         num_epochs=1)
   client_opt = optax.chain(optax.clip_by_global_norm(16.0), optax.sgd(0.1))
   server_opt = optax.adam(1e-2, b1=0.9, b2=0.999, eps=1e-8)
-  upload = transforms.uniform_quantization(args.upload_bits)
-  label = f'PVT {args.pvt:.0%} + {args.upload_bits}-bit upload'
+  upload = transforms.parse_chain(args.upload)
+  name, _, bits = args.upload.partition(':')
+  label = f'PVT {args.pvt:.0%} + ' + (
+      f'{bits}-bit upload' if name == 'uniform_quantization' and
+      bits.isdigit() else f'{args.upload} upload')
   algs = {
       'FedAvg': federated_averaging(grad_fn, client_opt, server_opt, hp,
                                     engine=args.engine),

@@ -83,7 +83,7 @@ def setups() -> list[Setup]:
                    f'igc_femnist_fedavg{steps}', {}, round_divisor=steps))
   for k in (12_000, 60_000):
     s.append(Setup(f'Local Top-K (k={k:,})', 'topk', 'igc_femnist_topk',
-                   {'topk_k': k}))
+                   {'upload': f'top_k:{k}:log2'}))
   s.append(Setup('FetchSGD (5x50,000, k=12,000)', 'fetchsgd',
                  'igc_femnist_fetchsgd', {'topk_k': 12_000}))
   for d in (1024, 4096, 16384, 65536):
@@ -246,7 +246,10 @@ def _plot(results: list[dict], path: pathlib.Path, meta: dict) -> None:
     ax.plot(xs, ys, color=color, marker=marker, label=family,
             linestyle='-' if len(rs) > 1 else 'none')
     for r, x, y in zip(rs, xs, ys):
-      d = r['options'].get('intrinsic_dim') or r['options'].get('topk_k')
+      d = r['options'].get('intrinsic_dim') or r['options'].get('topk_k') or (
+          int(r['options']['upload'].split(':')[1])
+          if str(r['options'].get('upload', '')).startswith('top_k:')
+          else None)
       if d:
         ax.annotate(f'{d:,}', (x, y), textcoords='offset points',
                     xytext=(4, 4), fontsize=7, color=color)

@@ -8,8 +8,8 @@ Every run is one ``experiments/run_experiment.py`` invocation on
 32/32-bit FedAdam baseline: SentencePiece 4,096 ids, sequence length 30,
 ``transformer_tiny``, client SGD 0.1 clipped at 16, batch 16, <= 1,200
 examples per client, server Adam 1e-2, 10 clients x 100 rounds) plus the
-run's own flags (``--download_bits``, ``--upload_quantizer``,
-``--pvt_fraction``, ``--algorithm``, ``--model``, ``--init_checkpoint``).
+run's own flags (``--download``, ``--upload`` stages, ``--pvt_fraction``,
+``--algorithm``, ``--model``, ``--init_checkpoint``).
 The pretrained runs start from ``experiments/pretrain_centralized.py``
 (CPython help pages, 1,000 Adam steps), run first by this script. Every run
 starts from scratch (``--noresume --overwrite``).
@@ -70,13 +70,12 @@ class Run:
   def flags(self, pretrained_path: str) -> list[str]:
     f = [f'--flagfile={BASE}']
     if self.down != 32:
-      f.append(f'--download_bits={self.down}')
+      f.append(f'--download=uniform_quantization:{self.down}')
     if self.up.isdigit() and self.up != '32':
-      f += ['--upload_quantizer=uniform', f'--upload_bits={self.up}']
+      f.append(f'--upload=uniform_quantization:{self.up}')
     elif self.up.startswith('TernGrad'):
-      f.append('--upload_quantizer=terngrad')
-      if self.up == 'TernGrad no clip':
-        f.append('--noterngrad_clip')
+      f.append('--upload=terngrad' + (':none' if self.up == 'TernGrad no clip'
+                                      else ''))
     if self.pretrained:
       f.append(f'--init_checkpoint={pretrained_path}')
     return f + list(self.extra)

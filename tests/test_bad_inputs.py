@@ -12,6 +12,7 @@ the row.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -153,9 +154,8 @@ ROWS = [
     ('sketch_momentum_nan', EMB + ['--algorithm=fetchsgd',
                                    '--sketch_momentum=nan'],
      '--sketch_momentum=nan'),
-    ('upload_clip_std_nan', EMB + ['--upload_quantizer=uniform',
-                                   '--upload_clip_std=nan'],
-     '--upload_clip_std=nan'),
+    ('terngrad_clip_nan', EMB + ['--upload=terngrad:nan'],
+     "--upload=terngrad:nan: bad compression stage 'terngrad:nan'"),
     ('mime_eps_inf', EMB + ['--algorithm=mime_lite', '--mime_base_eps=inf'],
      '--mime_base_eps=inf'),
     ('split_server_lr_nan', EMB + ['--algorithm=splitfed',
@@ -214,7 +214,28 @@ ROWS = [
      'h5_random/fed_emnist_train.h5 is not a readable HDF5 file'),
     # Options of another algorithm, fields of another task or setting.
     ('topk_k_with_fedavg', EMB + ['--topk_k=5'],
-     '--topk_k is an option of --algorithm=topk, fetchsgd'),
+     '--topk_k is an option of --algorithm=fetchsgd, not of fedavg'),
+    # Removed compression flags: one line naming the stage-string flags.
+    ('removed_upload_bits', EMB + ['--upload_bits=8'],
+     '--upload_bits=8 was removed; use --upload=uniform_quantization:8'),
+    ('removed_uniform_and_download_bits',
+     EMB + ['--upload_quantizer=uniform', '--upload_bits=4',
+            '--download_bits=16'],
+     '--upload_quantizer=uniform --upload_bits=4 --download_bits=16 were '
+     'removed; use --download=uniform_quantization:16 '
+     '--upload=uniform_quantization:4'),
+    ('removed_terngrad_noclip', EMB + ['--upload_quantizer=terngrad',
+                                       '--noterngrad_clip'],
+     'were removed; use --upload=terngrad:none'),
+    ('removed_upload_clip_std', EMB + ['--upload_clip_std=2'],
+     '--upload_clip_std=2 was removed; use transforms.uniform_quantization'),
+    ('removed_topk_k_with_topk', EMB + ['--algorithm=topk', '--topk_k=5',
+                                        '--topk_index_bits=none'],
+     'were removed; use --upload=top_k:5:none'),
+    ('removed_igc_upload_quant_bits', EMB + ['--algorithm=igc_static',
+                                             '--igc_upload_quant_bits=8'],
+     '--igc_upload_quant_bits=8 was removed; use '
+     '--upload=uniform_quantization:8'),
     ('intrinsic_dim_with_fedavg', EMB + ['--intrinsic_dim=64'],
      '--intrinsic_dim is an option of'),
     ('num_subvectors_with_splitfed', EMB + ['--algorithm=splitfed',
@@ -384,8 +405,18 @@ def test_library_resolve_rejects_ignored_settings():
     config_lib.resolve(config_lib.RunConfig(task='emnist',
                                             client_lr=float('nan')), defaults)
   resolved = config_lib.resolve(config_lib.RunConfig(
-      task='emnist', algorithm='topk', options={'topk_k': 3}), defaults)
+      task='emnist', algorithm='fetchsgd', options={'topk_k': 3}), defaults)
   assert resolved.options['topk_k'] == 3
+  # Removed compression options name their stage-string replacement.
+  with pytest.raises(config_lib.ConfigError,
+                     match='--topk_k=3 was removed; use --upload=top_k:3'):
+    config_lib.resolve(config_lib.RunConfig(
+        task='emnist', algorithm='topk', options={'topk_k': 3}), defaults)
+  with pytest.raises(config_lib.ConfigError,
+                     match='--download_bits=8 was removed; use '
+                     '--download=uniform_quantization:8'):
+    config_lib.resolve(config_lib.RunConfig(
+        task='emnist', options={'download_bits': 8}), defaults)
   # Idempotent: the task defaults filled in (server_optimizer for fedlite,
   # which does not read it) do not count as set.
   fedlite = config_lib.resolve(config_lib.RunConfig(
@@ -405,3 +436,97 @@ def test_explicit_data_dir_never_falls_back(data, tmp_path, monkeypatch):
   copy = shutil.copytree(data / 'good', tmp_path / 'copy')
   _, _, info = datasets.load_federated_data('emnist', str(copy))
   assert info.source == str(copy)
+
+
+#: Bad compression settings: --validate_only must print the real run's error.
+STAGE_ROWS = [
+    ['--upload=bogus:3'],
+    ['--upload=uniform_quantization:33'],
+    ['--upload=top_k:5,,uniform_quantization:8'],
+    ['--upload=uniform_quantization:8,terngrad:x'],
+    ['--upload=intrinsic_projection'],
+    ['--download=top_k:0'],
+    ['--download=uniform_quantization:8:2'],
+    ['--pvt_fraction=0.5', '--upload=top_k:5'],
+    ['--algorithm=topk', '--upload=top_k:abc'],
+    ['--algorithm=igc_static', '--intrinsic_dim=8', '--upload=bogus'],
+    ['--algorithm=igc_static', '--intrinsic_dim=8', '--igc_project_on_server',
+     '--upload=uniform_quantization:8'],
+    ['--algorithm=mime_lite', '--download=uniform_quantization:0'],
+]
+
+
+def test_validate_only_gives_the_real_runs_stage_errors(repo_root, tmp_path):
+  """One process runs the binary's main() on each row twice, with and
+  without --validate_only, and compares the one-line errors."""
+  script = textwrap.dedent(f'''
+      import contextlib, importlib.util, io, json, sys
+      spec = importlib.util.spec_from_file_location(
+          'run_experiment', {str(repo_root / 'experiments' /
+                                  'run_experiment.py')!r})
+      binary = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(binary)
+      out = []
+      for i, row in enumerate(json.loads(sys.argv[1])):
+        errors = []
+        for extra in (['--validate_only'], []):
+          binary.FLAGS.unparse_flags()
+          binary.FLAGS(['run_experiment.py', *row, *extra,
+                        '--output_dir={tmp_path}/out%d' % i])
+          err = io.StringIO()
+          code = 0
+          with contextlib.redirect_stderr(err):
+            try:
+              binary.main(['run_experiment.py'])
+            except SystemExit as e:
+              code = e.code
+          errors.append([code, err.getvalue()])
+        out.append(errors)
+      print(json.dumps(out))
+      ''')
+  rows = [BASE + EMB + row for row in STAGE_ROWS]
+  proc = subprocess.run(
+      [sys.executable, '-c', script, json.dumps(rows)], capture_output=True,
+      text=True, timeout=900, cwd=tmp_path, env=_env(repo_root, tmp_path))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  for row, ((code_v, err_v), (code_r, err_r)) in zip(STAGE_ROWS, results):
+    assert code_r == 2 and err_r.startswith('run_experiment.py: error: --'), (
+        row, err_r[-2000:])
+    assert (code_v, err_v) == (code_r, err_r), row
+    assert err_r.count('\n') == 1, err_r
+
+
+def test_flags_come_from_run_config_metadata(repo_root, tmp_path):
+  """Each RunConfig field is a flag with its default and help; library
+  ValueErrors naming a parameter map to that flag."""
+  script = textwrap.dedent(f'''
+      import dataclasses, importlib.util
+      spec = importlib.util.spec_from_file_location(
+          'run_experiment', {str(repo_root / 'experiments' /
+                                  'run_experiment.py')!r})
+      binary = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(binary)
+      from fedlite_jax import rounds
+      from fedlite_jax.training import config
+      binary.FLAGS(['run_experiment.py'])
+      for f in dataclasses.fields(config.RunConfig):
+        if f.name == 'options':
+          continue
+        flag = binary.FLAGS[f.name]
+        want = f.default if f.default is None or f.metadata['kind'] is not \\
+            str else str(f.default)
+        assert flag.default == want, (f.name, flag.default, want)
+        assert f.name in ('algorithm',) or flag.help.endswith(
+          f.metadata['help'])
+      assert binary.FLAGS['round_engine'].parser.enum_values == list(
+          rounds.ENGINE_NAMES)
+      assert binary._flag_named_in(
+          'clients_per_chunk must be >= 0; got -1.') == 'clients_per_chunk'
+      assert binary._flag_named_in('the model has no parameters') is None
+      print('OK')
+      ''')
+  proc = subprocess.run([sys.executable, '-c', script], capture_output=True,
+                        text=True, timeout=600, cwd=tmp_path,
+                        env=_env(repo_root, tmp_path))
+  assert proc.returncode == 0 and 'OK' in proc.stdout, proc.stderr[-4000:]

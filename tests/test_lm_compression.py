@@ -23,6 +23,7 @@ from fedlite_jax.transforms import pvt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.comm import lm_costs
 from fedlite_jax.training import algo_lm
+from fedlite_jax.training import compression_options
 from fedlite_jax.training import registry
 from fedlite_jax.training.config import ConfigError
 from fedlite_jax.models import lm
@@ -210,26 +211,24 @@ def test_options_map_to_transforms_and_bad_combinations_raise():
   c = algo_lm.compression_from_options(opts)
   assert c.download is None and c.upload is None and c.pvt_fraction == 1.0
   c = algo_lm.compression_from_options(
-      {**opts, 'upload_quantizer': 'uniform', 'upload_bits': 8,
-       'download_bits': 16, 'pvt_fraction': 0.4})
+      {**opts, 'upload': 'uniform_quantization:8',
+       'download': 'uniform_quantization:16', 'pvt_fraction': 0.4})
   assert transforms.message_bits(c.upload, [jnp.zeros(10)]) == 8 * 10 + 64
   assert transforms.message_bits(c.download, [jnp.zeros(10)]) == 16 * 10 + 64
-  c = algo_lm.compression_from_options({**opts, 'upload_quantizer': 'terngrad'})
+  c = algo_lm.compression_from_options({**opts, 'upload': 'terngrad'})
   assert transforms.message_bits(c.upload, [jnp.zeros(9)]) == pytest.approx(
       9 * math.log2(3) + 32)
-  for bad, match in [({'upload_bits': 8}, 'upload_quantizer=uniform'),
-                     ({'pvt_fraction': 0.0}, 'pvt_fraction'),
+  for bad, match in [({'pvt_fraction': 0.0}, 'pvt_fraction'),
                      ({'pvt_fraction': 1.5}, 'pvt_fraction'),
-                     ({'download_bits': 40}, 'download_bits'),
-                     ({'upload_quantizer': 'uniform', 'upload_bits': 33},
-                      'upload_bits')]:
+                     ({'download': 'uniform_quantization:40'}, 'download'),
+                     ({'upload': 'uniform_quantization:33'}, 'upload')]:
     with pytest.raises(ConfigError, match=match):
       algo_lm.compression_from_options({**opts, **bad})
   specs = registry.algorithms()
   for name in ('fedprox', 'mime_lite'):
     names = {o.name for o in specs[name].options}
-    assert {'upload_quantizer', 'upload_bits', 'download_bits',
-            'pvt_fraction', 'terngrad_clip'} <= names
+    assert {'upload', 'download', 'pvt_fraction', 'quantizer_rng'} <= names
+    assert not set(compression_options.REMOVED_FLAGS) & names
 
 
 def test_any_stateless_transform_chain_works_without_pvt():

@@ -51,9 +51,10 @@ def test_text_data_and_model_hooks(sp_task):
 
 
 @pytest.mark.parametrize('algorithm,options', [
-    ('fedprox', {'fedprox_mu': 0.01, 'upload_quantizer': 'uniform',
-                 'upload_bits': 8, 'pvt_fraction': 0.4}),
-    ('mime_lite', {'download_bits': 16, 'upload_quantizer': 'terngrad'}),
+    ('fedprox', {'fedprox_mu': 0.01, 'upload': 'uniform_quantization:8',
+                 'pvt_fraction': 0.4}),
+    ('mime_lite', {'download': 'uniform_quantization:16',
+                   'upload': 'terngrad'}),
 ])
 def test_registry_algorithms_run_a_round(sp_task, algorithm, options):
   cfg, train, _, info = sp_task

@@ -33,7 +33,8 @@ CASES = {
     'fedprox': (dict(algorithm='fedprox'), {'fedprox_mu': 0.1}),
     'mime_lite': (dict(algorithm='mime_lite', client_lr=0.05), {}),
     'sgd_local_steps': (dict(algorithm='sgd'), {'local_steps': 2}),
-    'topk': (dict(algorithm='topk'), {'topk_k': 5000, 'local_steps': 2}),
+    'topk': (dict(algorithm='topk'),
+             {'upload': 'top_k:5000', 'local_steps': 2}),
     'fetchsgd': (dict(algorithm='fetchsgd'),
                  {'sketch_cols': 20000, 'topk_k': 5000}),
     'igc_static': (dict(algorithm='igc_static', client_lr=0.3),
@@ -52,8 +53,8 @@ CASES = {
                  'correction_lambda': 5e-5, 'fedlite_kmeans_iters': 5}),
     'fedavg_up8_down16_pvt40': (
         dict(algorithm='fedavg'),
-        {'upload_quantizer': 'uniform', 'upload_bits': 8,
-         'download_bits': 16, 'pvt_fraction': 0.4}),
+        {'upload': 'uniform_quantization:8',
+         'download': 'uniform_quantization:16', 'pvt_fraction': 0.4}),
 }
 
 

@@ -42,8 +42,8 @@ ALGORITHMS = {
     'fedlite': dict(algorithm='fedlite',
                     options={'num_subvectors': 1152, 'num_centroids': 8}),
     'fedavg_q8_pvt40': dict(algorithm='fedavg',
-                            options={'upload_quantizer': 'uniform',
-                                     'upload_bits': 8, 'pvt_fraction': 0.4}),
+                            options={'upload': 'uniform_quantization:8',
+                                     'pvt_fraction': 0.4}),
 }
 
 _HELPER = textwrap.dedent('''

@@ -3,7 +3,7 @@
 Independent expectations: message sizes from the papers' formulas (IGC:
 ``32 d`` coordinates then ``b d + 64`` after b-bit quantization; top-k:
 ``k (32 + ceil(log2 D))``), the transforms built by hand for the same
-stages (same key -> same message), and the legacy runner flags.
+stages (same key -> same message), and the runner's stage flags.
 """
 
 import math
@@ -146,20 +146,18 @@ def _bits(transform):
   return T.message_bits(transform, EXAMPLE)
 
 
-def test_runner_options_upload_download_and_legacy_aliases():
+def test_runner_options_upload_download():
   new = algo_lm.compression_from_options(
       {'upload': 'intrinsic_projection:256,uniform_quantization:8',
        'download': 'uniform_quantization:16'})
   assert _bits(new.upload) == 8 * 256 + 64
   assert _bits(new.download) == 16 * D + 2 * 64
-  legacy = algo_lm.compression_from_options(
-      {'upload_quantizer': 'uniform', 'upload_bits': 8, 'download_bits': 16})
-  alias = algo_lm.compression_from_options(
-      {'upload': 'uniform_quantization:8',
-       'download': 'uniform_quantization:16'})
+  # The stage strings build the transforms the removed flags built.
+  staged = algo_lm.compression_from_options(
+      {'upload': 'terngrad:none', 'download': 'uniform_quantization:16'})
+  direct = (T.terngrad(clip_std=None), T.uniform_quantization(16))
   x, key = _tree(), jax.random.PRNGKey(1)
-  for a, b in ((legacy.upload, alias.upload),
-               (legacy.download, alias.download)):
+  for a, b in zip((staged.upload, staged.download), direct):
     for u, v in zip(jax.tree.leaves(a.encode(x, (), key)[0].values),
                     jax.tree.leaves(b.encode(x, (), key)[0].values)):
       np.testing.assert_array_equal(u, v)
@@ -168,15 +166,55 @@ def test_runner_options_upload_download_and_legacy_aliases():
 
 
 @pytest.mark.parametrize('options,match', [
-    ({'upload': 'terngrad', 'upload_quantizer': 'uniform'},
-     r'--upload=terngrad replaces --upload_quantizer=uniform'),
-    ({'upload': 'terngrad', 'upload_bits': 8},
-     r'replaces --upload_bits=8'),
-    ({'download': 'uniform_quantization:8', 'download_bits': 16},
-     r'--download=uniform_quantization:8 replaces --download_bits=16'),
+    ({'upload': 'terngrad:nan'}, r'--upload=terngrad:nan: bad compression'),
+    ({'download': 'uniform_quantization:0'},
+     r'--download=uniform_quantization:0: bad compression stage'),
     ({'upload': 'top_k'}, r"--upload=top_k: bad compression stage 'top_k'"),
 ])
 def test_runner_options_errors(options, match):
   with pytest.raises(ConfigError, match=match) as info:
     algo_lm.compression_from_options(options)
   assert '\n' not in str(info.value)
+
+
+# Runs recorded with the removed flags before they were removed
+# (embedded_mnist, 2 rounds of 4 clients, task defaults otherwise): the
+# stage strings must give the same final loss and exactly the same bytes.
+# name -> (algorithm, stage-string options, removed flags, (loss, upload
+# bytes, download bytes) recorded with the removed flags).
+RECORDED_WITH_REMOVED_FLAGS = {
+    'fedavg_up8_down16_pvt40': (
+        'fedavg', {'upload': 'uniform_quantization:8',
+                   'download': 'uniform_quantization:16',
+                   'pvt_fraction': 0.4},
+        '--upload_quantizer=uniform --upload_bits=8 --download_bits=16 '
+        '--pvt_fraction=0.4', (2.177410125732422, 3619904.0, 19198624.0)),
+    'fedavg_terngrad_noclip': (
+        'fedavg', {'upload': 'terngrad:none'},
+        '--upload_quantizer=terngrad --noterngrad_clip',
+        (1.868877649307251, 1902023.9752903022, 38396224.0)),
+    'topk_5000': (
+        'topk', {'upload': 'top_k:5000', 'local_steps': 2},
+        '--topk_k=5000 --local_steps=2',
+        (2.2499585151672363, 265000.0, 278320.0)),
+    'igc_static_q8': (
+        'igc_static', {'upload': 'uniform_quantization:8',
+                       'intrinsic_dim': 1024},
+        '--igc_upload_quant_bits=8 --intrinsic_dim=1024',
+        (2.278721809387207, 8256.0, 32768.0)),
+}
+
+
+@pytest.mark.parametrize('name', sorted(RECORDED_WITH_REMOVED_FLAGS))
+def test_stage_strings_reproduce_the_removed_flags(name, tmp_path):
+  from fedlite_jax.training import RunConfig  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import run  # pylint: disable=g-import-not-at-top
+  algorithm, options, _, (loss, up, down) = RECORDED_WITH_REMOVED_FLAGS[name]
+  summary = run(RunConfig(
+      task='embedded_mnist', algorithm=algorithm, num_rounds=2,
+      clients_per_round=4, eval_every=1, checkpoint_every=0, progress=False,
+      output_dir=str(tmp_path), options=options))
+  comm = summary['communication']
+  assert comm['total_upload_bytes'] == up
+  assert comm['total_download_bytes'] == down
+  assert summary['final_eval']['loss'] == pytest.approx(loss, abs=1e-6)

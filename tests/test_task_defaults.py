@@ -102,8 +102,7 @@ def test_shakespeare_defaults_train_with_8bit_upload_and_pvt(tmp_path):
   summary, _ = _check_defaults_train(
       tmp_path, 'shakespeare', num_rounds=3, clients_per_round=5,
       eval_num_clients=40,
-      options={'upload_quantizer': 'uniform', 'upload_bits': 8,
-               'pvt_fraction': 0.4})
+      options={'upload': 'uniform_quantization:8', 'pvt_fraction': 0.4})
   # The compression was on: 8 of 32 bits on at most ~40% of the variables.
   assert summary['communication']['upload_compression'] > 4
 

@@ -3,10 +3,10 @@ Wang (2022), Table 2 / Figure 1.
 
 * ``sgd``: uncompressed, one local step per round (``--local_steps=s``:
   FedAvg with s local iterations); 32 bits/param each way.
-* ``topk``: local Top-K of the client delta (``--topk_k``,
-  ``--topk_index_bits``), or any upload stages instead
-  (``--upload=top_k:12000,uniform_quantization:8``, see
-  :func:`fedlite_jax.transforms.parse_chain`).
+* ``topk``: local Top-K of the client delta as upload stages
+  (``--upload=top_k:12000`` by default; ``top_k:k:none`` charges no index
+  bits; any chain, e.g. ``--upload=top_k:12000,uniform_quantization:8``,
+  see :func:`fedlite_jax.transforms.parse_chain`).
 * ``fetchsgd``: FetchSGD (Rothchild et al. 2020): count sketch
   (``--sketch_rows`` x ``--sketch_cols``), server momentum + error feedback
   + top-k (``--topk_k``). Uses ``--server_lr`` with
@@ -19,6 +19,8 @@ See :mod:`fedlite_jax.algorithms.fedopt` and
 from __future__ import annotations
 
 import fedjax
+import jax
+import jax.numpy as jnp
 
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd as fetchsgd_lib
@@ -30,11 +32,6 @@ from fedlite_jax import transforms
 ConfigError = spec.ConfigError
 Option = spec.Option
 
-TOPK_INDEX_BITS = Option(
-    'topk_index_bits', 'log2',
-    'Top-K upload bits: log2 = k x (32 + ceil(log2 D)) (values + indices), '
-    'none = 32 k (FetchSGD/CommEfficient and Table 2\'s convention).',
-    choices=transforms.topk.INDEX_BITS)
 SKETCH_ROWS = Option('sketch_rows', 5, 'FetchSGD count sketch rows.',
                      lower_bound=1)
 SKETCH_COLS = Option('sketch_cols', 100_000,
@@ -76,13 +73,19 @@ def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       clients_per_chunk=config.clients_per_chunk)
 
 
-def _topk_upload(opts) -> transforms.CommTransform:
-  """``--upload`` stages if given (not with --topk_k/--topk_index_bits)."""
-  common.check_no_legacy(opts, common.UPLOAD, (common.TOPK_K,
-                                                  TOPK_INDEX_BITS))
-  upload = common.stages_from_option(opts, common.UPLOAD)
-  if upload is None:
-    upload = transforms.top_k(opts['topk_k'], opts['topk_index_bits'])
+def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
+  """``--upload`` stages, or :data:`common.TOPK_DEFAULT_UPLOAD` if empty.
+
+  Raises:
+    ConfigError: stages that cannot encode the model (e.g. k > D).
+  """
+  stages = str(opts['upload']).strip() or common.TOPK_DEFAULT_UPLOAD
+  upload = common.stages_from_option({'upload': stages}, common.UPLOAD)
+  try:
+    transforms.message_bits(
+        upload, [jax.ShapeDtypeStruct((num_params,), jnp.float32)])
+  except ValueError as e:
+    raise ConfigError(f'--upload={stages}: {e}') from None
   return upload
 
 
@@ -90,7 +93,7 @@ def _build_topk(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   config = ctx.config
   opts = config.options
-  upload = _topk_upload(opts)
+  upload = _topk_upload(opts, ctx.num_params)
   return fedopt.compressed_sgd(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
@@ -141,11 +144,11 @@ SPECS = (
         options=(common.LOCAL_STEPS, common.NONFINITE_UPDATES)),
     spec.AlgorithmSpec(
         name='topk',
-        description='Local Top-K of the client update (--topk_k); download = '
-        'weights changed since last participation.',
+        description='Local Top-K of the client update (--upload=top_k:k, '
+        f'default {common.TOPK_DEFAULT_UPLOAD}); download = weights changed '
+        'since last participation.',
         build=_build_topk,
-        options=(common.UPLOAD, common.TOPK_K, TOPK_INDEX_BITS,
-                 common.DOWNLOAD_ACCOUNTING,
+        options=(common.UPLOAD, common.DOWNLOAD_ACCOUNTING,
                  common.LOCAL_STEPS, common.NONFINITE_UPDATES)),
     spec.AlgorithmSpec(
         name='fetchsgd',

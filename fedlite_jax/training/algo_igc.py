@@ -18,7 +18,6 @@ from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
 from fedlite_jax.igc import fastfood
-from fedlite_jax import transforms
 
 ConfigError = spec.ConfigError
 Option = spec.Option
@@ -54,21 +53,15 @@ DOWNLOAD = Option(
 INDEX_BITS = Option(
     'igc_count_index_bits', True,
     'Charge ceil(log2 K) upload bits for the subspace index.')
-UPLOAD_QUANT_BITS = Option(
-    'igc_upload_quant_bits', 0,
-    'If > 0, stochastically quantize the d uploaded coordinates to this '
-    'many bits (1..32; transforms.uniform_quantization); 0 = float32.',
-    lower_bound=0)
-
 PROJECT_ON_SERVER = Option(
     'igc_project_on_server', False,
     'Faster simulation, same algorithm: project the per-subspace weighted '
     'sum of client deltas once on the server instead of every client\'s '
     'delta (the projection is linear; equal to float rounding; bits are '
-    'counted per client as usual). Not with --igc_upload_quant_bits.')
+    'counted per client as usual). Not with --upload.')
 
 _COMMON = (INTRINSIC_DIM, SCALE, SEED, DOWNLOAD, INDEX_BITS,
-           UPLOAD_QUANT_BITS, common.LOCAL_STEPS, common.NONFINITE_UPDATES,
+           common.UPLOAD, common.LOCAL_STEPS, common.NONFINITE_UPDATES,
            PROJECT_ON_SERVER)
 
 
@@ -85,14 +78,10 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
     if config.client_epochs != 1:
       raise ConfigError(f'{name} takes --local_steps, not --client_epochs '
                         f'(got --client_epochs={config.client_epochs}).')
-    bits = opts['igc_upload_quant_bits']
-    if bits and opts['igc_project_on_server']:
+    upload = common.stages_from_option(opts, common.UPLOAD)
+    if upload is not None and opts['igc_project_on_server']:
       raise ConfigError('--igc_project_on_server needs a linear upload; it '
-                        f'cannot be combined with --igc_upload_quant_bits='
-                        f'{bits}.')
-    if bits > 32:
-      raise ConfigError(f'--igc_upload_quant_bits={bits}: must be 0 or in '
-                        '1..32.')
+                        f'cannot be combined with --upload={opts["upload"]}.')
     rpe = None
     if time_varying:
       rpe = opts['igc_rounds_per_epoch'] or igc.default_rounds_per_epoch(
@@ -110,8 +99,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         seed=common.derived_seed(opts['igc_seed'], config.seed, b'igc'),
         scale=opts['igc_scale'],
         count_index_bits=opts['igc_count_index_bits'],
-        upload_transform=(transforms.uniform_quantization(bits) if bits
-                          else None),
+        upload_transform=upload,
         download_accounting=opts['igc_download_accounting'],
         client_ids=ctx.train_client_ids,
         nonfinite=opts['nonfinite_updates'],

@@ -8,8 +8,8 @@ with/without clipping) and PVT. See :mod:`fedlite_jax.algorithms.fedopt`.
 
 Flags: the compression flags shared by the three
 (:data:`fedlite_jax.training.compression_options.COMPRESSION_OPTIONS`:
-``--upload`` / ``--download`` stages, or the legacy ``--download_bits``,
-``--upload_quantizer``, ``--upload_bits``, ..., ``--pvt_fraction``,
+``--upload`` / ``--download`` stages, e.g. ``--upload=terngrad:none
+--download=uniform_quantization:16``, ``--pvt_fraction``,
 ``--quantizer_rng``); ``--local_steps`` (fedavg); ``--fedprox_mu``;
 ``--mime_base_optimizer``, ``--mime_base_eps``, ``--mime_grads_batch_size``.
 
@@ -136,7 +136,7 @@ SPECS = (
         '--server_optimizer=adam, FedAdam (Reddi et al. 2021). One pass over '
         'the client data per round (--client_epochs) or --local_steps=s local '
         'iterations. 32 bits/param each way unless the compression flags '
-        '(--download_bits, --upload_quantizer, --pvt_fraction) are set.',
+        '(--upload, --download, --pvt_fraction) are set.',
         build=build_fedavg,
         options=COMPRESSION_OPTIONS + (common.LOCAL_STEPS,
                                        common.NONFINITE_UPDATES)),
@@ -144,7 +144,7 @@ SPECS = (
         name='fedprox',
         description='FedProx (Li et al. 2020), --fedprox_mu; server optimizer '
         'by flag (FedAdam-style with --server_optimizer=adam); compression '
-        'flags (--download_bits, --upload_quantizer, --pvt_fraction, ...).',
+        'flags (--upload, --download, --pvt_fraction).',
         build=build_fedprox,
         options=(FEDPROX_MU,) + COMPRESSION_OPTIONS
         + (common.NONFINITE_UPDATES,)),

@@ -11,15 +11,13 @@ compression flags (:data:`COMPRESSION_OPTIONS`, Ro et al. 2022) for
   ``--upload`` / ``--download``: the compression as stages of
   :func:`fedlite_jax.transforms.parse_chain`, e.g.
   ``--upload=intrinsic_projection:4096,uniform_quantization:8
-  --download=uniform_quantization:16``; when given they replace the legacy
-  flags below (``--upload_quantizer``/``--upload_bits``/...,
-  ``--download_bits``), which stay as aliases (giving both is an error);
-  ``--download_bits`` (32 = uncompressed; 1..31 stochastic uniform
-  quantization of the server model), ``--upload_quantizer`` (none, uniform,
-  terngrad), ``--upload_bits`` (uniform: 1..32), ``--upload_zero_center``,
-  ``--upload_clip_std`` (uniform: clip at c std, 0 = off),
-  ``--terngrad_clip`` (TernGrad's 2.5 std clipping on/off),
-  ``--pvt_fraction`` (0 < f <= 1), ``--quantizer_rng`` (hash, threefry).
+  --download=uniform_quantization:16`` (``terngrad``, ``terngrad:none``
+  without clipping, ``top_k:k``, ...); ``--pvt_fraction`` (0 < f <= 1;
+  needs per-variable upload stages), ``--quantizer_rng`` (hash, threefry).
+  ``topk`` and ``igc_*`` take ``--upload`` too.
+
+The earlier compression flags (:data:`REMOVED_FLAGS`) are one-line errors
+naming their stage-string replacement (:func:`check_removed`).
 
 This module imports no algorithm module (``algo_*``) and no registry.
 """
@@ -28,6 +26,9 @@ from __future__ import annotations
 
 from typing import Optional
 import zlib
+
+import jax
+import jax.numpy as jnp
 
 from fedlite_jax import transforms
 from fedlite_jax.algorithms import fedopt
@@ -64,9 +65,12 @@ NONFINITE_UPDATES = Option(
 
 TOPK_K = Option(
     'topk_k', 12_000,
-    'k: entries sent per client (topk) / coordinates updated per round '
-    '(fetchsgd); 1 <= k <= number of parameters.',
+    'FetchSGD k: coordinates updated per round; 1 <= k <= number of '
+    'parameters. (Top-K uploads: --upload=top_k:k.)',
     lower_bound=1)
+
+#: ``--algorithm=topk`` with an empty ``--upload``.
+TOPK_DEFAULT_UPLOAD = 'top_k:12000'
 
 DOWNLOAD_ACCOUNTING = Option(
     'download_accounting', 'changed',
@@ -76,34 +80,6 @@ DOWNLOAD_ACCOUNTING = Option(
     choices=fedopt.DOWNLOAD_ACCOUNTING)
 
 
-UPLOAD_QUANTIZERS = ('none', 'uniform', 'terngrad')
-
-DOWNLOAD_BITS = Option(
-    'download_bits', 32,
-    'Bits per parameter of the server model sent to clients: 32 = float32 '
-    '(uncompressed); 1..31 = stochastic k-level uniform quantization per '
-    'layer, k = 2**bits (Ro et al. 2022, Sec. 4).', lower_bound=1)
-UPLOAD_QUANTIZER = Option(
-    'upload_quantizer', 'none',
-    'Client-delta compression: none (float32), uniform (k-level, '
-    '--upload_bits), terngrad (Wen et al. 2017, log2(3) bits).',
-    choices=UPLOAD_QUANTIZERS)
-UPLOAD_BITS = Option(
-    'upload_bits', 32,
-    'Bits per value for --upload_quantizer=uniform (1..32; >= 24 is the '
-    'identity for float32 but still charged).', lower_bound=1)
-UPLOAD_ZERO_CENTER = Option(
-    'upload_zero_center', False,
-    'Uniform upload grid symmetric around 0 ([-max|x|, max|x|], one float '
-    'per layer) instead of [min, max].')
-UPLOAD_CLIP_STD = Option(
-    'upload_clip_std', 0.0,
-    'Uniform upload: clip each layer at this many standard deviations '
-    'before quantizing (0 = off).', lower_bound=0.0)
-TERNGRAD_CLIP = Option(
-    'terngrad_clip', True,
-    'TernGrad: clip each layer at 2.5 standard deviations first (Wen et '
-    'al. 2017).')
 PVT_FRACTION = Option(
     'pvt_fraction', 1.0,
     'Partial variable training: target trainable share of the parameters '
@@ -120,20 +96,86 @@ UPLOAD = Option(
     + ', '.join(transforms.STAGE_FORMS) + '; e.g. '
     'intrinsic_projection:4096,uniform_quantization:8 (32 D / (8 * 4096 + '
     '64) compression) or top_k:12000,uniform_quantization:8. Intrinsic '
-    'projections use subspace seed 0 unless the stage gives one. Empty = '
-    "the algorithm's own upload flags (fedavg/fedprox/mime_lite: "
-    '--upload_quantizer, --upload_bits, ...; topk: --topk_k, '
-    '--topk_index_bits); giving both is an error.')
+    'projections use subspace seed 0 unless the stage gives one. '
+    'fedavg/fedprox/mime_lite: applied to the client delta (empty = '
+    'float32); topk: the upload of the client delta (empty = '
+    f'{TOPK_DEFAULT_UPLOAD}); igc_*: applied to the d uploaded coordinates '
+    '(empty = float32).')
 DOWNLOAD = Option(
     'download', '',
     'Download (server model) compression as stages, same vocabulary as '
-    '--upload, e.g. uniform_quantization:16. Empty = --download_bits; '
-    'giving both is an error.')
+    '--upload, e.g. uniform_quantization:16; empty = float32.')
 
-COMPRESSION_OPTIONS = (UPLOAD, DOWNLOAD, DOWNLOAD_BITS, UPLOAD_QUANTIZER,
-                       UPLOAD_BITS, UPLOAD_ZERO_CENTER, UPLOAD_CLIP_STD,
-                       TERNGRAD_CLIP, PVT_FRACTION, QUANTIZER_RNG)
+COMPRESSION_OPTIONS = (UPLOAD, DOWNLOAD, PVT_FRACTION, QUANTIZER_RNG)
 """The compression flags of fedavg, fedprox and mime_lite."""
+
+#: Compression flags that were removed in favour of ``--upload`` /
+#: ``--download`` (see :func:`check_removed`).
+REMOVED_FLAGS = ('upload_quantizer', 'upload_bits', 'download_bits',
+                 'upload_zero_center', 'upload_clip_std', 'terngrad_clip',
+                 'igc_upload_quant_bits', 'topk_index_bits')
+
+
+def _as_bool(value) -> bool:
+  if isinstance(value, str):
+    return value.strip().lower() not in ('false', '0', 'no', 'off', '')
+  return bool(value)
+
+
+def _stage_replacement(given, algorithm: str) -> list[str]:
+  """The ``--upload`` / ``--download`` / ... flags that replace ``given``."""
+  out = []
+  if 'download_bits' in given:
+    bits = str(given['download_bits']).strip()
+    out.append(f'--download=uniform_quantization:{bits}' if bits != '32'
+               else 'no --download (32 = float32)')
+  if 'igc_upload_quant_bits' in given:
+    bits = str(given['igc_upload_quant_bits']).strip()
+    out.append(f'--upload=uniform_quantization:{bits}' if bits != '0'
+               else 'no --upload (0 = float32)')
+  if algorithm == 'topk' and ({'topk_k', 'topk_index_bits'} & set(given)):
+    k = given.get('topk_k', TOPK_K.default)
+    index = given.get('topk_index_bits')
+    out.append(f'--upload=top_k:{k}' + (f':{index}' if index else ''))
+  quantizer = given.get('upload_quantizer')
+  if quantizer is None and 'upload_bits' in given:
+    quantizer = 'uniform'
+  if quantizer is None and 'terngrad_clip' in given:
+    quantizer = 'terngrad'
+  if quantizer == 'uniform':
+    out.append(f'--upload=uniform_quantization:{given.get("upload_bits", 32)}')
+  elif quantizer == 'terngrad':
+    clip = _as_bool(given.get('terngrad_clip', True))
+    out.append('--upload=terngrad' + ('' if clip else ':none'))
+  elif quantizer is not None:
+    out.append('no --upload (float32)')
+  if 'upload_zero_center' in given or 'upload_clip_std' in given:
+    out.append('transforms.uniform_quantization(bits, zero_center=..., '
+               'clip_std=...) from Python (no stage form)')
+  return out
+
+
+def check_removed(given, algorithm: str) -> None:
+  """Refuses removed compression flags, naming their replacement.
+
+  Args:
+    given: removed flag (or option) names -> values as given; other names
+      are ignored. ``topk_k`` counts as removed for ``--algorithm=topk``
+      only (it remains FetchSGD's k).
+    algorithm: the ``--algorithm`` value.
+
+  Raises:
+    ConfigError: (one line) e.g. ``--upload_bits=8 was removed; use
+      --upload=uniform_quantization:8``.
+  """
+  removed = set(REMOVED_FLAGS) | ({'topk_k'} if algorithm == 'topk' else set())
+  given = {k: v for k, v in given.items() if k in removed and v is not None}
+  if not given:
+    return
+  names = ' '.join(f'--{k}={v}' for k, v in given.items())
+  verb = 'was' if len(given) == 1 else 'were'
+  raise ConfigError(f'{names} {verb} removed; use '
+                    f'{" ".join(_stage_replacement(given, algorithm))}.')
 
 
 def stages_from_option(options, option: Option, *,
@@ -148,7 +190,7 @@ def stages_from_option(options, option: Option, *,
 
   Returns:
     :func:`fedlite_jax.transforms.parse_chain` of the value, or None when
-    it is empty (the algorithm's own flags apply).
+    it is empty (no compression, or the algorithm's default).
 
   Raises:
     ConfigError: (one line) a bad stage string, naming the flag.
@@ -162,32 +204,29 @@ def stages_from_option(options, option: Option, *,
     raise ConfigError(f'--{option.name}={stages}: {e}') from None
 
 
-def check_no_legacy(options, option: Option,
-                    legacy: tuple[Option, ...]) -> None:
-  """Refuses a stage option given together with the flags it replaces.
+#: Two variables standing in for a model: PVT's upload must encode each
+#: variable on its own, with sizes that add up (checked without the model).
+_EXAMPLE_VARIABLES = (jax.ShapeDtypeStruct((4096,), jnp.float32),
+                      jax.ShapeDtypeStruct((64, 64), jnp.float32))
 
-  Raises:
-    ConfigError: if ``option`` is set and any of ``legacy`` is not at its
-      default (naming both).
-  """
-  if not str(_opt(options, option)).strip():
-    return
-  given = [f'--{o.name}={_opt(options, o)}' for o in legacy
-           if _opt(options, o) != o.default]
-  if given:
+
+def _check_per_variable(upload: transforms.CommTransform, options,
+                        fraction: float) -> None:
+  try:
+    transforms.pvt.leaf_bits(upload, _EXAMPLE_VARIABLES, 'pvt')
+  except ValueError:
     raise ConfigError(
-        f'--{option.name}={_opt(options, option)} replaces '
-        f'{" ".join(given)}: give one or the other.')
+        f'--upload={_opt(options, UPLOAD)} with --pvt_fraction={fraction}: '
+        'partial variable training needs per-variable upload stages '
+        '(identity, uniform_quantization, terngrad).') from None
 
 
 def compression_from_options(options) -> fedopt.Compression:
   """A :class:`fedopt.Compression` from resolved option values.
 
-  ``--upload`` / ``--download`` (stage strings,
-  :func:`fedlite_jax.transforms.parse_chain`) take precedence; when empty,
-  the legacy flags apply (``--upload_quantizer=uniform --upload_bits=8`` is
-  the same transform as ``--upload=uniform_quantization:8``, and
-  ``--download_bits=16`` as ``--download=uniform_quantization:16``).
+  ``--upload`` / ``--download`` are stage strings
+  (:func:`fedlite_jax.transforms.parse_chain`), e.g.
+  ``--upload=uniform_quantization:8 --download=uniform_quantization:16``.
 
   Args:
     options: mapping of option name -> value (missing names take defaults).
@@ -196,48 +235,18 @@ def compression_from_options(options) -> fedopt.Compression:
     The compression settings.
 
   Raises:
-    ConfigError: inconsistent or out-of-range values (naming the flag),
-      including ``--upload`` together with a legacy upload flag or
-      ``--download`` together with ``--download_bits``.
+    ConfigError: bad stage strings or ``--pvt_fraction`` (naming the flag).
   """
-  download_bits = _opt(options, DOWNLOAD_BITS)
-  if not 1 <= download_bits <= 32:
-    raise ConfigError(f'--download_bits={download_bits}: must be in 1..32 '
-                      '(32 = uncompressed).')
-  quantizer = _opt(options, UPLOAD_QUANTIZER)
-  bits = _opt(options, UPLOAD_BITS)
-  if not 1 <= bits <= 32:
-    raise ConfigError(f'--upload_bits={bits}: must be in 1..32.')
   rng = _opt(options, QUANTIZER_RNG)
-  zero_center = _opt(options, UPLOAD_ZERO_CENTER)
-  clip = _opt(options, UPLOAD_CLIP_STD)
-  check_no_legacy(options, UPLOAD, (UPLOAD_QUANTIZER, UPLOAD_BITS,
-                                    UPLOAD_ZERO_CENTER, UPLOAD_CLIP_STD,
-                                    TERNGRAD_CLIP))
-  check_no_legacy(options, DOWNLOAD, (DOWNLOAD_BITS,))
-  uniform_only = [f'--{o.name}={_opt(options, o)}'
-                  for o in (UPLOAD_BITS, UPLOAD_ZERO_CENTER, UPLOAD_CLIP_STD)
-                  if _opt(options, o) != o.default]
-  if quantizer != 'uniform' and uniform_only:
-    raise ConfigError(
-        f'{" ".join(uniform_only)}: applies to --upload_quantizer=uniform '
-        f'only (got --upload_quantizer={quantizer}).')
   fraction = _opt(options, PVT_FRACTION)
   if not 0.0 < fraction <= 1.0:
     raise ConfigError(f'--pvt_fraction={fraction}: must be in (0, 1].')
   download = stages_from_option(options, DOWNLOAD, generator=rng)
-  if download is None and download_bits != 32:
-    download = transforms.uniform_quantization(download_bits, generator=rng)
   upload = stages_from_option(options, UPLOAD, generator=rng)
-  if upload is None and quantizer == 'uniform':
-    upload = transforms.uniform_quantization(
-        bits, zero_center=zero_center, clip_std=clip or None, generator=rng)
-  elif upload is None and quantizer == 'terngrad':
-    upload = transforms.terngrad(
-        clip_std=(transforms.ternary.DEFAULT_CLIP_STD
-                  if _opt(options, TERNGRAD_CLIP) else None), generator=rng)
+  if upload is not None and fraction < 1.0:
+    _check_per_variable(upload, options, fraction)
   return fedopt.Compression(download=download, upload=upload,
-                               pvt_fraction=float(fraction))
+                            pvt_fraction=float(fraction))
 
 
 def check_options(options) -> None:
@@ -246,9 +255,14 @@ def check_options(options) -> None:
 
   Raises:
     ConfigError: as :func:`compression_from_options` (when ``options`` hold
-      all of :data:`COMPRESSION_OPTIONS`) or :func:`stages_from_option`.
+      all of :data:`COMPRESSION_OPTIONS`) or :func:`stages_from_option`;
+      ``--upload`` with ``--igc_project_on_server``.
   """
   names = set(options)
+  if options.get('igc_project_on_server') and \
+      str(options.get(UPLOAD.name, '')).strip():
+    raise ConfigError('--igc_project_on_server needs a linear upload; it '
+                      f'cannot be combined with --upload={options["upload"]}.')
   if {o.name for o in COMPRESSION_OPTIONS} <= names:
     compression_from_options(options)
     return

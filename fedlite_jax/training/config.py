@@ -1,5 +1,9 @@
 """Run configuration: every flag of ``experiments/run_experiment.py``.
 
+Each :class:`RunConfig` field carries its flag's help, type, choices and
+bound in its metadata (:func:`_field`); the binary defines its flags from
+them, and the algorithms' options from :class:`registry.Option`.
+
 Fields left as ``None`` take the task's defaults (``tasks.TASKS[...]``);
 :func:`resolve` fills and validates them, raising :class:`ConfigError` with a
 one-line message that names the bad value and what is allowed.
@@ -18,8 +22,9 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from fedlite_jax import rounds
 from fedlite_jax.models import lm
 from fedlite_jax.training import compression_options
 from fedlite_jax.training import registry
@@ -30,6 +35,7 @@ ConfigError = spec.ConfigError
 CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
 SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
 TOKENIZERS = ('word', 'sentencepiece')
+ROUND_ENGINES = rounds.ENGINE_NAMES
 
 #: Largest ``--seed``: numpy's ``RandomState`` (FedJAX's client sampler, the
 #: evaluation sample) takes seeds in [0, 2**32 - 1], and ``jax.random.PRNGKey``
@@ -61,55 +67,140 @@ TASK_FIELDS: Mapping[str, tuple[str, ...]] = {
 }
 
 
+def _field(default: Any, help_text: str, *, kind: Optional[type] = None,
+           choices: Optional[Sequence[str]] = None,
+           lower_bound: Optional[float] = None) -> Any:
+  """A RunConfig field with its flag's metadata (see :func:`flag_specs`).
+
+  Args:
+    default: the field's default (None = the task's default).
+    help_text: the flag's help.
+    kind: the flag type (bool, int, float, str); default: type(default).
+    choices: allowed values of a string field, else None.
+    lower_bound: inclusive lower bound of a number, else None.
+  """
+  return dataclasses.field(default=default, metadata={
+      'help': help_text, 'kind': kind or type(default), 'choices': choices,
+      'lower_bound': lower_bound})
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """All settings of one federated run (units in field comments)."""
-  task: str = 'embedded_mnist'
-  algorithm: str = 'fedavg'
-  num_rounds: Optional[int] = None          # rounds
-  clients_per_round: Optional[int] = None   # cohort size
-  client_batch_size: Optional[int] = None   # examples per local step
-  client_epochs: int = 1                    # local passes over client data
-  max_examples_per_client: Optional[int] = None  # cap per round (0 = none)
-  client_optimizer: Optional[str] = None
-  client_lr: Optional[float] = None
-  client_clip_norm: Optional[float] = None  # global-norm clip; 0 = off
-  server_optimizer: Optional[str] = None
-  server_lr: Optional[float] = None
-  server_beta1: float = 0.9
-  server_beta2: float = 0.999
-  server_eps: Optional[float] = None
-  eval_every: Optional[int] = None          # rounds
-  eval_batch_size: int = 256
-  eval_num_clients: Optional[int] = None    # test clients (0 or > all = all)
-  seed: int = 0
-  data_dir: Optional[str] = None
-  output_dir: Optional[str] = None
-  checkpoint_every: int = 50                # rounds; 0 = only at the end
-  resume: bool = True
-  overwrite: bool = False
-  allow_download: bool = False
-  round_engine: str = 'auto'
-  steps_per_call: int = 1
-  clients_per_chunk: Any = 'auto'           # vmap: clients/device/program
-  client_cache_mb: int = 1024               # decoded clients kept (0 = off)
-  prefetch_clients: bool = True             # load round r+1 during round r
-  num_devices: Optional[int] = None         # local devices; None = all
-  coordinator_address: Optional[str] = None  # multi-host: host:port of p0
-  num_processes: int = 1                    # multi-host: JAX processes
-  process_id: int = 0                       # multi-host: this process
-  distributed_timeout: int = 60             # seconds to reach coordinator
-  progress: bool = True
+  """All settings of one federated run; each field is a runner flag."""
+  task: str = _field('embedded_mnist', 'Federated task.')
+  algorithm: str = _field('fedavg', 'Federated algorithm.')
+  num_rounds: Optional[int] = _field(None, 'Training rounds.', kind=int,
+                                     lower_bound=1)
+  clients_per_round: Optional[int] = _field(None, 'Cohort size.', kind=int,
+                                            lower_bound=1)
+  client_batch_size: Optional[int] = _field(
+      None, 'Local batch size (examples per local step).', kind=int,
+      lower_bound=1)
+  client_epochs: int = _field(1, 'Local epochs over the client data.',
+                              lower_bound=1)
+  max_examples_per_client: Optional[int] = _field(
+      None, 'Use at most this many examples of a client per round (its '
+      'first ones, as TFF take()); 0 = all.', kind=int, lower_bound=0)
+  client_optimizer: Optional[str] = _field(
+      None, 'Client optimizer.', kind=str, choices=CLIENT_OPTIMIZERS)
+  client_lr: Optional[float] = _field(None, 'Client learning rate.',
+                                      kind=float)
+  client_clip_norm: Optional[float] = _field(
+      None, "Client gradient global-norm clip (0 = off; default: the "
+      "task's).", kind=float)
+  server_optimizer: Optional[str] = _field(
+      None, 'Server optimizer (sgd = FedAvg, adam = FedAdam).', kind=str,
+      choices=SERVER_OPTIMIZERS)
+  server_lr: Optional[float] = _field(None, 'Server learning rate.',
+                                      kind=float)
+  server_beta1: float = _field(0.9, 'Server Adam/Yogi beta1.')
+  server_beta2: float = _field(0.999, 'Server Adam/Yogi beta2.')
+  server_eps: Optional[float] = _field(None, 'Server optimizer epsilon.',
+                                       kind=float)
+  eval_every: Optional[int] = _field(None, 'Evaluate every N rounds.',
+                                     kind=int, lower_bound=1)
+  eval_batch_size: int = _field(256, 'Evaluation batch size.',
+                                lower_bound=1)
+  eval_num_clients: Optional[int] = _field(
+      None, 'Test clients to evaluate on (0, or more than the test clients '
+      '= all of them).', kind=int, lower_bound=0)
+  seed: int = _field(0, 'Seed in [0, 2**32 - 1] for sampling, init and '
+                     'local shuffles (all keys derive from seed, round, '
+                     'client).')
+  data_dir: Optional[str] = _field(
+      None, 'Data directory, the only one searched when given (else '
+      '$FEDLITE_DATA_DIR, ~/.cache/fedjax, ~/.tff). Tasks with files only.',
+      kind=str)
+  output_dir: Optional[str] = _field(
+      None, 'Output directory (default runs/<task>_<algorithm>_seed<seed>).',
+      kind=str)
+  checkpoint_every: int = _field(
+      50, 'Checkpoint every N rounds (0 = only at the end).', lower_bound=0)
+  resume: bool = _field(True, 'Resume from the latest checkpoint in '
+                        '--output_dir.')
+  overwrite: bool = _field(False, 'Replace results of another run in '
+                           '--output_dir.')
+  allow_download: bool = _field(
+      False, 'Let FedJAX download missing data (needs network).')
+  round_engine: str = _field(
+      'auto', 'Client execution: vmap (one program; GPU/TPU), loop (jitted '
+      'step blocks; CPU), auto (by platform).', choices=ROUND_ENGINES)
+  steps_per_call: int = _field(
+      1, 'Loop engine: local steps unrolled per jitted call.', lower_bound=1)
+  clients_per_chunk: Any = _field(
+      'auto', 'vmap engine and split learning: clients per device in one '
+      'compiled program (peak memory follows it); auto = from the model '
+      'size and the device memory, 0 = the whole cohort.', kind=str)
+  client_cache_mb: int = _field(
+      1024, 'MiB of decoded client data kept across rounds (least recently '
+      'used beyond it; 0 = off). No effect on results.', lower_bound=0)
+  prefetch_clients: bool = _field(
+      True, "Load the next round's clients in a background thread while the "
+      'current round trains. No effect on results.')
+  num_devices: Optional[int] = _field(
+      None, "Local devices to split each round's clients over (a "
+      'jax.sharding mesh; default: all local devices). Results do not '
+      'depend on it beyond float tolerance.', kind=int)
+  coordinator_address: Optional[str] = _field(
+      None, 'Multi-host runs: host:port of process 0 (jax.distributed).',
+      kind=str)
+  num_processes: int = _field(1, 'Multi-host runs: number of processes.',
+                              lower_bound=1)
+  process_id: int = _field(0, "Multi-host runs: this process's index.",
+                           lower_bound=0)
+  distributed_timeout: int = _field(
+      60, 'Multi-host runs: seconds to wait for all processes.',
+      lower_bound=1)
+  progress: bool = _field(True, 'Show a progress bar.')
   # Task-specific (see TASK_FIELDS).
-  sequence_length: int = 20
-  vocab_size: int = 10000
-  num_clients: int = 50                     # embedded task: clients
-  dirichlet_alpha: float = 0.5              # embedded task: label skew
-  tokenizer: str = 'word'                   # text tasks: word | sentencepiece
-  sp_vocab_size: int = 4096                 # SentencePiece ids incl. specials
-  model: Optional[str] = None               # LM preset; None = task default
-  lm_loss_reduction: str = 'sequence_sum'   # LM presets: per-sequence loss
-  init_checkpoint: Optional[str] = None     # params file to start from
+  sequence_length: int = _field(20, 'Next-word prediction sequence length.',
+                                lower_bound=1)
+  vocab_size: int = _field(10000, 'Word vocabulary size (next-word '
+                           'prediction).', lower_bound=1)
+  num_clients: int = _field(50, 'embedded_mnist: number of synthetic '
+                            'clients.', lower_bound=1)
+  dirichlet_alpha: float = _field(
+      0.5, 'embedded_mnist: Dirichlet label-skew concentration.')
+  tokenizer: str = _field(
+      'word', 'Text tasks: word vocabulary, or a SentencePiece sub-word '
+      'model trained on the training split (cached; Ro et al. 2022). Use '
+      '--sequence_length=30 for the paper setup.', choices=TOKENIZERS)
+  sp_vocab_size: int = _field(
+      4096, 'SentencePiece ids incl. PAD/BOS/EOS/UNK (paper: 4K).',
+      lower_bound=5)
+  model: Optional[str] = _field(
+      None, 'Language model preset (Ro et al. 2022 Table 1, plus tiny CPU '
+      'presets); default: the task model (lstm_small with '
+      '--tokenizer=sentencepiece).', kind=str, choices=tuple(lm.PRESETS))
+  lm_loss_reduction: str = _field(
+      'sequence_sum', 'LM presets: per-sequence sum (FedJAX) or mean of '
+      'token cross-entropies.', choices=tuple(lm.LOSS_REDUCTIONS))
+  init_checkpoint: Optional[str] = _field(
+      None, 'Start from these parameters instead of the random init '
+      '(transfer learning): a file written by '
+      'experiments/pretrain_centralized.py, or a runner checkpoint '
+      '<output_dir>/checkpoints/ckpt_*.msgpack. Round 0 is evaluated so the '
+      'start shows in metrics.jsonl.', kind=str)
   # Algorithm-specific options (registry.Option), by name.
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -198,6 +289,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   Raises:
     ConfigError: naming the first bad value and what is allowed.
   """
+  compression_options.check_removed(config.options, config.algorithm)
   explicit = _explicit_fields(config, task_defaults)
   filled = {k: (task_defaults[k] if v is None and k in task_defaults else v)
             for k, v in dataclasses.asdict(config).items()}
@@ -236,9 +328,9 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.server_optimizer not in SERVER_OPTIMIZERS:
     raise ConfigError(f'--server_optimizer={config.server_optimizer!r}: '
                       f'allowed values are {", ".join(SERVER_OPTIMIZERS)}.')
-  if config.round_engine not in ('auto', 'loop', 'vmap'):
+  if config.round_engine not in ROUND_ENGINES:
     raise ConfigError(f'--round_engine={config.round_engine!r}: allowed '
-                      'values are auto, loop, vmap.')
+                      f'values are {", ".join(ROUND_ENGINES)}.')
   config = dataclasses.replace(
       config, clients_per_chunk=parse_clients_per_chunk(
           config.clients_per_chunk))

@@ -21,7 +21,8 @@ The stages (:data:`STAGE_FORMS`, each registered once below with
   ``seed`` argument of :func:`parse_chain`).
 * ``uniform_quantization:bits`` --
   :func:`~fedlite_jax.transforms.uniform_quantization` (1..32 bits).
-* ``terngrad`` -- :func:`~fedlite_jax.transforms.terngrad` (2.5 std clip).
+* ``terngrad[:clip_std|none]`` -- :func:`~fedlite_jax.transforms.terngrad`
+  (clip at 2.5 std by default; ``none`` = no clipping).
 * ``top_k:k[:log2|none]`` -- :func:`~fedlite_jax.transforms.top_k` (index
   bits ``log2`` by default), without error feedback.
 * ``count_sketch:rows:cols[:seed]`` --
@@ -34,6 +35,7 @@ key use differs), so ``uniform_quantization:8`` is exactly
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from fedlite_jax.transforms import base
@@ -102,6 +104,22 @@ def _intrinsic(args, seed, generator):
   return intrinsic.intrinsic_projection(d, num_subspaces=k, seed=s)
 
 
+def _terngrad(args, seed, generator):
+  del seed
+  if not args:
+    return ternary.terngrad(generator=generator)
+  if args[0] == 'none':
+    return ternary.terngrad(clip_std=None, generator=generator)
+  try:
+    clip_std = float(args[0])
+  except ValueError:
+    clip_std = math.nan
+  if not math.isfinite(clip_std):
+    raise ValueError(f"clip_std must be a finite number or 'none', got "
+                     f'{args[0]!r}')
+  return ternary.terngrad(clip_std=clip_std, generator=generator)
+
+
 def _count_sketch(args, seed, generator):
   del generator
   s = _int(args[2], 'seed') if len(args) > 2 else seed
@@ -114,8 +132,7 @@ register_stage('intrinsic_projection:d[:K[:seed]]', _intrinsic)
 register_stage('uniform_quantization:bits',
                lambda args, seed, generator: uniform.uniform_quantization(
                    _int(args[0], 'bits'), generator=generator))
-register_stage('terngrad', lambda args, seed, generator: ternary.terngrad(
-    generator=generator))
+register_stage('terngrad[:clip_std|none]', _terngrad)
 register_stage('top_k:k[:log2|none]', lambda args, seed, generator: topk.top_k(
     _int(args[0], 'k'), index_bits=args[1] if len(args) > 1 else 'log2'))
 register_stage('count_sketch:rows:cols[:seed]', _count_sketch)
