@@ -71,7 +71,8 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
                 'peak_mem_bytes'):
       assert math.isfinite(r[key]) and r[key] > 0, (key, r)
     assert r['host_share'] < 1
-    assert r['mfu'] < 1  # Below the measured matmul peak... by far.
+    # No upper bound on mfu: a ratio of two timings (the peak is measured
+    # while other jobs may run); tests assert no timings.
     assert r['rounds_per_s'] == pytest.approx(1 / r['s_per_round'])
     if r['engine'] == 'fedjax_jit' or r['engine'] == 'loop':
       assert r['padded_steps'] == r['useful_steps']
