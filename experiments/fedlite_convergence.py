@@ -76,11 +76,10 @@ def _train(name: str, seed: int) -> dict:
   argv = _flags(name, seed, FLAGS.iterations, FLAGS.eval_every, rel)
   rec = provenance.run_or_reuse(argv, FLAGS.iterations)
   s = rec['summary']
-  curve = [{k: r[k] for k in ('round', 'accuracy', 'loss', 'upload_bytes',
-                               'download_bytes') if k in r}
-           for r in rec['curve'] if 'accuracy' in r]
+  curve = stats.eval_rows(rec['curve'])
   print(f'{name} seed {seed}: {s["final_eval"]}', flush=True)
-  return {'command': rec['command'], 'commit': rec['commit'], 'dirty': rec['dirty'], 'seed': seed,
+  return {'command': rec['command'], 'commit': rec['commit'],
+          'dirty': rec['dirty'], 'seed': seed,
           'rounds': s['rounds'], 'curve': curve,
           'accuracy': stats.tail_mean(curve, 'accuracy'),
           'communication': s['communication']}
@@ -171,30 +170,9 @@ def _report(data: dict, out: pathlib.Path) -> None:
       'Figure: test accuracy by iteration, mean over seeds with a band of ± '
       'one standard deviation, per row.', '']
   (out / 'fedlite_convergence.md').write_text('\n'.join(lines))
-  _plot(data, out / 'fedlite_convergence.png')
-
-
-def _plot(data: dict, path: pathlib.Path) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  lo = 1.0
-  for r in data['results']:
-    rounds = [p['round'] for p in r['runs'][0]['curve']]
-    acc = np.array([[p['accuracy'] for p in run['curve']]
-                    for run in r['runs']])
-    mean, std = acc.mean(0), acc.std(0, ddof=1) if len(acc) > 1 else 0 * acc[0]
-    ax.plot(rounds, mean, 'o-', ms=3, label=r['label'])
-    ax.fill_between(rounds, mean - std, mean + std, alpha=0.2)
-    lo = min(lo, float(mean[len(mean) // 3:].min()))
-  ax.set(xlabel='iteration', ylabel='test accuracy', ylim=(lo - 0.05, None),
-         title='FEMNIST-105: FedLite vs SplitFed (mean ± std over seeds)')
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  stats.plot_seed_bands(
+      data['results'], out / 'fedlite_convergence.png', xlabel='iteration',
+      title='FEMNIST-105: FedLite vs SplitFed (mean ± std over seeds)')
 
 
 def main(argv):

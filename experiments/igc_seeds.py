@@ -80,9 +80,7 @@ def _train(name: str, seed: int) -> dict:
                 f'{FLAGS.runs_dir}/{name}_seed{seed}')
   rec = provenance.run_or_reuse(argv, FLAGS.rounds)
   s = rec['summary']
-  curve = [{k: r[k] for k in ('round', 'accuracy', 'loss', 'upload_bytes',
-                               'download_bytes') if k in r}
-           for r in rec['curve'] if 'accuracy' in r]
+  curve = stats.eval_rows(rec['curve'])
   print(f'{name} seed {seed}: {s["final_eval"]}', flush=True)
   return {'command': rec['command'], 'commit': rec['commit'],
           'dirty': rec['dirty'], 'seed': seed, 'rounds': s['rounds'],
@@ -119,29 +117,10 @@ def _report(data: dict, out: pathlib.Path) -> None:
             'Figure: test accuracy by round, mean over seeds with a band of '
             '± one standard deviation, per row.', '']
   (out / 'igc_seeds.md').write_text('\n'.join(lines))
-  _plot(data, out / 'igc_seeds.png')
-
-
-def _plot(data: dict, path: pathlib.Path) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for r in data['results']:
-    rounds = [p['round'] for p in r['runs'][0]['curve']]
-    acc = 100 * np.array([[p['accuracy'] for p in run['curve']]
-                          for run in r['runs']])
-    mean = acc.mean(0)
-    std = acc.std(0, ddof=1) if len(acc) > 1 else 0 * mean
-    ax.errorbar(rounds, mean, yerr=std, marker='o', ms=3, capsize=3,
-                label=r['label'])
-  ax.set(xlabel='round', ylabel='test accuracy (%)',
-         title='FEMNIST-105 IGC (mean ± std over seeds)')
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  stats.plot_seed_bands(
+      data['results'], out / 'igc_seeds.png', xlabel='round',
+      title='FEMNIST-105 IGC (mean ± std over seeds)', scale=100,
+      ylabel='test accuracy (%)')
 
 
 def main(argv):

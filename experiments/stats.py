@@ -82,3 +82,42 @@ def fmt_paired(p: Mapping, digits: int = 3, scale: float = 1.0) -> str:
   """``'+0.012 ± 0.004, same sign in 3/3 seeds'`` of a ``paired`` result."""
   return (f'{p["mean"] * scale:+.{digits}f} ± {p["std"] * scale:.{digits}f}, '
           f'same sign in {p["agree"]}/{p["n"]} seeds')
+
+
+def eval_rows(curve: Sequence[Mapping]) -> list[dict]:
+  """The evaluation rows of a run's ``metrics.jsonl`` (those with
+  ``accuracy``), keeping round, accuracy, loss and the byte counts."""
+  keys = ('round', 'accuracy', 'loss', 'upload_bytes', 'download_bytes')
+  return [{k: r[k] for k in keys if k in r} for r in curve if 'accuracy' in r]
+
+
+def plot_seed_bands(results: Sequence[Mapping], path, *, xlabel: str,
+                    title: str, scale: float = 1.0,
+                    ylabel: str = 'test accuracy') -> None:
+  """Accuracy by round per row: mean over its ``runs`` (one per seed) with
+  error bars of ± one sample standard deviation; y axis framed on the last
+  two thirds of the curves (where the claims are). Writes a PNG."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  lo = hi = None
+  for r in results:
+    rounds = [p['round'] for p in r['runs'][0]['curve']]
+    acc = scale * np.array([[p['accuracy'] for p in run['curve']]
+                            for run in r['runs']])
+    mean = acc.mean(0)
+    std = acc.std(0, ddof=1) if len(acc) > 1 else 0 * mean
+    ax.errorbar(rounds, mean, yerr=std, marker='o', ms=3, capsize=3,
+                label=r['label'])
+    tail = slice(len(mean) // 3, None)
+    lo = min(lo if lo is not None else np.inf, float((mean - std)[tail].min()))
+    hi = max(hi if hi is not None else -np.inf, float((mean + std)[tail].max()))
+  pad = 0.1 * (hi - lo) if hi is not None and hi > lo else 0.01 * scale
+  ax.set(xlabel=xlabel, ylabel=ylabel, title=title,
+         ylim=(lo - pad, hi + pad) if lo is not None else None)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -49,3 +49,16 @@ def test_bad_input_is_one_clear_line(call, message):
       ']', r'\]')) as e:
     call()
   assert '\n' not in str(e.value)
+
+
+def test_eval_rows_keep_evaluations_and_plot_writes_a_png(tmp_path):
+  curve = [{'round': 1, 'loss': 2.0, 'data_seconds': 0.1},
+           {'round': 2, 'accuracy': 0.5, 'loss': 1.5, 'upload_bytes': 8.0}]
+  assert stats.eval_rows(curve) == [
+      {'round': 2, 'accuracy': 0.5, 'loss': 1.5, 'upload_bytes': 8.0}]
+  runs = [{'curve': [{'round': 1, 'accuracy': a}, {'round': 2,
+                                                  'accuracy': a + 0.1}]}
+          for a in (0.2, 0.3, 0.4)]
+  stats.plot_seed_bands([{'label': 'row', 'runs': runs}], tmp_path / 'f.png',
+                        xlabel='round', title='t')
+  assert (tmp_path / 'f.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
