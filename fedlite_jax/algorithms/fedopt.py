@@ -44,9 +44,9 @@ from fedlite_jax.algorithms.rounds_common import num_params
 from fedlite_jax.algorithms.rounds_common import UPLOAD_STREAM
 from fedlite_jax.rounds import make_engine
 from fedlite_jax.transforms import pvt as pvt_lib
+from fedlite_jax.common import PyTree
 
 Params = Any
-PyTree = Any
 
 __all__ = [
     'Compression', 'CompressedRound', 'FedOptState', 'compressed_sgd',

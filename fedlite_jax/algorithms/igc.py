@@ -69,11 +69,11 @@ from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
+from fedlite_jax.common import FLOAT_BITS
 
 Params = Any
 
 IGC_DOWNLOAD_ACCOUNTING = ('table1', 'exact')
-FLOAT_BITS = 32
 
 __all__ = [
     'IGC_DOWNLOAD_ACCOUNTING',

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.rounds import ClientProgram
+from fedlite_jax.common import PyTree
 
-PyTree = Any
 
 POLICIES = ('raise', 'skip')
 

@@ -7,7 +7,7 @@ received ``Q(w)`` -- FedAvg (McMahan et al. 2017, Alg. 1), FedProx (Li et
 al. 2020, Alg. 2: ``+ mu (w - Q(w))``) or MimeLite's fixed statistics
 (Karimireddy et al. 2020, Alg. 1) -- splitting the client's round key as
 FedJAX's ``fed_avg``; the PVT mask (Ro et al. 2022, Sec. 4) uses
-``fold_in(key, pvt.PVT_STREAM)``; then ``compress(Q(w) - w_client)``.
+``fold_in(key, PVT_STREAM)``; then ``compress(Q(w) - w_client)``.
 
 Download accounting ``'changed'`` (FetchSGD / CommEfficient
 ``fed_aggregator.py``): the server keeps ``last_changed[j]``, the last round
@@ -34,22 +34,17 @@ from fedlite_jax.checks import check_int
 from fedlite_jax.rounds import ClientProgram
 from fedlite_jax.rounds import ClientWork
 from fedlite_jax.transforms import pvt as pvt_lib
+from fedlite_jax.common import (  # noqa: F401  (re-exported)
+    COMPRESS_STREAM, DOWNLOAD_STREAM, FLOAT_BITS, GRAD_UPLOAD_STREAM,
+    PVT_STREAM, PyTree, UPLOAD_STREAM)
 
 Params = Any
-PyTree = Any
 GradFn = Callable[[Params, dict, jax.Array], Params]
 Clients = Sequence[tuple[bytes, fedjax.ClientDataset, jax.Array]]
 PlanFn = Callable[[], Optional[pvt_lib.PVTPlan]]
 
-FLOAT_BITS = 32
 WEIGHTINGS = ('examples', 'uniform')
 DOWNLOAD_ACCOUNTING = ('changed', 'dense')
-UPLOAD_STREAM = 0x75706C64  # 'upld'
-GRAD_UPLOAD_STREAM = 0x67726164  # 'grad'
-DOWNLOAD_STREAM = 0x646F776E  # 'down'
-# IGC's and FetchSGD's compression key (ASCII 'comp'): their subspace choice
-# and sketch streams, kept so their results stay reproducible.
-COMPRESS_STREAM = 0x636F6D70
 
 __all__ = [
     'COMPRESS_STREAM', 'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'FLOAT_BITS',
@@ -110,7 +105,7 @@ def pvt_mask(plan: Optional[pvt_lib.PVTPlan],
   if plan is None or plan.trains_everything:
     return None
   return pvt_lib.sample_mask(
-      plan, jax.random.fold_in(client_input['rng'], pvt_lib.PVT_STREAM))
+      plan, jax.random.fold_in(client_input['rng'], PVT_STREAM))
 
 
 def _masked(tree: PyTree, mask: Optional[jax.Array]) -> PyTree:

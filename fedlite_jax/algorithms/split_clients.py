@@ -36,12 +36,12 @@ from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.fedlite import pq
 from fedlite_jax.transforms.product_quantization import product_quantization \
     as pq_transform
+from fedlite_jax.common import PAD_ID
 
 Batch = Mapping[str, Any]
 ClientExecution = Literal['auto', 'vmap', 'unroll']
 LambdaScaling = Literal['batch', 'example']
 
-PAD_ID = 0
 
 
 def loss_vector_mask(batch: Batch, activations: jax.Array) -> jax.Array:

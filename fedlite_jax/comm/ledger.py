@@ -32,9 +32,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, Mapping, Optional, TextIO
+from fedlite_jax.common import FLOAT_BITS
 
 BITS_PER_BYTE = 8
-FLOAT_BITS = 32
 
 
 def total_compression(upload_compression: float,

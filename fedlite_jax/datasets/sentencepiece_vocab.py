@@ -71,8 +71,8 @@ from fedlite_jax.datasets import info as info_lib
 from fedlite_jax.datasets import shakespeare
 from fedlite_jax.datasets import sources
 from fedlite_jax.datasets import stackoverflow
+from fedlite_jax.common import PAD_ID
 
-PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
 UNK_ID = 3

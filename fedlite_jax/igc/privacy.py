@@ -36,12 +36,13 @@ Reconstruction error (:func:`mse`, :func:`psnr`) is measured on images in
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
+from fedlite_jax.common import PyTree
 
 __all__ = [
     'InversionResult',
@@ -54,7 +55,6 @@ __all__ = [
     'total_variation',
 ]
 
-PyTree = Any
 Array = jax.Array
 Observe = Callable[[Array, Array], PyTree]
 OPTIMIZERS: tuple[str, ...] = ('lbfgs', 'adam')

@@ -36,6 +36,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.common import PyTree
 
 __all__ = [
     'IntrinsicSubspace',
@@ -46,7 +47,6 @@ __all__ = [
     'intrinsic_project',
 ]
 
-PyTree = Any
 
 
 @functools.partial(

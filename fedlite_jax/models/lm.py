@@ -110,11 +110,11 @@ import optax
 
 from fedlite_jax.models import layers
 from fedlite_jax.models import split
+from fedlite_jax.common import PAD_ID
 
 Array = jax.Array
 Batch = Mapping[str, Array]
 
-PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
 DEFAULT_OOV_ID = 3

@@ -20,8 +20,8 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fedlite_jax.common import PyTree
 
-PyTree = Any
 
 
 def bucket_steps(num_steps: int, policy: str | int) -> int:

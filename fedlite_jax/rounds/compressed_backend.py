@@ -93,13 +93,8 @@ import numpy as np
 from fedlite_jax import transforms as tx
 from fedlite_jax.comm import ledger as ledger_lib
 from fedlite_jax.rounds import fedjax_backend
+from fedlite_jax.common import DOWNLOAD_STREAM, PyTree, UPLOAD_STREAM
 
-PyTree = Any
-
-# The stream constants of fedlite_jax.algorithms.fedopt (same values, so
-# that both derive the same keys; tests/test_compressed_backend.py checks).
-UPLOAD_STREAM = 0x75706C64  # 'upld'
-DOWNLOAD_STREAM = 0x646F776E  # 'down'
 
 BASES = ('jit', 'vmap')
 

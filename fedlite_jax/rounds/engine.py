@@ -36,12 +36,12 @@ from fedlite_jax.rounds import chunking
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 # Re-exported: the chunking names that tests, benchmarks and the runner use.
+from fedlite_jax.common import PyTree
 from fedlite_jax.rounds.chunking import (  # noqa: F401
     AUTO_LANE_EXTRA_BYTES, AUTO_MAX_CLIENTS_PER_CHUNK, AUTO_MEMORY_FRACTION,
     AUTO_PARAM_COPIES, bucket_steps, executed_steps, plan_chunks,
     recording_stats, resolve_clients_per_chunk, tree_bytes)
 
-PyTree = Any
 Batch = dict
 
 ENGINE_NAMES = ('auto', 'loop', 'vmap')

@@ -66,8 +66,8 @@ import numpy as np
 from fedlite_jax.rounds import chunking
 from fedlite_jax.rounds import engine as engine_lib
 from fedlite_jax.rounds import sharding
+from fedlite_jax.common import PyTree
 
-PyTree = Any
 
 
 def _signature(tree: PyTree) -> tuple:

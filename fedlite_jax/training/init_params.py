@@ -30,8 +30,8 @@ import jax
 import numpy as np
 
 from fedlite_jax import checkpoint
+from fedlite_jax.common import PyTree
 
-PyTree = Any
 FORMAT = 'fedlite_jax.params'
 VERSION = 1
 

@@ -16,8 +16,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fedlite_jax.common import PyTree
 
-PyTree = Any
 State = Any
 
 __all__ = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,6 @@ from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.transforms import base
 from fedlite_jax.transforms import sketch
 
-PyTree = Any
 
 __all__ = [
     'IntrinsicState',

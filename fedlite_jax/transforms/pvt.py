@@ -73,8 +73,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.transforms import base
+from fedlite_jax.common import PyTree
 
-PyTree = Any
 Path = tuple[Any, ...]
 
 MULTIPLICATIVE_NAMES = ('kernel', 'embedding', 'scale', 'projection',
@@ -82,10 +82,6 @@ MULTIPLICATIVE_NAMES = ('kernel', 'embedding', 'scale', 'projection',
 """Leaf names treated as multiplicative (freezable) by default: dense and
 LSTM kernels (attention q/k/v/out and MLP kernels in the Transformer), the
 LSTM projection, token and position embeddings, LayerNorm scales."""
-
-# fold_in tag of the PVT key (ASCII 'pvt!'): the client's training stream is
-# untouched, so PVT 100% reproduces FedAvg's dropout/shuffle draws.
-PVT_STREAM = 0x70767421
 
 
 def _key_name(entry: Any) -> str:
@@ -215,7 +211,7 @@ def sample_mask(plan: PVTPlan, key: jax.Array) -> jax.Array:
   Args:
     plan: from :func:`make_plan`.
     key: a JAX PRNG key (derive it from the client's round key, e.g.
-      ``jax.random.fold_in(client_key, PVT_STREAM)``).
+      ``jax.random.fold_in(client_key, common.PVT_STREAM)``).
 
   Returns:
     ``bool[num_leaves]``: True = trained (always True for non-freezable

@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from fedlite_jax.transforms import base
 from fedlite_jax.transforms import uniform
+from fedlite_jax.common import PyTree
 
-PyTree = Any
 
 DEFAULT_CLIP_STD = 2.5
 """TernGrad's clipping constant ``c`` (Wen et al. 2017)."""

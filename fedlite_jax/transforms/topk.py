@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from fedlite_jax.igc.fastfood import check_int
 from fedlite_jax.transforms import base
 
-PyTree = Any
 
 INDEX_BITS = ('log2', 'none')
 

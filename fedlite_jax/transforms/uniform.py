@@ -108,12 +108,11 @@ from jax import lax
 import numpy as np
 
 from fedlite_jax.transforms import base
+from fedlite_jax.common import PyTree, FLOAT_BITS
 
-PyTree = Any
 
 MIN_BITS = 1
 MAX_BITS = 32
-FLOAT_BITS = 32
 """Bits charged for each float sent alongside the codes (min, max, scale)."""
 
 GENERATORS = ('hash', 'threefry')
