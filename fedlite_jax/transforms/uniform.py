@@ -1,98 +1,32 @@
 """Stochastic k-level uniform quantization, its bit cost and its random numbers.
 
-Source: Suresh, Yu, Kumar, McMahan, "Distributed Mean Estimation with Limited
-Communication", ICML 2017, Section 2.2 (stochastic k-level quantization), as
-used for upload and download in Ro et al., "Scaling Language Model Size in
-Cross-Device Federated Learning" (2022), Section 4 and Appendix C: "values in
-each layer are converted into one of k evenly distributed values between the
-layer min and max, stochastically assigned to the closest target value either
-above or below the real value ... the number of bits used to store the value
-equals log2(k)".
+Source: Suresh et al., "Distributed Mean Estimation with Limited
+Communication", ICML 2017, Sec. 2.2, as used for upload and download by Ro et
+al., "Scaling Language Model Size in Cross-Device Federated Learning" (2022),
+Sec. 4 and App. C.
 
-For one layer ``x`` (one array; one pytree leaf) with ``k = 2**bits`` levels
-``B_r = lo + r * (hi - lo) / (k - 1)``, ``r = 0..k-1``: a value with
-``B_r <= x_i < B_{r+1}`` becomes ``B_{r+1}`` with probability
-``(x_i - B_r) / (B_{r+1} - B_r)`` and ``B_r`` otherwise (Suresh et al.,
-Sec. 2.2), so ``E[Q(x_i)] = x_i`` and
-``Var[Q(x_i)] = (B_{r+1} - x_i)(x_i - B_r) <= (hi - lo)**2 / (4 (k - 1)**2)``.
+For one layer ``x`` with ``k = 2**bits`` levels ``B_r = lo + r (hi - lo) /
+(k - 1)``, a value in ``[B_r, B_{r+1})`` becomes ``B_{r+1}`` with probability
+``(x_i - B_r) / (B_{r+1} - B_r)``, else ``B_r``: ``E[Q(x_i)] = x_i``,
+``Var <= (hi - lo)**2 / (4 (k - 1)**2)``.
 
-Range (``zero_center``):
+* ``zero_center=False`` (the paper's default): ``[min(x), max(x)]``, cost
+  ``bits * size + 64`` bits per layer. ``zero_center=True``: ``[-m, m]``,
+  ``m = max|x|``, cost ``bits * size + 32`` (our reading of Ro et al.'s
+  undefined "zero-centering"; centring on the mean would change nothing).
+* ``clip_std=c`` clips the layer to ``[-c std, c std]`` first (TernGrad, Wen
+  et al. 2017, Sec. 3); unbiased for the clipped layer only.
+* At ``bits >=`` the dtype's significand bits (24 for float32) the grid is
+  finer than the dtype: the layer passes through unchanged and ``bits`` per
+  value are still charged (:func:`passthrough_bits`).
+* Random numbers (:data:`GENERATORS`): ``'threefry'`` is
+  ``jax.random.uniform``; ``'hash'`` (default) is a counter-based lowbias32
+  hash of the flat index with two seeds drawn from the key, exactly uniform
+  per element over keys and fused into the quantizer (at most 2**32
+  elements). Pytree leaf ``i`` uses ``jax.random.split(key, n)[i]``.
 
-* ``zero_center=False`` (the paper's default): ``lo = min(x)``, ``hi = max(x)``;
-  the message is ``bits`` per value plus two float32 (``lo``, ``hi``): cost
-  ``bits * size + 64`` bits per layer.
-* ``zero_center=True``: the grid is centred on zero, ``lo = -m``, ``hi = m``
-  with ``m = max|x|``; only ``m`` is sent: cost ``bits * size + 32``. Ro et al.
-  apply "zero-centering" on upload without defining it. We read it as a grid
-  symmetric around 0 because the other reading, quantizing ``x - mean(x)`` on
-  ``[min, max] - mean``, is the identity transformation of the same grid in
-  exact arithmetic (levels and probabilities shift with the mean) and so
-  cannot change results. With ``k = 2**bits`` even, 0 itself is never a level;
-  the spacing is ``2 m / (k - 1) >= (max - min) / (k - 1)``, so the variance
-  bound ``spacing**2 / 4`` is never below the min/max grid's (equal when
-  ``min = -max``); in exchange one float fewer is sent.
-
-Optional l-infinity clipping (``clip_std=c``) clips the layer to
-``[-c * std(x), c * std(x)]`` before quantizing (as in TernGrad, Wen et al.
-2017, Sec. 3; Ro et al., App. C, also clip for uniform 2-bit); the result is
-then unbiased for the *clipped* layer only.
-
-Float precision and the high end of ``bits`` (1..32 allowed):
-
-* Computation is in float32 for float32/float16/bfloat16 layers and float64 for
-  float64 layers (``jax_enable_x64``); results are cast back to the layer
-  dtype (for 16-bit dtypes a round-to-nearest, biased by up to half an ulp of
-  that dtype).
-* A float with a ``p``-bit significand (``p = finfo.nmant + 1``: 24 for
-  float32, 53 for float64, 11 for float16, 8 for bfloat16) cannot hold a grid
-  of ``2**p`` or more levels: at ``bits >= p`` the level spacing
-  ``(hi - lo) / (2**bits - 1) <= 2 max(|lo|, |hi|) / (2**p - 1)`` is about one
-  ulp of the layer's largest magnitude, so near the range ends the levels are
-  not representable and rounding to them moves values by about an ulp. For
-  ``bits >= p`` (:func:`passthrough_bits`) the layer is therefore returned
-  unchanged (after the optional clipping), no random numbers are drawn, and
-  ``bits`` per value are still charged. For float32 this is bits 24..32; for
-  float64 (53) it never happens in 1..32. (For small-magnitude values of such
-  a layer the dtype is finer than the grid, so the identity omits a
-  quantization error of at most one spacing, ``<= 2**-22 max(|lo|, |hi|)``
-  for float32.)
-* Below that, float32 arithmetic (``t = (x - lo) * (k - 1) / (hi - lo)``,
-  then ``lo + code * spacing``) rounds; the resulting bias is a few float32
-  ulps of ``max(|lo|, |hi|)`` (the tests allow ``8 eps (|lo| + |hi|)``): far
-  below the quantization noise for moderate ``bits``, of the order of float32
-  resolution near 23 bits.
-* ``x == lo`` and ``x == hi`` come back exactly (so a constant layer, where
-  ``lo == hi``, comes back unchanged and NaN-free; with ``zero_center`` a
-  constant layer also comes back unchanged because its values equal ``lo`` or
-  ``hi``), even when ``hi - lo`` overflows. Otherwise non-finite values, or a
-  range ``hi - lo`` that overflows the dtype, give unspecified results.
-
-Random numbers (one uniform per quantized value), by name (:data:`GENERATORS`):
-
-* ``'threefry'``: ``jax.random.uniform(key, shape, dtype)``, JAX's own
-  generator. On XLA:CPU it dominates the cost: about 100 ms of a 120 ms
-  quantization of 20M float32 values (docs/DESIGN_NOTES.md, "Random
-  numbers").
-* ``'hash'`` (default): counter-based. Two 32-bit seeds ``(s0, s1)`` are
-  drawn once from the key with ``jax.random.bits``; element ``i`` (row-major
-  flat index) gets ``h_i = mix(mix(i ^ s0) + s1)``, where ``mix`` is the
-  "lowbias32" integer finalizer (Wellons,
-  https://github.com/skeeto/hash-prospector: xorshift 16, multiply
-  0x7feb352d, xorshift 15, multiply 0x846ca68b, xorshift 16; a bijection of
-  uint32). Elementwise integer arithmetic, so XLA fuses it into the
-  quantizer's single loop: no random buffer is written. For a fixed ``i``,
-  uniform seed bits make ``h_i`` exactly uniform on uint32 (``s1`` is uniform
-  and independent of ``s0``; ``mix`` is a bijection), so stochastic rounding
-  stays unbiased over keys; within one call ``i -> h_i`` is a bijection and
-  neighbours are decorrelated by the avalanche of ``mix``. Not cryptographic
-  and not a stream JAX defines (the same key gives different numbers than
-  ``'threefry'``); at most 2**32 elements (32-bit counters). Float32 results
-  are ``(h >> 8) * 2**-24``, float64 ``h * 2**-32``, so ``P(u < p)`` differs
-  from ``p`` by less than ``2**-24`` (``2**-32``).
-
-With ``'threefry'`` the uniforms of one array are exactly those of
-``jax.random.uniform(key, x.shape)``; on pytrees each leaf ``i`` uses
-``jax.random.split(key, num_leaves)[i]``.
+The full reasoning (range readings, float precision, the hash's properties)
+is in docs/DESIGN_NOTES.md, "Uniform quantizer".
 """
 
 from __future__ import annotations
@@ -100,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -108,117 +42,15 @@ from jax import lax
 import numpy as np
 
 from fedlite_jax.transforms import base
+# Re-exported: the random numbers of the quantizers.
+from fedlite_jax.transforms.rng import (  # noqa: F401
+    GENERATORS, hash_bits, hash_uniform, random_uniform, validate_generator)
 from fedlite_jax.common import PyTree, FLOAT_BITS
 
 
 MIN_BITS = 1
 MAX_BITS = 32
 """Bits charged for each float sent alongside the codes (min, max, scale)."""
-
-GENERATORS = ('hash', 'threefry')
-"""Names accepted by :func:`random_uniform` and by ``generator=``."""
-
-_MAX_HASH_ELEMENTS = 2**32
-
-# ------------------------------------------------------------ random numbers
-
-
-def validate_generator(generator: str) -> None:
-  """Raises ``ValueError`` unless ``generator`` is one of :data:`GENERATORS`."""
-  if generator not in GENERATORS:
-    raise ValueError(
-        f'generator must be one of {GENERATORS}, got {generator!r}.')
-
-
-def _lowbias32(x: jax.Array) -> jax.Array:
-  """Wellons' lowbias32 finalizer: a bijection of uint32 with strong mixing."""
-  x = x ^ (x >> jnp.uint32(16))
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> jnp.uint32(15))
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> jnp.uint32(16))
-
-
-def hash_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
-  """32 pseudo-random bits per element from a key and the element's index.
-
-  Args:
-    key: a JAX PRNG key (raw ``uint32[2]`` or typed).
-    shape: output shape (static).
-
-  Returns:
-    ``uint32`` array of ``shape``: ``mix(mix(i ^ s0) + s1)`` for the row-major
-    flat index ``i``, with ``(s0, s1) = jax.random.bits(key, (2,), uint32)``.
-
-  Raises:
-    ValueError: if ``shape`` has more than 2**32 elements.
-  """
-  shape = tuple(int(d) for d in shape)
-  size = math.prod(shape)
-  if size > _MAX_HASH_ELEMENTS:
-    raise ValueError(
-        f'hash generator supports at most 2**32 elements, got {size}.')
-  seeds = jax.random.bits(key, (2,), jnp.uint32)
-  index = lax.iota(jnp.uint32, size).reshape(shape)
-  return _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
-
-
-def hash_uniform(key: jax.Array,
-                 shape: Sequence[int],
-                 dtype: jnp.dtype = jnp.float32) -> jax.Array:
-  """Uniform numbers in [0, 1) from :func:`hash_bits` (counter-based, fast).
-
-  Args:
-    key: a JAX PRNG key.
-    shape: output shape (static).
-    dtype: ``float32`` (24 random bits per value, step ``2**-24``) or
-      ``float64`` (32 random bits, step ``2**-32``; needs ``jax_enable_x64``).
-      Other floating dtypes get the float32 values cast to them.
-
-  Returns:
-    Array of ``shape`` and ``dtype`` with values in [0, 1).
-
-  Raises:
-    ValueError: if ``shape`` has more than 2**32 elements.
-  """
-  bits = hash_bits(key, shape)
-  dtype = jnp.dtype(dtype)
-  if dtype == jnp.float64:
-    return bits.astype(jnp.float64) * 2.0**-32
-  # The top 24 bits fit a float32 mantissa exactly; an int32 conversion is
-  # cheaper than uint32 on CPUs without unsigned vector conversions.
-  u = (bits >> jnp.uint32(8)).astype(jnp.int32).astype(jnp.float32)
-  return (u * jnp.float32(2.0**-24)).astype(dtype)
-
-
-def random_uniform(key: jax.Array,
-                   shape: Sequence[int],
-                   dtype: jnp.dtype = jnp.float32,
-                   generator: str = 'hash') -> jax.Array:
-  """Uniform numbers in [0, 1) from the named generator.
-
-  Args:
-    key: a JAX PRNG key (raw or typed).
-    shape: output shape (static).
-    dtype: a floating dtype.
-    generator: ``'hash'`` (:func:`hash_uniform`) or ``'threefry'``
-      (``jax.random.uniform(key, shape, dtype)``).
-
-  Returns:
-    Array of ``shape`` and ``dtype`` with values in [0, 1).
-
-  Raises:
-    ValueError: for an unknown ``generator``, or a ``'hash'`` request of more
-      than 2**32 elements.
-  """
-  validate_generator(generator)
-  if generator == 'threefry':
-    return jax.random.uniform(key, tuple(shape), dtype)
-  return hash_uniform(key, shape, dtype)
-
-
-# ------------------------------------------------------ layers and clipping
-
 
 def validate_bits(bits: int) -> int:
   """Checks ``bits`` and returns it as a Python ``int``.
