@@ -86,13 +86,10 @@ def _train(name: str, seed: int) -> dict:
 
 
 def _check() -> dict:
-  rel = f'{FLAGS.runs_dir}/check'
-  argv = _flags(CHECK_RUN, 0, CHECK_ITERATIONS, CHECK_ITERATIONS, rel) + [
-      '--noresume', '--overwrite', '--checkpoint_every=0']
-  rec = provenance.run_experiment(argv)
-  return {'label': f'{CHECK_RUN} seed 0, {CHECK_ITERATIONS} iterations',
-          'command': rec['command'], 'commit': rec['commit'],
-          'dirty': rec['dirty'], 'curve': rec['curve']}
+  return provenance.check_record(
+      _flags(CHECK_RUN, 0, CHECK_ITERATIONS, CHECK_ITERATIONS,
+             f'{FLAGS.runs_dir}/check') + ['--checkpoint_every=0'],
+      f'{CHECK_RUN} seed 0, {CHECK_ITERATIONS} iterations')
 
 
 def _aggregate(runs: dict[str, dict[int, dict]]) -> list[dict]:
@@ -176,32 +173,20 @@ def _report(data: dict, out: pathlib.Path) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  seeds = provenance.study_seeds(argv, FLAGS.seeds)
   out = pathlib.Path(FLAGS.output_dir)
   if FLAGS.report_only:
     data = json.loads((out / 'fedlite_convergence.json').read_text())
     _report(data, out)
     return
-  try:
-    seeds = [int(s) for s in FLAGS.seeds]
-  except ValueError:
-    raise app.UsageError(f'--seeds={",".join(FLAGS.seeds)}: integers '
-                         'only.') from None
   data = {'provenance': provenance.file_provenance(),
           'meta': {'base': BASE, 'iterations': FLAGS.iterations,
                    'eval_every': FLAGS.eval_every, 'paper_ratio': PAPER_RATIO,
                    'tail_evaluations': stats.TAIL}}
-  runs = {name: {} for name, *_ in RUNS}
-  for seed in seeds:  # Seed-major: the first seeds finish first.
-    for name, *_ in RUNS:
-      runs[name][seed] = _train(name, seed)
+  runs = provenance.seed_major([r[0] for r in RUNS], seeds, _train)
   data['results'] = _aggregate(runs)
   data['check'] = _check()
-  out.mkdir(parents=True, exist_ok=True)
-  _report(data, out)
-  provenance.write_json(out / 'fedlite_convergence.json', data)
-  print(f'wrote {out}/fedlite_convergence.json, .md and .png')
+  provenance.write_study(out, 'fedlite_convergence', data, _report)
 
 
 if __name__ == '__main__':

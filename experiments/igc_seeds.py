@@ -124,23 +124,14 @@ def _report(data: dict, out: pathlib.Path) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  seeds = provenance.study_seeds(argv, FLAGS.seeds)
   out = pathlib.Path(FLAGS.output_dir)
   if FLAGS.report_only:
     _report(json.loads((out / 'igc_seeds.json').read_text()), out)
     return
-  try:
-    seeds = [int(s) for s in FLAGS.seeds]
-  except ValueError:
-    raise app.UsageError(f'--seeds={",".join(FLAGS.seeds)}: integers '
-                         'only.') from None
   data = {'provenance': provenance.file_provenance(),
           'meta': {'rounds': FLAGS.rounds, 'tail_evaluations': stats.TAIL}}
-  runs = {name: {} for name, *_ in ROWS}
-  for seed in seeds:  # Seed-major: the first seeds finish first.
-    for name, *_ in ROWS:
-      runs[name][seed] = _train(name, seed)
+  runs = provenance.seed_major([r[0] for r in ROWS], seeds, _train)
   data['results'] = [
       {'run': name, 'label': label, 'options': options, 'seeds': seeds,
        'accuracy': stats.summarize([runs[name][s]['accuracy']
@@ -148,16 +139,11 @@ def main(argv):
        'total_compression': runs[name][seeds[0]]['total_compression'],
        'runs': [runs[name][s] for s in seeds]}
       for name, label, _, options in ROWS]
-  check = provenance.run_experiment(
+  data['check'] = provenance.check_record(
       _flags(CHECK_ROW, 0, CHECK_ROUNDS, CHECK_ROUNDS,
-             f'{FLAGS.runs_dir}/check') + ['--noresume', '--overwrite'])
-  data['check'] = {'label': f'{CHECK_ROW} seed 0, {CHECK_ROUNDS} rounds',
-                   **{k: check[k] for k in ('command', 'commit', 'dirty',
-                                            'curve')}}
-  out.mkdir(parents=True, exist_ok=True)
-  _report(data, out)
-  provenance.write_json(out / 'igc_seeds.json', data)
-  print(f'wrote {out}/igc_seeds.json, .md and .png')
+             f'{FLAGS.runs_dir}/check'),
+      f'{CHECK_ROW} seed 0, {CHECK_ROUNDS} rounds')
+  provenance.write_study(out, 'igc_seeds', data, _report)
 
 
 if __name__ == '__main__':

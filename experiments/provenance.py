@@ -19,7 +19,9 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from absl import app
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RUNNER = 'experiments/run_experiment.py'
@@ -158,6 +160,43 @@ def run_or_reuse(flags: Sequence[str], rounds: int) -> dict[str, Any]:
                 'commit': s['code']['commit'], 'dirty': s['code']['dirty'],
                 'wall_seconds': None, 'summary': s, 'curve': curve}
   return run_experiment(flags)
+
+
+def study_seeds(argv: Sequence[str], seeds: Sequence[str]) -> list[int]:
+  """A study's ``--seeds`` as integers; ``app.UsageError`` (one line) for
+  extra arguments or a seed that is not an integer."""
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {list(argv[1:])}')
+  try:
+    return [int(v) for v in seeds]
+  except ValueError:
+    raise app.UsageError(f'--seeds={",".join(seeds)}: integers only.') from None
+
+
+def seed_major(names: Sequence[str], seeds: Sequence[int],
+               train: Callable[[str, int], dict]) -> dict[str, dict]:
+  """``{name: {seed: train(name, seed)}}``, seed-major (first seeds first)."""
+  runs = {name: {} for name in names}
+  for seed in seeds:
+    for name in names:
+      runs[name][seed] = train(name, seed)
+  return runs
+
+
+def check_record(flags: Sequence[str], label: str) -> dict[str, Any]:
+  """A results file's ``check``: a fresh run of ``flags`` and its curve."""
+  rec = run_experiment(list(flags) + ['--noresume', '--overwrite'])
+  return {'label': label, **{k: rec[k] for k in ('command', 'commit', 'dirty',
+                                                 'curve')}}
+
+
+def write_study(out: pathlib.Path, name: str, data: dict,
+                report: Callable[[dict, pathlib.Path], None]) -> None:
+  """Writes ``<out>/<name>.json`` and the report's .md and .png."""
+  out.mkdir(parents=True, exist_ok=True)
+  report(data, out)
+  write_json(out / f'{name}.json', data)
+  print(f'wrote {out}/{name}.json, .md and .png')
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:
