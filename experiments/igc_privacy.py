@@ -3,56 +3,49 @@
 
 The small-scale version of Melas-Kyriazi & Wang (2022), "Intrinsic Gradient
 Compression for Federated Learning", Appendix E / Figure 3: the attack of
-Zhu et al. (2019), "Deep Leakage from Gradients" (DLG), run on a client's
+Zhu et al. (2019), "Deep Leakage from Gradients" (DLG), on a client's
 single-example gradient, (a) uncompressed (the D numbers), (b) compressed to
 ``A^T g`` (the d numbers a client uploads; the attacker knows the public
-Fastfood seed, so ``A``) at several intrinsic dimensions d, and optionally
-(c) what the server decodes, ``A A^T g``.
+Fastfood seed, so ``A``) at several intrinsic dimensions d, and (c) what the
+server decodes, ``A A^T g``; each without and with a total-variation image
+prior (Geiping et al. 2020), over seeds.
 
   FEDLITE_DATA_DIR=/path/to/data python experiments/igc_privacy.py
 
 Setup (choices the paper leaves open are flags):
 
-* Data: real FEMNIST-105 writers (task ``emnist``; images float32
-  [28, 28, 1] in [0, 1], ink = 1). ``--num_images`` clients drawn without
-  replacement by ``--seed``, one random training example from each, attacked
-  one at a time (batch size 1, as in DLG).
-* Models, at random initialization (as in DLG, the gradient is taken at the
-  first round's point): (1) ``DlgLeNet`` below, DLG's LeNet (three 5x5
-  convolutions with sigmoid, a dense layer; weights and biases
-  ~ U[-0.5, 0.5], DLG's ``weights_init``), adapted to 28x28x1 inputs and 62
-  classes: D = 44,054; (2) the project's FEMNIST CNN
-  (:func:`fedlite_jax.models.emnist.create_emnist_cnn`, relu, D = 1,206,590,
-  dropout off), on ``--cnn_images`` of the same images.
-* Attack: :func:`fedlite_jax.igc.privacy.gradient_inversion`, L-BFGS with a
-  zoom line search for ``--attack_steps`` iterations from ``x' ~ N(0, 1)``
-  (DLG's init); the relative matching loss ``||obs(x') - obs(x)||^2 /
-  ||obs(x)||^2``; no image prior (``--tv_weight`` 0). ``--label_mode=known``
-  (default) gives the attacker the true label in every setting (iDLG reads it
-  off the full gradient exactly; for compressed updates this favours the
-  attacker); ``dlg`` optimizes a soft label jointly, as in DLG. Each image
-  uses the same attack initialization in every setting.
-* Compression: ``A`` = Fastfood (D x d) from ``--fastfood_seed`` with the
-  default ``'unit_expectation'`` scale (the scale does not change what can
-  be inverted: the objective is relative).
-* Metrics, on the reconstruction clipped to [0, 1]: MSE to the true image
-  and PSNR = 10 log10(1 / MSE) dB; mean (and spread) over images. Also the
-  iDLG label read from the observation's last-layer bias (for ``A^T g``:
-  from the server's decode ``A A^T g``).
+* Data: real FEMNIST-105 writers (images float32 [28, 28, 1] in [0, 1]).
+  Per seed, ``--images_per_seed`` writers drawn without replacement, one
+  random training example from each, attacked one at a time (batch size 1,
+  as in DLG). Seeds 0-3 x 4 images = 16 images by default.
+* Models at random initialization (the seed's), as in DLG: ``DlgLeNet``
+  (DLG's LeNet, sigmoid, D = 44,054) and the project's FEMNIST CNN (relu,
+  D = 1,206,590, dropout off) on ``--cnn_images_per_seed`` of the images.
+* Attack: :func:`fedlite_jax.igc.privacy.gradient_inversion`, L-BFGS for
+  ``--attack_steps`` iterations from ``x' ~ N(0, 1)``, relative matching
+  loss, plus ``tv_weight * TV(x')`` for each of ``--tv_weights``;
+  ``--label_mode=known`` gives the attacker the true label. An image uses the
+  same attack initialization in every setting.
+* Metrics on the reconstruction clipped to [0, 1]: PSNR = 10 log10(1 / MSE)
+  dB; per seed the mean over its images, then mean ± std over seeds; images
+  at >= 20 dB counted as recognizable; the iDLG label read from the
+  observation's decoded last-layer bias.
 
-Writes ``<output_dir>/igc_privacy.md`` (tables, the commit and command that
-produced it, seed, machine, load average, wall time) and ``<output_dir>/igc_privacy.png`` (original and
-reconstructions, one row per image). Findings written by hand below the
-marker line of the .md are kept when it is regenerated.
+Writes ``igc_privacy.json`` (rows under ``results``, each with its ``seeds``
+and per-image values; paired comparisons; a ``check`` that re-runs a
+compressed row on one image), ``igc_privacy.md`` and two figures: PSNR by d
+(``igc_privacy.png``) and the reconstructions of seed 0
+(``igc_privacy_images.png``). ``--report_only`` rewrites the .md and figures
+from the JSON; ``--check`` runs only the check configuration and writes
+``<output_dir>/check.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
 import os
 import pathlib
-import platform
 import time
 from typing import Any, Callable
 
@@ -71,37 +64,50 @@ from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.igc import privacy
 from fedlite_jax.models import emnist
 import provenance
-
-_REPO = pathlib.Path(__file__).resolve().parent.parent
+import stats
 
 flags.DEFINE_string('data_dir', os.environ.get('FEDLITE_DATA_DIR'),
                     'Directory holding femnist105/ (default: '
                     '$FEDLITE_DATA_DIR).')
-flags.DEFINE_integer('seed', 0, 'Seed: image choice, model init, attack init.')
+flags.DEFINE_list('seeds', ['0', '1', '2', '3'],
+                  'Seeds: image choice, model init, attack init.')
+flags.DEFINE_integer('images_per_seed', 4, 'Images (one per writer) per seed '
+                     'for LeNet.', lower_bound=1)
 flags.DEFINE_integer('fastfood_seed', 1, 'Public Fastfood seed of A.')
-flags.DEFINE_integer('num_images', 8, 'Images (one per client) for LeNet.')
-flags.DEFINE_list('dims', ['256', '512', '1024', '4096', '16384', '65536'],
+flags.DEFINE_list('dims', ['256', '512', '768', '1024', '2048', '4096'],
                   'Intrinsic dimensions d for the LeNet attacks.')
 flags.DEFINE_list('decoded_dims', ['1024'],
                   'd at which to also attack the decoded update A A^T g.')
-flags.DEFINE_integer('attack_steps', 200, 'L-BFGS iterations per attack.')
+flags.DEFINE_list('tv_weights', ['0', '1e-3'],
+                  'Total-variation prior weights (0: DLG, no prior).')
+flags.DEFINE_integer('attack_steps', 200, 'L-BFGS iterations per attack.',
+                     lower_bound=1)
 flags.DEFINE_enum('label_mode', 'known', ['known', 'dlg'],
                   'known: attacker has the true label; dlg: soft label '
                   'optimized jointly.')
-flags.DEFINE_float('tv_weight', 0.0, 'Total-variation prior weight (DLG: 0).')
-flags.DEFINE_integer('cnn_images', 2,
-                     'Images for the FEMNIST CNN (0: skip the CNN).')
+flags.DEFINE_integer('cnn_images_per_seed', 1, 'Images per seed for the '
+                     'FEMNIST CNN (0: skip the CNN), without the TV prior.',
+                     lower_bound=0)
 flags.DEFINE_list('cnn_dims', ['256', '4096', '65536'],
                   'Intrinsic dimensions d for the CNN attacks.')
 flags.DEFINE_integer('cnn_attack_steps', 100,
-                     'L-BFGS iterations per CNN attack.')
-flags.DEFINE_string('output_dir', str(_REPO / 'experiments' / 'results'),
-                    'Where igc_privacy.{md,png} go.')
+                     'L-BFGS iterations per CNN attack.', lower_bound=1)
+flags.DEFINE_string('output_dir', str(provenance.REPO / 'experiments' /
+                                      'results'), 'Where results go.')
+flags.DEFINE_bool('report_only', False, 'Rewrite the .md and figures from '
+                  'the stored JSON.')
+flags.DEFINE_bool('check', False, 'Write only <output_dir>/check.json (the '
+                  'per-image values of every row), no report.')
 FLAGS = flags.FLAGS
+
+#: The check: a compressed row, one image, few iterations (~1 minute).
+CHECK_FLAGS = ('--seeds=0', '--images_per_seed=1', '--dims=1024',
+               '--decoded_dims=', '--tv_weights=0', '--attack_steps=20',
+               '--cnn_images_per_seed=0')
+RECOGNIZABLE_DB = 20.0
 
 NUM_CLASSES = 62
 IMAGE_SHAPE = (28, 28, 1)
-_NOTES_MARKER = '<!-- hand-written findings below: kept when regenerating -->'
 
 
 def _uniform_half(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
@@ -179,9 +185,12 @@ def _observation(setting: Setting, D: int, seed: int):
 
 
 def _attack_setting(apply_fn: Callable, params: Any, setting: Setting,
-                    images: np.ndarray, labels: np.ndarray, keys: jax.Array,
-                    steps: int, bias_of: Callable[[Any], jax.Array]) -> dict:
-  """Runs the attack on every image (vmapped) for one observation."""
+                    tv_weight: float, images: np.ndarray, labels: np.ndarray,
+                    keys: jax.Array, steps: int,
+                    bias_of: Callable[[Any], jax.Array]) -> dict:
+  """The attack on every image (vmapped) for one observation: per-image
+  PSNR, MSE, final matching loss, iDLG and soft-label correctness, and the
+  reconstructions."""
   flat0, unravel = ravel_pytree(params)
   D = int(flat0.shape[0])
   transform, decode = _observation(setting, D, FLAGS.fastfood_seed)
@@ -190,182 +199,25 @@ def _attack_setting(apply_fn: Callable, params: Any, setting: Setting,
   known = FLAGS.label_mode == 'known'
 
   def one(x, y, key):
-    x = x[None]
-    y1 = y[None]
+    x, y1 = x[None], y[None]
     target = observe(x, jax.nn.one_hot(y1, NUM_CLASSES))
     # iDLG label from what the server can decode (full: exact gradient).
     g_dec = decode(full(x, jax.nn.one_hot(y1, NUM_CLASSES)))
     idlg = privacy.infer_label(bias_of(unravel(g_dec)))
     res = privacy.gradient_inversion(
         observe, target, key, x.shape, label=y1 if known else None,
-        num_classes=NUM_CLASSES, num_steps=steps, tv_weight=FLAGS.tv_weight)
+        num_classes=NUM_CLASSES, num_steps=steps, tv_weight=tv_weight)
     rec = jnp.clip(res.x[0], 0.0, 1.0)
     return {'rec': rec, 'mse': privacy.mse(rec, x[0]),
             'psnr': privacy.psnr(rec, x[0]), 'best_loss': res.best_loss,
-            'losses': res.losses,
-            'label_hat': jnp.argmax(res.label_probs[0]).astype(jnp.int32),
-            'idlg': idlg}
+            'label_ok': jnp.argmax(res.label_probs[0]) == y,
+            'idlg_ok': idlg == y}
 
   t0 = time.perf_counter()
   out = jax.jit(jax.vmap(one))(jnp.asarray(images), jnp.asarray(labels), keys)
-  out = jax.tree.map(np.asarray, out)
-  out['seconds'] = time.perf_counter() - t0
-  out['setting'] = setting
-  out['D'] = D
-  return out
-
-
-def _run_model(name: str, apply_fn: Callable, params: Any,
-               settings: list[Setting], images: np.ndarray,
-               labels: np.ndarray, keys: jax.Array, steps: int,
-               bias_of: Callable) -> list[dict]:
-  results = []
-  for s in settings:
-    r = _attack_setting(apply_fn, params, s, images, labels, keys, steps,
-                        bias_of)
-    r['model'] = name
-    results.append(r)
-    print(f'{name:<6} {s.label:<22} MSE {r["mse"].mean():.4f}  PSNR '
-          f'{r["psnr"].mean():5.1f} dB  match {np.median(r["best_loss"]):.1e}'
-          f'  {r["seconds"]:.0f} s', flush=True)
-  return results
-
-
-def _row(r: dict, labels: np.ndarray) -> str:
-  s, D = r['setting'], r['D']
-  n = D if s.d is None else s.d
-  ratio = '1x' if s.d is None else f'{D / s.d:.3g}x'
-  mse, ps = r['mse'], r['psnr']
-  label_col = (f"{int(np.sum(r['label_hat'] == labels))}/{len(labels)}"
-               if FLAGS.label_mode == 'dlg' else 'given')
-  return (f"| {s.label} | {n:,} | {ratio} | {mse.mean():.4f} "
-          f"({mse.min():.4f}-{mse.max():.4f}) | {ps.mean():.1f} "
-          f"({ps.min():.1f}-{ps.max():.1f}) | {int(np.sum(ps >= 20))}/"
-          f"{len(ps)} | {np.median(r['best_loss']):.1e} | {label_col} | "
-          f"{int(np.sum(r['idlg'] == labels))}/{len(labels)} | "
-          f"{r['seconds']:.0f} |")
-
-
-def _baselines(images: np.ndarray, keys: jax.Array) -> tuple[float, float]:
-  zero = float(np.mean(np.square(images)))
-  inits = np.stack([np.asarray(jax.random.normal(
-      jax.random.split(k)[0], (1,) + IMAGE_SHAPE))[0] for k in keys])
-  init = float(np.mean(np.square(np.clip(inits, 0, 1) - images)))
-  return zero, init
-
-
-def _write_md(path: pathlib.Path, lenet: list[dict], cnn: list[dict],
-              images: np.ndarray, labels: np.ndarray, keys: jax.Array,
-              meta: dict) -> None:
-  header = ('| observation | numbers seen | compression | MSE mean (min-max) '
-            '| PSNR dB mean (min-max) | PSNR >= 20 dB | median rel. match '
-            '| attack label | iDLG label | s |')
-  sep = '|---|---|---|---|---|---|---|---|---|---|'
-  zero, init = _baselines(images, keys)
-  lines = [
-      '# Gradient inversion vs intrinsic gradient compression (IGC Appendix '
-      'E, small scale)',
-      '',
-      provenance.markdown_header(meta['provenance']),
-      f'Seed {FLAGS.seed} (images, models, attack init), Fastfood seed '
-      f'{FLAGS.fastfood_seed}, label mode `{FLAGS.label_mode}`, '
-      f'TV weight {FLAGS.tv_weight:g}. Machine: {meta["machine"]}. Load '
-      f'average (1/5/15 min) at start {meta["load_start"]}, at end '
-      f'{meta["load_end"]}. Wall time {meta["wall"] / 60:.1f} min (includes '
-      'compilation).',
-      '',
-      f'Images: one random training example from each of {len(labels)} '
-      'random FEMNIST-105 writers (labels '
-      f'{", ".join(str(int(y)) for y in labels)}), batch size 1. Attack: '
-      'DLG (Zhu et al. 2019) with L-BFGS (zoom line search), init N(0, 1), '
-      'relative squared matching loss, no image prior; metrics on the '
-      'reconstruction clipped to [0, 1], mean over images.',
-      '',
-      f'## DLG LeNet (sigmoid, D = {lenet[0]["D"]:,}), '
-      f'{FLAGS.attack_steps} L-BFGS iterations, {len(labels)} images',
-      '',
-      header, sep,
-  ] + [_row(r, labels) for r in lenet]
-  if cnn:
-    nc = len(cnn[0]['mse'])
-    lines += [
-        '',
-        f'## FEMNIST CNN (relu, D = {cnn[0]["D"]:,}), '
-        f'{FLAGS.cnn_attack_steps} L-BFGS iterations, first {nc} images',
-        '',
-        header, sep,
-    ] + [_row(r, labels[:nc]) for r in cnn]
-  lines += [
-      '',
-      f'Reference points (same images): the all-zero (blank) image has MSE '
-      f'{zero:.4f} (PSNR {10 * math.log10(1 / zero):.1f} dB); the attack\'s '
-      f'random initialization, clipped, has MSE {init:.4f} (PSNR '
-      f'{10 * math.log10(1 / init):.1f} dB).',
-      '',
-      'Columns: `numbers seen`: the size of the observation (D for the full '
-      'gradient, d for A^T g; A A^T g has D entries but carries the same d '
-      'numbers). `PSNR >= 20 dB`: images reconstructed recognizably (a '
-      'threshold chosen for this table). `median rel. match`: median over '
-      'images of the final ||obs(x\') - obs(x)||^2 / ||obs(x)||^2 (small = '
-      'the attacker found an input that explains the observation). `attack '
-      'label`: `given` (label mode known) or the number of correct soft '
-      'labels (dlg). `iDLG label`: images whose label is the argmin of the '
-      'last-layer bias gradient as seen by the server (full g, or the '
-      'decoded A A^T g). `s`: wall seconds for all images of the row '
-      '(vmapped, compilation included).',
-      '',
-      'Per-image PSNR (dB), LeNet:',
-      '',
-      '| observation | ' + ' | '.join(f'img {i}' for i in range(len(labels)))
-      + ' |',
-      '|---|' + '---|' * len(labels),
-  ]
-  for r in lenet:
-    lines.append(f'| {r["setting"].label} | '
-                 + ' | '.join(f'{p:.1f}' for p in r['psnr']) + ' |')
-  text = '\n'.join(lines) + '\n'
-  if path.exists() and _NOTES_MARKER in path.read_text():
-    text += '\n' + _NOTES_MARKER + path.read_text().split(_NOTES_MARKER, 1)[1]
-  path.write_text(text)
-
-
-def _plot(path: pathlib.Path, lenet: list[dict], cnn: list[dict],
-          images: np.ndarray, labels: np.ndarray) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  columns = ['original']
-  for r in lenet + cnn:
-    if r['setting'].label not in columns:
-      columns.append(r['setting'].label)
-  rows = [('LeNet', i) for i in range(len(labels))]
-  if cnn:
-    rows += [('CNN', i) for i in range(len(cnn[0]['mse']))]
-  fig, axes = plt.subplots(len(rows), len(columns),
-                           figsize=(1.25 * len(columns), 1.3 * len(rows)),
-                           squeeze=False)
-  by = {(r['model'], r['setting'].label): r for r in lenet + cnn}
-  for ri, (model, i) in enumerate(rows):
-    for ci, col in enumerate(columns):
-      ax = axes[ri, ci]
-      ax.set_xticks([])
-      ax.set_yticks([])
-      if col == 'original':
-        ax.imshow(images[i, :, :, 0], cmap='gray_r', vmin=0, vmax=1)
-        ax.set_ylabel(f'{model} #{i}', fontsize=7)
-      elif (model, col) in by:
-        r = by[(model, col)]
-        ax.imshow(r['rec'][i, :, :, 0], cmap='gray_r', vmin=0, vmax=1)
-        ax.set_xlabel(f'{r["psnr"][i]:.1f} dB', fontsize=6, labelpad=1)
-      else:
-        ax.axis('off')
-      if ri == 0:
-        ax.set_title(col, fontsize=6)
-  fig.suptitle('DLG reconstructions (PSNR under each); rows: model #image',
-               fontsize=8)
-  fig.tight_layout(rect=(0, 0, 1, 0.98))
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  out = {k: np.asarray(v) for k, v in out.items()}
+  return {'D': D, 'seconds': time.perf_counter() - t0, 'rec': out.pop('rec'),
+          **{k: v.tolist() for k, v in out.items()}}
 
 
 def _lenet_bias(grads: Any) -> jax.Array:
@@ -376,59 +228,250 @@ def _cnn_bias(grads: Any) -> jax.Array:
   return grads['server']['dense2']['bias']
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  prov = provenance.file_provenance()
-  t0 = time.perf_counter()
-  load_start = ', '.join(f'{x:.2f}' for x in os.getloadavg())
-  images, labels, _ = _pick_images(FLAGS.data_dir, FLAGS.num_images,
-                                   FLAGS.seed)
-  root = jax.random.key(FLAGS.seed)
-  keys = jax.random.split(jax.random.fold_in(root, 1), FLAGS.num_images)
+def _rows_spec() -> list[tuple[str, Setting, float]]:
+  """(model, setting, tv weight) of every row, in table order."""
+  lenet = [Setting('full')] + [Setting('compressed', int(d))
+                               for d in FLAGS.dims]
+  lenet += [Setting('decoded', int(d)) for d in FLAGS.decoded_dims if d]
+  rows = [('LeNet', s, float(tv)) for tv in FLAGS.tv_weights for s in lenet]
+  if FLAGS.cnn_images_per_seed:
+    rows += [('CNN', s, 0.0) for s in [Setting('full')] + [
+        Setting('compressed', int(d)) for d in FLAGS.cnn_dims]]
+  return rows
 
+
+def _row_name(model: str, setting: Setting, tv: float) -> str:
+  return f'{model}|{setting.kind}|{setting.d}|{tv:g}'
+
+
+def _run_seed(seed: int, spec) -> tuple[dict[str, dict], dict]:
+  """Every row's attack on this seed's images; and seed 0-style extras
+  (images, reconstructions, reference points) for the report."""
+  n = FLAGS.images_per_seed
+  images, labels, _ = _pick_images(FLAGS.data_dir, n, seed)
+  root = jax.random.key(seed)
+  keys = jax.random.split(jax.random.fold_in(root, 1), n)
   lenet = DlgLeNet()
-  lenet_params = lenet.init(jax.random.fold_in(root, 0),
-                            jnp.zeros((1,) + IMAGE_SHAPE))
-  settings = [Setting('full')] + [Setting('compressed', int(d))
-                                  for d in FLAGS.dims]
-  settings += [Setting('decoded', int(d)) for d in FLAGS.decoded_dims]
-  lenet_results = _run_model('LeNet', lenet.apply, lenet_params, settings,
-                             images, labels, keys, FLAGS.attack_steps,
-                             _lenet_bias)
-
-  cnn_results = []
-  if FLAGS.cnn_images > 0:
+  models = {'LeNet': (lenet.apply, lenet.init(jax.random.fold_in(root, 0),
+                                              jnp.zeros((1,) + IMAGE_SHAPE)),
+                      n, FLAGS.attack_steps, _lenet_bias)}
+  if FLAGS.cnn_images_per_seed:
     m = emnist.create_emnist_cnn()
-    cnn_params = m.model.init(jax.random.fold_in(root, 2))
 
-    def cnn_apply(p, x):
-      batch = {'x': x, 'y': jnp.zeros((x.shape[0],), jnp.int32)}
-      return m.model.apply_for_eval(p, batch)  # Deterministic: no dropout.
+    def cnn_apply(p, x):  # Deterministic: no dropout.
+      return m.model.apply_for_eval(
+          p, {'x': x, 'y': jnp.zeros((x.shape[0],), jnp.int32)})
 
-    n = min(FLAGS.cnn_images, FLAGS.num_images)
-    cnn_settings = [Setting('full')] + [Setting('compressed', int(d))
-                                        for d in FLAGS.cnn_dims]
-    cnn_results = _run_model('CNN', cnn_apply, cnn_params, cnn_settings,
-                             images[:n], labels[:n], keys[:n],
-                             FLAGS.cnn_attack_steps, _cnn_bias)
+    models['CNN'] = (cnn_apply, m.model.init(jax.random.fold_in(root, 2)),
+                     min(FLAGS.cnn_images_per_seed, n), FLAGS.cnn_attack_steps,
+                     _cnn_bias)
+  out, recs = {}, {}
+  for model, setting, tv in spec:
+    apply_fn, params, k, steps, bias_of = models[model]
+    r = _attack_setting(apply_fn, params, setting, tv, images[:k], labels[:k],
+                        keys[:k], steps, bias_of)
+    recs[_row_name(model, setting, tv)] = r.pop('rec')
+    out[_row_name(model, setting, tv)] = {'seed': seed, **r}
+    print(f'seed {seed} {model:<5} {setting.label:<20} tv {tv:g}: PSNR '
+          f'{np.mean(r["psnr"]):5.1f} dB, match '
+          f'{np.median(r["best_loss"]):.1e}, {r["seconds"]:.0f} s', flush=True)
+  inits = np.stack([np.asarray(jax.random.normal(
+      jax.random.split(k)[0], (1,) + IMAGE_SHAPE))[0] for k in keys])
+  extras = {'images': images, 'recs': recs, 'labels': labels.tolist(),
+            'zero_mse': float(np.mean(np.square(images))),
+            'init_mse': float(np.mean(np.square(np.clip(inits, 0, 1) -
+                                                 images)))}
+  return out, extras
 
-  wall = time.perf_counter() - t0
-  meta = {
-      'provenance': prov,
-      'machine': (f'{platform.processor() or platform.machine()}, '
-                  f'{os.cpu_count()} cores, {platform.system()}, jax '
-                  f'{jax.__version__} ({jax.default_backend()})'),
-      'load_start': load_start,
-      'load_end': ', '.join(f'{x:.2f}' for x in os.getloadavg()),
-      'wall': wall,
-  }
+
+def _aggregate(spec, per_seed: dict[int, dict[str, dict]]) -> list[dict]:
+  seeds = sorted(per_seed)
+  rows = []
+  for model, setting, tv in spec:
+    name = _row_name(model, setting, tv)
+    runs = [per_seed[s][name] for s in seeds]
+    images = [p for r in runs for p in r['psnr']]
+    D = runs[0]['D']
+    rows.append({
+        'run': name, 'model': model, 'observation': setting.kind,
+        'd': setting.d, 'tv_weight': tv, 'D': D,
+        'label': f'{model}, {setting.label}' + (f', TV {tv:g}' if tv else ''),
+        'numbers_seen': D if setting.d is None else setting.d,
+        'compression': 1.0 if setting.d is None else D / setting.d,
+        'seeds': seeds, 'images': len(images),
+        'psnr': stats.summarize([float(np.mean(r['psnr'])) for r in runs]),
+        'recognizable': int(sum(p >= RECOGNIZABLE_DB for p in images)),
+        'idlg_correct': int(sum(sum(r['idlg_ok']) for r in runs)),
+        'median_match': float(np.median([b for r in runs
+                                         for b in r['best_loss']])),
+        'runs': runs})
+  return rows
+
+
+def _comparisons(rows: list[dict]) -> list[dict]:
+  """TV prior minus none, per LeNet observation (paired by seed)."""
+  by = {r['run']: r for r in rows}
+  out = []
+  tvs = [float(t) for t in FLAGS.tv_weights]
+  for r in rows:
+    if r['model'] != 'LeNet' or r['tv_weight'] != tvs[0]:
+      continue
+    for tv in tvs[1:]:
+      other = by.get(r['run'].rsplit('|', 1)[0] + f'|{tv:g}')
+      if other:
+        per = lambda row: {x['seed']: float(np.mean(x['psnr']))
+                           for x in row['runs']}
+        out.append({'label': f'{other["label"]} minus {r["label"]}',
+                    'a': other['run'], 'b': r['run'],
+                    **stats.paired(per(other), per(r))})
+  return out
+
+
+def _report(data: dict, out: pathlib.Path) -> None:
+  rows = data['results']
+  m = data['meta']
+  n_img = rows[0]['images']
+  lines = [
+      '# Gradient inversion vs intrinsic gradient compression (IGC Appendix '
+      'E, small scale)', '', provenance.markdown_header(data['provenance']),
+      f'Seeds {", ".join(map(str, m["seeds"]))}; per seed '
+      f'{m["images_per_seed"]} FEMNIST-105 writers, one random training '
+      'image each (batch size 1), the model at the seed\'s random '
+      f'initialization; {n_img} LeNet images in all. Attack: DLG (Zhu et al. '
+      f'2019), L-BFGS, {m["attack_steps"]} iterations (CNN: '
+      f'{m["cnn_attack_steps"]}), init N(0, 1), label known, relative '
+      'matching loss plus TV weight x TV(x\'). Fastfood seed '
+      f'{m["fastfood_seed"]}. PSNR of the reconstruction clipped to [0, 1]: '
+      'mean over a seed\'s images, then mean ± std over seeds. Reference '
+      f'points (seed {m["seeds"][0]}\'s images): a blank image scores '
+      f'{m["zero_psnr"]:.1f} dB, the attack\'s clipped random start '
+      f'{m["init_psnr"]:.1f} dB.', '',
+      '| row | numbers seen | compression | PSNR dB | images >= 20 dB | '
+      'iDLG label | median rel. match |', '|---|---|---|---|---|---|---|']
+  for r in rows:
+    lines.append(
+        f'| {r["label"]} | {r["numbers_seen"]:,} | {r["compression"]:.3g}x | '
+        f'{stats.fmt(r["psnr"], 1)} | {r["recognizable"]}/{r["images"]} | '
+        f'{r["idlg_correct"]}/{r["images"]} | {r["median_match"]:.1e} |')
+  lines += ['', '| comparison (paired by seed) | PSNR difference (dB) |',
+            '|---|---|']
+  lines += [f'| {c["label"]} | {stats.fmt_paired(c, 1)} |'
+            for c in data['comparisons']]
+  lines += [
+      '', 'Columns: `numbers seen`: D for the full gradient, d for A^T g '
+      '(A A^T g has D entries but carries the same d numbers). `images >= '
+      '20 dB`: reconstructions counted as recognizable (a threshold chosen '
+      'for this table). `iDLG label`: images whose label is the argmin of '
+      'the last-layer bias gradient the server decodes. `median rel. '
+      'match`: median final ||obs(x\') - obs(x)||^2 / ||obs(x)||^2.', '',
+      '![PSNR by d](igc_privacy.png)', '',
+      'Figure 1: LeNet reconstruction PSNR against the intrinsic dimension '
+      'd of the observed A^T g, without and with the TV prior; mean over '
+      'seeds with error bars of ± one standard deviation; dashed: the full '
+      'gradient. The input has 28 x 28 = 784 pixels.', '',
+      '![reconstructions](igc_privacy_images.png)', '',
+      f'Figure 2: seed {m["seeds"][0]}\'s images and their LeNet '
+      'reconstructions per observation (PSNR under each).', '']
+  (out / 'igc_privacy.md').write_text('\n'.join(lines))
+  _plot_psnr(rows, out / 'igc_privacy.png')
+
+
+def _plot_psnr(rows: list[dict], path: pathlib.Path) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for tv in sorted({r['tv_weight'] for r in rows if r['model'] == 'LeNet'}):
+    pts = sorted((r['d'], r['psnr']) for r in rows if r['model'] == 'LeNet'
+                 and r['tv_weight'] == tv and r['observation'] == 'compressed')
+    name = 'no prior' if tv == 0 else f'TV prior {tv:g}'
+    line = ax.errorbar([d for d, _ in pts], [p['mean'] for _, p in pts],
+                       yerr=[p['std'] for _, p in pts], marker='o', ms=4,
+                       capsize=3, label=f'A^T g, {name}')
+    full = next(r for r in rows if r['model'] == 'LeNet' and
+                r['tv_weight'] == tv and r['observation'] == 'full')
+    ax.axhline(full['psnr']['mean'], ls='--', color=line[0].get_color(),
+               label=f'full gradient, {name}')
+  ax.axvline(784, color='gray', lw=0.8)
+  ax.axhline(RECOGNIZABLE_DB, color='gray', lw=0.8, ls=':')
+  ax.set(xscale='log', xlabel='intrinsic dimension d (numbers uploaded)',
+         ylabel='reconstruction PSNR (dB)',
+         title='DLG on LeNet (FEMNIST): mean ± std over seeds')
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _plot_images(extras: dict, rows: list[dict], path: pathlib.Path) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  cols = [r for r in rows if r['model'] == 'LeNet']
+  images = extras['images']
+  fig, axes = plt.subplots(len(images), len(cols) + 1, squeeze=False,
+                           figsize=(1.0 * (len(cols) + 1), 1.2 * len(images)))
+  for i in range(len(images)):
+    axes[i, 0].imshow(images[i, :, :, 0], cmap='gray_r', vmin=0, vmax=1)
+    for j, r in enumerate(cols, 1):
+      axes[i, j].imshow(extras['recs'][r['run']][i, :, :, 0], cmap='gray_r',
+                        vmin=0, vmax=1)
+      axes[i, j].set_xlabel(f'{r["runs"][0]["psnr"][i]:.1f}', fontsize=6,
+                            labelpad=1)
+    for j, title in enumerate(['original'] + [
+        r['label'].replace('LeNet, ', '').replace(', TV', '\nTV')
+        for r in cols]):
+      axes[0, j].set_title(title, fontsize=5)
+    for ax in axes[i]:
+      ax.set_xticks([])
+      ax.set_yticks([])
+  fig.suptitle('DLG reconstructions of LeNet gradients (PSNR dB under each)',
+               fontsize=8)
+  fig.tight_layout(rect=(0, 0, 1, 0.97))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  seeds = provenance.study_seeds(argv, FLAGS.seeds)
   out = pathlib.Path(FLAGS.output_dir)
+  if FLAGS.report_only:
+    _report(json.loads((out / 'igc_privacy.json').read_text()), out)
+    return
+  spec = _rows_spec()
+  per_seed, extras = {}, None
+  for seed in seeds:
+    per_seed[seed], ex = _run_seed(seed, spec)
+    extras = extras or ex
+  rows = _aggregate(spec, per_seed)
   out.mkdir(parents=True, exist_ok=True)
-  _write_md(out / 'igc_privacy.md', lenet_results, cnn_results, images,
-            labels, keys, meta)
-  _plot(out / 'igc_privacy.png', lenet_results, cnn_results, images, labels)
-  print(f'wrote {out}/igc_privacy.md and .png; wall {wall / 60:.1f} min')
+  if FLAGS.check:
+    provenance.write_json(out / 'check.json', {'rows': [
+        {'run': r['run'], 'psnr': [p for x in r['runs'] for p in x['psnr']],
+         'best_loss': [b for x in r['runs'] for b in x['best_loss']]}
+        for r in rows]})
+    return
+  data = {'provenance': provenance.file_provenance(),
+          'meta': {'seeds': seeds, 'images_per_seed': FLAGS.images_per_seed,
+                   'attack_steps': FLAGS.attack_steps,
+                   'cnn_attack_steps': FLAGS.cnn_attack_steps,
+                   'fastfood_seed': FLAGS.fastfood_seed,
+                   'label_mode': FLAGS.label_mode,
+                   'zero_psnr': float(-10 * np.log10(extras['zero_mse'])),
+                   'init_psnr': float(-10 * np.log10(extras['init_mse']))},
+          'results': rows}
+  data['comparisons'] = _comparisons(rows)
+  rel = 'runs/igc_privacy_check'
+  rec = provenance.run_script('experiments/igc_privacy.py', [
+      '--check', *CHECK_FLAGS, f'--output_dir={rel}'])
+  data['check'] = {
+      'label': 'LeNet, A^T g d=1,024, seed 0, one image, 20 iterations',
+      'command': rec['command'], 'commit': rec['commit'],
+      'dirty': rec['dirty'],
+      'rows': json.loads((provenance.REPO / rel / 'check.json').read_text())[
+          'rows']}
+  _plot_images(extras, rows, out / 'igc_privacy_images.png')
+  provenance.write_study(out, 'igc_privacy', data, _report)
 
 
 if __name__ == '__main__':

@@ -26,7 +26,8 @@ _COMMIT = re.compile(r'`([0-9a-f]{40})`')
 # Results written by the current scripts (experiments/provenance.py).
 _JSON_FILES = ('igc_femnist.json', 'efficient_lm.json', 'fedlite_results.json')
 # Results over seeds (experiments/stats.py): every row aggregates >= 3.
-_SEEDED_FILES = ('fedlite_convergence.json', 'igc_seeds.json')
+_SEEDED_FILES = ('fedlite_convergence.json', 'igc_seeds.json',
+                 'igc_privacy.json')
 # Not regenerated since the scripts record provenance (their .md headers say
 # so and give the command); drop a name once its file is regenerated.
 _NOT_REGENERATED = {'fedlite_results.json'}
@@ -97,6 +98,13 @@ def test_check_run_reproduces(name, data_dir, tmp_path):
   proc = subprocess.run(argv, cwd=_REPO, env=env, capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  if 'rows' in check:  # A script's own check (igc_privacy.py --check).
+    got = json.loads((tmp_path / 'run' / 'check.json').read_text())['rows']
+    assert [r['run'] for r in got] == [r['run'] for r in check['rows']]
+    for g, w in zip(got, check['rows']):
+      for key in ('psnr', 'best_loss'):
+        assert g[key] == pytest.approx(w[key], rel=1e-4), (g['run'], key)
+    return
   rows = [json.loads(line) for line in
           (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
   assert [r['round'] for r in rows] == [r['round'] for r in check['curve']]
@@ -114,8 +122,14 @@ def test_seeded_results_rows_have_three_seeds_and_a_compressed_check(name):
   for row in data['results']:
     assert len(row['seeds']) >= 3, (row['label'], row['seeds'])
     assert sorted(r['seed'] for r in row['runs']) == sorted(row['seeds'])
-    assert row['accuracy']['n'] == len(row['seeds'])
-  flags = _flags(data['check']['command'])
+    metric = row['accuracy'] if 'accuracy' in row else row['psnr']
+    assert metric['n'] == len(row['seeds'])
+  command = data['check']['command']
+  if 'rows' in data['check']:  # igc_privacy.py: the check observes A^T g.
+    assert any(r['run'].split('|')[1] == 'compressed'
+               for r in data['check']['rows']), command
+    return
+  flags = _flags(command)
   algorithm = flags.get('algorithm') or next(
       line.split('=', 1)[1] for line in
       (_REPO / flags['flagfile']).read_text().splitlines()
