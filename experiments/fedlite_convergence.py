@@ -24,7 +24,6 @@ evaluations, FedLite / SplitFed per seed, lambda paired differences, a
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 from absl import app
@@ -33,18 +32,11 @@ from absl import flags
 import provenance
 import stats
 
-flags.DEFINE_string('output_dir', str(provenance.REPO / 'experiments' /
-                                      'results'), 'Where results go.')
-flags.DEFINE_string('runs_dir', 'runs/fedlite_convergence',
-                    'Per-run output directories (relative to the repository '
-                    'root).')
-flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds.')
+provenance.define_study_flags('fedlite_convergence', (0, 1, 2))
 flags.DEFINE_integer('iterations', 600, 'Training iterations (rounds).',
                      lower_bound=1)
 flags.DEFINE_integer('eval_every', 50, 'Evaluate every N iterations.',
                      lower_bound=1)
-flags.DEFINE_bool('report_only', False, 'Rewrite the .md and .png from the '
-                  'stored JSON.')
 FLAGS = flags.FLAGS
 
 BASE = 'experiments/configs/fedlite_femnist_small.flags'
@@ -73,16 +65,9 @@ def _flags(name: str, seed: int, iterations: int, eval_every: int,
 
 def _train(name: str, seed: int) -> dict:
   rel = f'{FLAGS.runs_dir}/{name}_seed{seed}'
-  argv = _flags(name, seed, FLAGS.iterations, FLAGS.eval_every, rel)
-  rec = provenance.run_or_reuse(argv, FLAGS.iterations)
-  s = rec['summary']
-  curve = stats.eval_rows(rec['curve'])
-  print(f'{name} seed {seed}: {s["final_eval"]}', flush=True)
-  return {'command': rec['command'], 'commit': rec['commit'],
-          'dirty': rec['dirty'], 'seed': seed,
-          'rounds': s['rounds'], 'curve': curve,
-          'accuracy': stats.tail_mean(curve, 'accuracy'),
-          'communication': s['communication']}
+  return provenance.seeded_run(
+      _flags(name, seed, FLAGS.iterations, FLAGS.eval_every, rel),
+      FLAGS.iterations, seed)
 
 
 def _check() -> dict:
@@ -173,12 +158,10 @@ def _report(data: dict, out: pathlib.Path) -> None:
 
 
 def main(argv):
-  seeds = provenance.study_seeds(argv, FLAGS.seeds)
-  out = pathlib.Path(FLAGS.output_dir)
-  if FLAGS.report_only:
-    data = json.loads((out / 'fedlite_convergence.json').read_text())
-    _report(data, out)
+  started = provenance.start_study(argv, 'fedlite_convergence', _report)
+  if started is None:
     return
+  seeds, out = started
   data = {'provenance': provenance.file_provenance(),
           'meta': {'base': BASE, 'iterations': FLAGS.iterations,
                    'eval_every': FLAGS.eval_every, 'paper_ratio': PAPER_RATIO,

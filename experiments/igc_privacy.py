@@ -69,8 +69,7 @@ import stats
 flags.DEFINE_string('data_dir', os.environ.get('FEDLITE_DATA_DIR'),
                     'Directory holding femnist105/ (default: '
                     '$FEDLITE_DATA_DIR).')
-flags.DEFINE_list('seeds', ['0', '1', '2', '3'],
-                  'Seeds: image choice, model init, attack init.')
+provenance.define_study_flags('igc_privacy', (0, 1, 2, 3))
 flags.DEFINE_integer('images_per_seed', 4, 'Images (one per writer) per seed '
                      'for LeNet.', lower_bound=1)
 flags.DEFINE_integer('fastfood_seed', 1, 'Public Fastfood seed of A.')
@@ -92,10 +91,6 @@ flags.DEFINE_list('cnn_dims', ['256', '4096', '65536'],
                   'Intrinsic dimensions d for the CNN attacks.')
 flags.DEFINE_integer('cnn_attack_steps', 100,
                      'L-BFGS iterations per CNN attack.', lower_bound=1)
-flags.DEFINE_string('output_dir', str(provenance.REPO / 'experiments' /
-                                      'results'), 'Where results go.')
-flags.DEFINE_bool('report_only', False, 'Rewrite the .md and figures from '
-                  'the stored JSON.')
 flags.DEFINE_bool('check', False, 'Write only <output_dir>/check.json (the '
                   'per-image values of every row), no report.')
 FLAGS = flags.FLAGS
@@ -433,11 +428,10 @@ def _plot_images(extras: dict, rows: list[dict], path: pathlib.Path) -> None:
 
 
 def main(argv):
-  seeds = provenance.study_seeds(argv, FLAGS.seeds)
-  out = pathlib.Path(FLAGS.output_dir)
-  if FLAGS.report_only:
-    _report(json.loads((out / 'igc_privacy.json').read_text()), out)
+  started = provenance.start_study(argv, 'igc_privacy', _report)
+  if started is None:
     return
+  seeds, out = started
   spec = _rows_spec()
   per_seed, extras = {}, None
   for seed in seeds:
@@ -461,7 +455,7 @@ def main(argv):
                    'init_psnr': float(-10 * np.log10(extras['init_mse']))},
           'results': rows}
   data['comparisons'] = _comparisons(rows)
-  rel = 'runs/igc_privacy_check'
+  rel = f'{FLAGS.runs_dir}/check'
   rec = provenance.run_script('experiments/igc_privacy.py', [
       '--check', *CHECK_FLAGS, f'--output_dir={rel}'])
   data['check'] = {

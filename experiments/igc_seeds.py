@@ -22,7 +22,6 @@ re-runs the time-varying d = 1,024 row for 5 rounds), ``igc_seeds.md`` and
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 from absl import app
@@ -31,14 +30,8 @@ from absl import flags
 import provenance
 import stats
 
-flags.DEFINE_string('output_dir', str(provenance.REPO / 'experiments' /
-                                      'results'), 'Where results go.')
-flags.DEFINE_string('runs_dir', 'runs/igc_seeds', 'Per-run output '
-                    'directories (relative to the repository root).')
-flags.DEFINE_list('seeds', ['0', '1', '2', '3', '4'], 'Seeds.')
+provenance.define_study_flags('igc_seeds', range(5))
 flags.DEFINE_integer('rounds', 100, 'Rounds per run.', lower_bound=1)
-flags.DEFINE_bool('report_only', False, 'Rewrite the .md and .png from the '
-                  'stored JSON.')
 FLAGS = flags.FLAGS
 
 _CONFIGS = 'experiments/configs'
@@ -76,16 +69,9 @@ def _flags(name: str, seed: int, rounds: int, eval_every: int | None,
 
 
 def _train(name: str, seed: int) -> dict:
-  argv = _flags(name, seed, FLAGS.rounds, None,
-                f'{FLAGS.runs_dir}/{name}_seed{seed}')
-  rec = provenance.run_or_reuse(argv, FLAGS.rounds)
-  s = rec['summary']
-  curve = stats.eval_rows(rec['curve'])
-  print(f'{name} seed {seed}: {s["final_eval"]}', flush=True)
-  return {'command': rec['command'], 'commit': rec['commit'],
-          'dirty': rec['dirty'], 'seed': seed, 'rounds': s['rounds'],
-          'curve': curve, 'accuracy': stats.tail_mean(curve, 'accuracy'),
-          'total_compression': s['communication']['total_compression']}
+  return provenance.seeded_run(
+      _flags(name, seed, FLAGS.rounds, None,
+             f'{FLAGS.runs_dir}/{name}_seed{seed}'), FLAGS.rounds, seed)
 
 
 def _report(data: dict, out: pathlib.Path) -> None:
@@ -124,11 +110,10 @@ def _report(data: dict, out: pathlib.Path) -> None:
 
 
 def main(argv):
-  seeds = provenance.study_seeds(argv, FLAGS.seeds)
-  out = pathlib.Path(FLAGS.output_dir)
-  if FLAGS.report_only:
-    _report(json.loads((out / 'igc_seeds.json').read_text()), out)
+  started = provenance.start_study(argv, 'igc_seeds', _report)
+  if started is None:
     return
+  seeds, out = started
   data = {'provenance': provenance.file_provenance(),
           'meta': {'rounds': FLAGS.rounds, 'tail_evaluations': stats.TAIL}}
   runs = provenance.seed_major([r[0] for r in ROWS], seeds, _train)
@@ -136,7 +121,8 @@ def main(argv):
       {'run': name, 'label': label, 'options': options, 'seeds': seeds,
        'accuracy': stats.summarize([runs[name][s]['accuracy']
                                     for s in seeds]),
-       'total_compression': runs[name][seeds[0]]['total_compression'],
+       'total_compression': runs[name][seeds[0]]['communication'][
+           'total_compression'],
        'runs': [runs[name][s] for s in seeds]}
       for name, label, _, options in ROWS]
   data['check'] = provenance.check_record(

@@ -22,6 +22,9 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from absl import app
+from absl import flags
+
+import stats
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RUNNER = 'experiments/run_experiment.py'
@@ -162,15 +165,39 @@ def run_or_reuse(flags: Sequence[str], rounds: int) -> dict[str, Any]:
   return run_experiment(flags)
 
 
-def study_seeds(argv: Sequence[str], seeds: Sequence[str]) -> list[int]:
-  """A study's ``--seeds`` as integers; ``app.UsageError`` (one line) for
-  extra arguments or a seed that is not an integer."""
+def define_study_flags(name: str, seeds: Sequence[int]) -> None:
+  """A seeded study's common flags: --output_dir, --runs_dir (``runs/<name>``),
+  --seeds and --report_only."""
+  flags.DEFINE_string('output_dir', str(REPO / RESULTS_DIR),
+                      'Where results go.')
+  flags.DEFINE_string('runs_dir', f'runs/{name}', 'Per-run output '
+                      'directories (relative to the repository root).')
+  flags.DEFINE_list('seeds', [str(s) for s in seeds], 'Seeds.')
+  flags.DEFINE_bool('report_only', False, 'Rewrite the .md and figures from '
+                    'the stored JSON.')
+
+
+def start_study(argv: Sequence[str], name: str,
+                report: Callable[[dict, pathlib.Path], None]
+                ) -> tuple[list[int], pathlib.Path] | None:
+  """A study's seeds (``--seeds`` as integers) and output folder; None once
+  ``--report_only`` has rewritten the report from ``<name>.json``.
+
+  Raises:
+    app.UsageError: extra arguments, or a seed that is not an integer.
+  """
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {list(argv[1:])}')
+  values = flags.FLAGS.seeds
   try:
-    return [int(v) for v in seeds]
+    seeds = [int(v) for v in values]
   except ValueError:
-    raise app.UsageError(f'--seeds={",".join(seeds)}: integers only.') from None
+    raise app.UsageError(f'--seeds={",".join(values)}: integers only.') from None
+  out = pathlib.Path(flags.FLAGS.output_dir)
+  if flags.FLAGS.report_only:
+    report(json.loads((out / f'{name}.json').read_text()), out)
+    return None
+  return seeds, out
 
 
 def seed_major(names: Sequence[str], seeds: Sequence[int],
@@ -188,6 +215,21 @@ def check_record(flags: Sequence[str], label: str) -> dict[str, Any]:
   rec = run_experiment(list(flags) + ['--noresume', '--overwrite'])
   return {'label': label, **{k: rec[k] for k in ('command', 'commit', 'dirty',
                                                  'curve')}}
+
+
+def seeded_run(flags: Sequence[str], rounds: int, seed: int,
+               metric: str = 'accuracy') -> dict[str, Any]:
+  """One run of a seeded study (:func:`run_or_reuse`), as its JSON stores it:
+  command, commit, seed, evaluation curve, ``metric`` (mean of the last
+  ``stats.TAIL`` evaluations) and the summary's ``communication``."""
+  rec = run_or_reuse(flags, rounds)
+  s = rec['summary']
+  curve = stats.eval_rows(rec['curve'])
+  print(f'{flags[-3:]} seed {seed}: {s["final_eval"]}', flush=True)
+  return {'command': rec['command'], 'commit': rec['commit'],
+          'dirty': rec['dirty'], 'seed': seed, 'rounds': s['rounds'],
+          'curve': curve, metric: stats.tail_mean(curve, metric),
+          'communication': s['communication']}
 
 
 def write_study(out: pathlib.Path, name: str, data: dict,

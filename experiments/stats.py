@@ -86,15 +86,18 @@ def fmt_paired(p: Mapping, digits: int = 3, scale: float = 1.0) -> str:
 
 def eval_rows(curve: Sequence[Mapping]) -> list[dict]:
   """The evaluation rows of a run's ``metrics.jsonl`` (those with
-  ``accuracy``), keeping round, accuracy, loss and the byte counts."""
-  keys = ('round', 'accuracy', 'loss', 'upload_bytes', 'download_bytes')
+  ``accuracy``), keeping round, accuracy, loss, perplexity (language
+  models) and the byte counts."""
+  keys = ('round', 'accuracy', 'loss', 'perplexity', 'upload_bytes',
+          'download_bytes')
   return [{k: r[k] for k in keys if k in r} for r in curve if 'accuracy' in r]
 
 
 def plot_seed_bands(results: Sequence[Mapping], path, *, xlabel: str,
                     title: str, scale: float = 1.0,
-                    ylabel: str = 'test accuracy') -> None:
-  """Accuracy by round per row: mean over its ``runs`` (one per seed) with
+                    ylabel: str = 'test accuracy',
+                    key: str = 'accuracy') -> None:
+  """``key`` by round per row: mean over its ``runs`` (one per seed) with
   error bars of ± one sample standard deviation; y axis framed on the last
   two thirds of the curves (where the claims are). Writes a PNG."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -105,7 +108,7 @@ def plot_seed_bands(results: Sequence[Mapping], path, *, xlabel: str,
   lo = hi = None
   for r in results:
     rounds = [p['round'] for p in r['runs'][0]['curve']]
-    acc = scale * np.array([[p['accuracy'] for p in run['curve']]
+    acc = scale * np.array([[p[key] for p in run['curve']]
                             for run in r['runs']])
     mean = acc.mean(0)
     std = acc.std(0, ddof=1) if len(acc) > 1 else 0 * mean

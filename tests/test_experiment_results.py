@@ -27,7 +27,7 @@ _COMMIT = re.compile(r'`([0-9a-f]{40})`')
 _JSON_FILES = ('igc_femnist.json', 'efficient_lm.json', 'fedlite_results.json')
 # Results over seeds (experiments/stats.py): every row aggregates >= 3.
 _SEEDED_FILES = ('fedlite_convergence.json', 'igc_seeds.json',
-                 'igc_privacy.json')
+                 'igc_privacy.json', 'lm_seeds.json')
 # Not regenerated since the scripts record provenance (their .md headers say
 # so and give the command); drop a name once its file is regenerated.
 _NOT_REGENERATED = {'fedlite_results.json'}
@@ -122,7 +122,8 @@ def test_seeded_results_rows_have_three_seeds_and_a_compressed_check(name):
   for row in data['results']:
     assert len(row['seeds']) >= 3, (row['label'], row['seeds'])
     assert sorted(r['seed'] for r in row['runs']) == sorted(row['seeds'])
-    metric = row['accuracy'] if 'accuracy' in row else row['psnr']
+    metric = next(row[k] for k in ('accuracy', 'perplexity', 'psnr')
+                  if k in row)
     assert metric['n'] == len(row['seeds'])
   command = data['check']['command']
   if 'rows' in data['check']:  # igc_privacy.py: the check observes A^T g.
@@ -134,5 +135,8 @@ def test_seeded_results_rows_have_three_seeds_and_a_compressed_check(name):
       line.split('=', 1)[1] for line in
       (_REPO / flags['flagfile']).read_text().splitlines()
       if line.startswith('--algorithm='))
-  assert algorithm not in ('splitfed', 'fedavg', 'fedopt'), (
-      f'{name}: the check runs {algorithm}; it must re-run a compressed row')
+  compressed = algorithm not in ('splitfed', 'fedavg', 'fedopt') or any(
+      flags.get(k) for k in ('upload', 'download', 'pvt_fraction'))
+  assert compressed, (
+      f'{name}: the check runs {algorithm} uncompressed; it must re-run a '
+      'compressed row')
