@@ -1,30 +1,9 @@
 """The communication ledger: bits uploaded and downloaded per client per round.
 
-Every algorithm reports, per sampled client and round, the bits it uploads
-(client -> server) and downloads (server -> client). The ledger keeps running
-totals, the per-round totals, and the uncompressed-FedAvg baseline for the
-same client-rounds (32 bits x number of model parameters each way), from which
-it derives the compression ratios:
-
-  upload_compression   = baseline upload bits   / upload bits
-  download_compression = baseline download bits / download bits
-  total_compression    = 2 / (1/upload_compression + 1/download_compression)
-
-The last is the harmonic mean used by Melas-Kyriazi & Wang (Intrinsic
-Gradient Compression, Table 2); it equals (baseline up + down) / (up + down)
-because the FedAvg baseline is symmetric.
-
-Skipped clients (``--nonfinite_updates=skip``, see
-:mod:`fedlite_jax.algorithms.nonfinite`): a client whose diagnostics carry
-``skipped=True`` sent nothing (its ``upload_bits`` are 0) but received the
-model. The ledger counts such client-rounds (``skipped_client_rounds``, per
-round in :meth:`CommLedger.record_round`'s result), and the FedAvg baseline
-charges no upload for them either (an uncompressed client that is skipped
-sends nothing too), so the upload ratio compares the same messages.
-
-Per-client rows can be streamed to a CSV file (round, client_id, upload_bits,
-download_bits) for analysis; totals live in the ledger's state, which is part
-of every checkpoint.
+Baseline: uncompressed FedAvg, ``32 * num_params`` bits each way per client.
+``upload_compression = baseline upload bits / upload bits`` (also download).
+``total_compression = 2 / (1/up + 1/down)``: Melas-Kyriazi & Wang, Table 2.
+A skipped client (non-finite update) uploads nothing, in the baseline too.
 """
 
 from __future__ import annotations
@@ -39,7 +18,7 @@ BITS_PER_BYTE = 8
 
 def total_compression(upload_compression: float,
                       download_compression: float) -> float:
-  """2 / (1/up + 1/down): IGC paper, Table 2 ("Total" column).
+  """``2 / (1/up + 1/down)``: IGC paper, Table 2 ("Total" column).
 
   Raises:
     ValueError: if a ratio is not positive.
@@ -56,19 +35,15 @@ class CommLedger:
   """Running communication totals for a federated run.
 
   Attributes:
-    num_params: number of scalar model parameters (the FedAvg baseline sends
-      ``32 * num_params`` bits each way per client per round).
-    upload_bits / download_bits: totals so far (bits, float64).
+    num_params: number of scalar model parameters.
+    upload_bits / download_bits: totals so far (bits).
     baseline_upload_bits / baseline_download_bits: uncompressed FedAvg totals
       over the same client-rounds (bits).
-    client_rounds: number of (client, round) participations recorded
-      (skipped clients included).
-    rounds: number of rounds recorded.
-    extra_bits: running sums of algorithm-specific per-client diagnostics
-      (e.g. FedLite's ``activation_bits``); its keys are fixed when the
-      ledger is created, missing entries in a client's diagnostics count 0.
-    skipped_client_rounds: (client, round) participations whose update was
-      skipped as non-finite (diagnostics ``skipped``).
+    client_rounds: (client, round) participations, skipped ones included.
+    rounds: rounds recorded.
+    extra_bits: sums of the per-client diagnostics named by its keys (fixed
+      at creation; e.g. FedLite's ``activation_bits``; missing = 0).
+    skipped_client_rounds: participations skipped as non-finite.
   """
   num_params: int
   upload_bits: float = 0.0
@@ -80,8 +55,7 @@ class CommLedger:
   extra_bits: dict[str, float] = dataclasses.field(default_factory=dict)
   skipped_client_rounds: int = 0
 
-  #: :meth:`state_dict` keys that checkpoints written before skip counting
-  #: lack (:meth:`legacy_state_dict`; :meth:`from_state_dict` defaults them).
+  #: :meth:`state_dict` keys that checkpoints before skip counting lack.
   ADDED_STATE_KEYS = ('skipped_client_rounds',)
 
   def __post_init__(self):
@@ -96,7 +70,7 @@ class CommLedger:
     return float(FLOAT_BITS * self.num_params)
 
   def attach_csv(self, stream: TextIO) -> None:
-    """Streams per-client rows to ``stream`` (header written if at offset 0)."""
+    """Streams rows round,client_id,upload_bits,download_bits to ``stream``."""
     self._csv = stream
     if stream.tell() == 0:
       stream.write('round,client_id,upload_bits,download_bits\n')
@@ -107,9 +81,8 @@ class CommLedger:
 
     Args:
       round_num: the round index (0-based).
-      client_bits: ``{client_id: {'upload_bits': u, 'download_bits': d}}``
-        and optionally ``'skipped': bool`` (other keys ignored), e.g. an
-        algorithm's client diagnostics.
+      client_bits: ``{client_id: {'upload_bits': u, 'download_bits': d}}``,
+        optionally ``'skipped': bool`` (e.g. client diagnostics).
 
     Returns:
       This round's totals: upload_bits, download_bits, num_clients,
@@ -156,10 +129,7 @@ class CommLedger:
             'num_clients': n, 'skipped_clients': skipped}
 
   def skipped_clients(self, round_num: int) -> int:
-    """Clients skipped in ``round_num``, a round this object recorded.
-
-    Only rounds recorded since the ledger was created or restored are kept
-    (the checkpointed state holds the total, ``skipped_client_rounds``).
+    """Clients skipped in ``round_num`` (recorded since creation or restore).
 
     Raises:
       KeyError: ``round_num`` was not recorded by this object.
@@ -210,8 +180,7 @@ class CommLedger:
     return out
 
   def legacy_state_dict(self) -> dict[str, Any]:
-    """:meth:`state_dict` without :data:`ADDED_STATE_KEYS`: the layout of
-    checkpoints written before skip counting (a restore template for them)."""
+    """:meth:`state_dict` without :data:`ADDED_STATE_KEYS` (old checkpoints)."""
     return {k: v for k, v in self.state_dict().items()
             if k not in self.ADDED_STATE_KEYS}
 

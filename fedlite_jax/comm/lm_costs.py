@@ -1,17 +1,8 @@
 """Total communication per client in gigabytes, as Ro et al. (2022) count it.
 
 Source: Ro et al., "Scaling Language Model Size in Cross-Device Federated
-Learning" (2022), Sec. 4 / App. C ("multiplying the model's number of
-parameters by the number of download or upload bits") and Table 8 (totals
-after 10K rounds; 1 GB = 10**9 bytes): Large LSTM 18.8M x 32 bits x 10K =
-752 GB each way; efficient Large Transformer 21.0M x 40% (PVT) x 8 bits x 10K
-= 84 GB upload.
-
-:func:`paper_total_gb` is that formula. Measured runs use the per-client
-bits the algorithms report (quantizer side floats and PVT's realized masks
-included) accumulated by :class:`fedlite_jax.comm.CommLedger`;
-:func:`ledger_gb_per_client` converts a ledger's totals to the paper's unit
-(GB per participating client over the run).
+Learning" (2022), Sec. 4 / App. C and Table 8 (totals after 10K rounds; 1 GB
+= 10**9 bytes), e.g. 18.8M params x 32 bits x 10K rounds = 752 GB each way.
 """
 
 from __future__ import annotations
@@ -66,8 +57,7 @@ def paper_total_gb(num_params: float, bits_per_param: float, rounds: int,
 def ledger_gb_per_client(ledger: CommLedger) -> dict[str, float]:
   """A ledger's totals as GB per client over the run (Table 8's unit).
 
-  Per client = total / (client participations / rounds), i.e. the bytes of
-  one client slot over all recorded rounds.
+  Per client = total / (client participations / rounds).
 
   Returns:
     ``{'upload_gb': ..., 'download_gb': ...}`` (NaN before any round).

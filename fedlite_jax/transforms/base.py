@@ -1,9 +1,7 @@
 """The communication-transform interface: ``init`` / ``encode`` / ``decode``.
 
-See the package docstring (:mod:`fedlite_jax.transforms`) for the contract.
-This module holds the types (:class:`Encoded`, :class:`TreeSpec`,
-:class:`CommTransform`), :func:`chain`, :func:`identity` and
-:func:`message_bits`.
+Types, :func:`chain`, :func:`identity` and :func:`message_bits`; the contract
+is in the package docstring (:mod:`fedlite_jax.transforms`).
 """
 
 from __future__ import annotations
@@ -42,12 +40,7 @@ def dtype_bits(dtype: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
-  """Static description of a pytree of arrays: structure, shapes, dtypes.
-
-  Hashable, so it can live in an :class:`Encoded`'s static metadata (it
-  survives ``jit``, ``vmap`` and ``eval_shape``). Shape-changing transforms
-  (top-k, intrinsic projection, sketches) record the spec of their input so
-  that ``decode`` can rebuild a pytree of the same structure.
+  """Hashable structure, shapes and dtypes of a pytree (static metadata).
 
   Attributes:
     treedef: the tree structure.
@@ -80,7 +73,7 @@ class TreeSpec:
           f'not match the expected {self.treedef} {self.shapes}.')
 
   def ravel(self, tree: PyTree, dtype: Any = jnp.float32) -> jax.Array:
-    """Concatenates the raveled leaves (``jax.tree.leaves`` order) as ``dtype``.
+    """The leaves raveled and concatenated: ``dtype[size]``.
 
     Raises:
       ValueError: if ``tree`` does not match this spec.
@@ -114,25 +107,16 @@ class TreeSpec:
     meta_fields=['value_bits', 'side_bits', 'spec'])
 @dataclasses.dataclass(frozen=True)
 class Encoded:
-  """One message on the wire, with its size in bits.
-
-  A JAX pytree whose array fields are ``values`` and ``side``; the bit counts
-  and the input spec are static metadata, so they come back as exact Python
-  numbers from ``jit``, ``vmap`` and ``jax.eval_shape`` (the latter computes
-  a message's size without running the transform).
+  """One message on the wire (a pytree; bits and spec are static metadata).
 
   Attributes:
-    values: the floating payload as the receiver reconstructs it (e.g. the
-      ``d`` intrinsic coordinates, the ``k`` top-k values, the dequantized
-      values of a quantizer). In a :func:`chain` the next transform encodes
-      exactly this.
-    side: side information that later transforms of a chain pass through
-      untouched (top-k indices, the chosen subspace, a chain's per-stage
-      messages); a pytree of arrays, possibly empty.
-    value_bits: bits spent on ``values`` as encoded (Python float).
+    values: the floating payload as the receiver reconstructs it; a
+      :func:`chain`'s next stage encodes it.
+    side: pytree of arrays later stages pass through (top-k indices, the
+      subspace, a chain's per-stage messages); possibly empty.
+    value_bits: bits spent on ``values`` (Python float).
     side_bits: bits spent on ``side`` (Python float).
-    spec: :class:`TreeSpec` of this transform's input (for ``decode``), or
-      None when ``decode`` does not need it.
+    spec: :class:`TreeSpec` of the input if ``decode`` needs it, else None.
   """
   values: PyTree
   side: PyTree
@@ -147,18 +131,14 @@ class Encoded:
 
 
 class CommTransform(NamedTuple):
-  """A (possibly stateful) compression transform: three pure functions.
+  """A compression transform: three pure functions.
 
   Attributes:
-    init: ``init(example) -> state``. ``example`` is a pytree like the inputs
-      to encode (only shapes/dtypes are read, so ``jax.ShapeDtypeStruct``
-      leaves work). Sender and receiver each call ``init`` and keep their own
-      state. May run host code (e.g. drawing a Fastfood permutation), so it
-      is not necessarily jittable.
-    encode: ``encode(x, state, key) -> (Encoded, state)``; pure and jittable;
-      ``key`` is a JAX PRNG key (every random choice derives from it).
-    decode: ``decode(message, state) -> (x_hat, state)``; pure and jittable;
-      ``x_hat`` has the structure, shapes and dtypes of the encoded input.
+    init: ``init(example) -> state``; reads shapes/dtypes only; may run host
+      code (not necessarily jittable).
+    encode: ``encode(x, state, key) -> (Encoded, state)``; jittable.
+    decode: ``decode(message, state) -> (x_hat, state)``; jittable; ``x_hat``
+      has the input's structure, shapes and dtypes.
   """
   init: Callable[[PyTree], State]
   encode: Callable[[PyTree, State, jax.Array], tuple[Encoded, State]]
@@ -166,6 +146,7 @@ class CommTransform(NamedTuple):
 
 
 def _floating_spec(x: PyTree, what: str) -> TreeSpec:
+  """``TreeSpec.of(x)``; ``TypeError`` for a non-floating leaf."""
   spec = TreeSpec.of(x)
   for dtype in spec.dtypes:
     if not jnp.issubdtype(np.dtype(dtype), jnp.floating):
@@ -180,20 +161,12 @@ def no_state(example: PyTree) -> State:
 
 
 def decode_values(message: Encoded, state: State) -> tuple[PyTree, State]:
-  """``decode`` returning ``message.values`` unchanged.
-
-  For transforms whose ``values`` already are the reconstruction of the
-  input (:func:`identity`, the quantizers).
-  """
+  """``decode`` of transforms whose ``values`` are the reconstruction."""
   return message.values, state
 
 
 def identity() -> CommTransform:
-  """No compression: every value sent at its dtype width (float32: 32 bits).
-
-  ``value_bits = sum over leaves of size * itemsize * 8``; ``decode`` returns
-  the values unchanged.
-  """
+  """No compression: ``value_bits = sum over leaves of size * itemsize * 8``."""
 
   def encode(x, state, key):
     del key
@@ -208,19 +181,10 @@ def identity() -> CommTransform:
 def chain(*transforms: CommTransform) -> CommTransform:
   """Composes transforms: encode left to right, decode right to left.
 
-  ``chain(t1, t2).encode(x)`` encodes ``x`` with ``t1`` and then ``t1``'s
-  ``values`` with ``t2``; ``decode`` undoes ``t2`` and then ``t1``. The chain's
-  message has ``values`` of the last stage, ``value_bits`` of the last stage
-  and ``side_bits`` summed over all stages (each stage's side information is
-  sent too); ``side`` is the tuple of the per-stage messages with their
-  ``values`` removed. Stage ``i`` encodes with ``jax.random.split(key, n)[i]``.
-  The state is the tuple of stage states.
-
-  Args:
-    *transforms: one or more :class:`CommTransform`.
-
-  Returns:
-    A :class:`CommTransform`.
+  The message has the last stage's ``values`` and ``value_bits``, the sum of
+  all stages' ``side_bits``, and ``side`` = the per-stage messages without
+  ``values``. Stage ``i`` encodes with ``jax.random.split(key, n)[i]``; the
+  state is the tuple of stage states.
 
   Raises:
     ValueError: if no transform is given.
@@ -268,17 +232,12 @@ def chain(*transforms: CommTransform) -> CommTransform:
 
 def message_bits(transform: CommTransform, example: PyTree,
                  state: Optional[State] = None) -> float:
-  """Size in bits of ``transform``'s message for inputs shaped like ``example``.
-
-  Runs ``jax.eval_shape`` (nothing is computed), so it works for any size.
+  """``Encoded.bits`` of ``transform`` for inputs like ``example`` (eval_shape).
 
   Args:
     transform: the transform.
     example: pytree of arrays or ``jax.ShapeDtypeStruct``.
     state: the transform's state (default ``transform.init(example)``).
-
-  Returns:
-    ``Encoded.bits`` as a Python float.
   """
   if state is None:
     state = transform.init(example)
@@ -290,11 +249,7 @@ def message_bits(transform: CommTransform, example: PyTree,
 
 def _forwards_state(fn: Callable[..., State], args: tuple,
                     state: State) -> bool:
-  """True iff ``fn(*args, state)`` returns ``state``'s leaves untouched.
-
-  Traces ``fn`` (``jax.make_jaxpr``, nothing is computed) and checks that
-  every output leaf is the very input variable of the same state leaf.
-  """
+  """True iff ``fn(*args, state)``'s jaxpr returns the state invars as is."""
   num_args = len(jax.tree.leaves(args))
   num_state = len(jax.tree.leaves(state))
   closed = jax.make_jaxpr(fn)(*args, state)
@@ -309,29 +264,15 @@ def _forwards_state(fn: Callable[..., State], args: tuple,
 
 def state_is_read_only(transform: CommTransform, example: PyTree,
                        state: State) -> bool:
-  """Whether ``encode`` and ``decode`` return ``state`` unchanged.
+  """Whether ``encode`` and ``decode`` forward ``state`` untouched (traced).
 
-  A transform whose state is read-only (the intrinsic projection's Fastfood
-  matrices, drawn by ``init`` from a seed) behaves like a stateless one with
-  a constant: sender and receiver each build the same state with ``init``
-  and nothing has to be kept between messages. A transform that updates its
-  state (``top_k(error_feedback=True)``'s residual) carries memory from one
-  message to the next.
-
-  The check is exact for what it tests and runs nothing: it traces
-  ``encode(x, state, key)`` and ``decode(message, state)`` with
-  ``jax.make_jaxpr`` and requires every returned state leaf to BE the input
-  state leaf (forwarded untouched, not recomputed, even to equal values).
-  An empty state is read-only.
+  Every returned state leaf must be the input leaf itself (not recomputed,
+  even to equal values); an empty state is read-only.
 
   Args:
     transform: the transform.
-    example: pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
-      inputs.
+    example: pytree of arrays or ``jax.ShapeDtypeStruct`` like the inputs.
     state: ``transform.init(example)``.
-
-  Returns:
-    True if both ``encode`` and ``decode`` forward the state.
   """
   if not jax.tree.leaves(state):
     return True
@@ -349,26 +290,21 @@ def init_read_only(transform: CommTransform, example: PyTree,
                    what: str = 'the transform') -> State:
   """``transform.init(example)``, refusing a state that encode/decode change.
 
-  Federated clients take part in rare, random rounds and keep nothing in
-  between, so a client-side transform may only have a read-only state (see
-  :func:`state_is_read_only`): e.g. ``chain(intrinsic_projection(d),
-  uniform_quantization(8))`` is accepted (both sides build the same Fastfood
-  matrices from the seed), ``top_k(k, error_feedback=True)`` is refused.
-  ``init`` must be a deterministic function of ``example`` (true for every
-  transform of this package), so that sender and receiver agree.
+  Clients keep nothing between participations, so a client-side transform
+  needs a read-only state (:func:`state_is_read_only`), e.g. the intrinsic
+  projection's, not ``top_k(error_feedback=True)``'s residual.
 
   Args:
     transform: the transform.
-    example: pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
-      inputs (only shapes and dtypes are read).
+    example: pytree of arrays or ``jax.ShapeDtypeStruct`` like the inputs.
     what: its name in the error message (e.g. ``'the upload transform'``).
 
   Returns:
     The state, to pass to every ``encode`` and ``decode``.
 
   Raises:
-    ValueError: (one line) if ``encode`` or ``decode`` returns a changed
-      state; also whatever ``transform.init`` raises.
+    ValueError: (one line) if ``encode`` or ``decode`` changes the state;
+      also whatever ``transform.init`` raises.
   """
   example = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),

@@ -1,22 +1,11 @@
 """Intrinsic projection: compress an update to ``A^(k)T x`` (d numbers).
 
 Source: Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
-Learning" (2022): Algorithm 1 (static: one Fastfood matrix ``A``), Algorithm 2
-(K-subspace: the client draws ``k ~ Unif{0..K-1}`` and uploads ``(k, A^(k)T
-g)``), Algorithm 3 (time-varying: a new matrix each epoch). The matrices come
-from :mod:`fedlite_jax.igc.fastfood` (``D x d``, regenerated from an integer
-seed; never materialized).
-
-Seeds. Matrix ``k`` of epoch ``e`` uses :func:`subspace_seed` ``(seed, e,
-k)``: ``seed`` itself for ``(e, k) = (0, 0)`` (so static, K-subspace with
-K = 1 and the first epoch of time-varying share the same ``A``), otherwise
-``seed XOR fmix32(cantor(e, k))`` -- a bijection of the pair index, so no two
-``(e, k)`` of a run share a matrix. Seeds are a protocol constant (client and
-server derive them from the run's seed): they cost no bits.
-
-Bits (per message): ``32 d`` for the coordinates (float32) plus the subspace
-index, ``ceil(log2 K)`` bits (0 for K = 1; ``count_index_bits=False`` drops
-it, as the paper's Table 2 does).
+Learning" (2022), Alg. 1 (static), Alg. 2 (K-subspace: upload ``(k, A^(k)T
+g)``, ``k ~ Unif{0..K-1}``), Alg. 3 (time-varying: new matrices each epoch).
+Matrices: :mod:`fedlite_jax.igc.fastfood` (``D x d``, from a seed).
+Bits per message: ``32 d + ceil(log2 K)`` (index dropped with
+``count_index_bits=False``, as in the paper's Table 2).
 """
 
 from __future__ import annotations
@@ -49,14 +38,16 @@ class IntrinsicState(NamedTuple):
   """State of :func:`intrinsic_projection`: the current epoch's K matrices.
 
   Attributes:
-    fastfood: :class:`fedlite_jax.igc.FastfoodParams` stacked on a leading
-      axis of size K (every array field has shape ``[K, ...]``).
+    fastfood: :class:`fedlite_jax.igc.FastfoodParams`, fields ``[K, ...]``.
   """
   fastfood: ff.FastfoodParams
 
 
 def subspace_seed(seed: int, epoch: int, index: int) -> int:
-  """Fastfood seed of subspace ``index`` in ``epoch`` (see module docstring).
+  """Fastfood seed of subspace ``index`` in ``epoch``.
+
+  ``seed`` for ``(0, 0)``, else ``seed XOR fmix32(cantor(epoch, index))``:
+  distinct for distinct pairs; a protocol constant (costs no bits).
 
   Args:
     seed: the run's base subspace seed, in ``[0, 2**32)``.
@@ -64,8 +55,7 @@ def subspace_seed(seed: int, epoch: int, index: int) -> int:
     index: subspace index k (>= 0).
 
   Returns:
-    An integer in ``[0, 2**32)``; ``seed`` for ``(0, 0)``; distinct for
-    distinct ``(epoch, index)`` while ``cantor(epoch, index) < 2**32``.
+    An integer in ``[0, 2**32)``.
 
   Raises:
     ValueError: negative arguments, a seed >= 2**32, or a pair index that
@@ -85,10 +75,7 @@ def subspace_seed(seed: int, epoch: int, index: int) -> int:
 def make_subspaces(D: int, d: int, num_subspaces: int, seed: int,
                    epoch: int = 0,
                    scale: ff.Scale = 'unit_expectation') -> ff.FastfoodParams:
-  """The K Fastfood matrices (D x d) of ``epoch``, stacked on axis 0.
-
-  Host-side (draws permutations with NumPy): ~0.1-1.5 s per matrix for
-  L = 2**21..2**24; memory 12 L bytes per matrix.
+  """The K Fastfood matrices (D x d) of ``epoch``, stacked on axis 0 (host).
 
   Args:
     D: number of model parameters (>= 1).
@@ -100,7 +87,7 @@ def make_subspaces(D: int, d: int, num_subspaces: int, seed: int,
       the paper's assumption; ``'unit_column'``: Li et al. 2018).
 
   Returns:
-    ``FastfoodParams`` whose array fields have a leading axis of size K.
+    ``FastfoodParams`` with array fields ``[K, ...]``.
 
   Raises:
     ValueError: d, D or K < 1, bad seed/epoch, unknown scale.
@@ -134,20 +121,14 @@ def select_subspace(fastfood: ff.FastfoodParams,
 
 
 def _num_subspaces(fastfood: ff.FastfoodParams) -> int:
+  """K of a stacked ``FastfoodParams``."""
   return int(fastfood.signs.shape[0])
 
 
 def _each_subspace(product: Callable[[ff.FastfoodParams, jax.Array], jax.Array],
                    fastfood: ff.FastfoodParams, rows: jax.Array, name: str,
                    width: int) -> Iterator[jax.Array]:
-  """``product(A^(k), rows[k])`` for k = 0..K-1, one at a time.
-
-  Unrolled and lazy: K products of O(L) memory each, not K at once.
-
-  Raises:
-    ValueError: (here, not at the first product) if ``rows`` is not
-      ``[K, width]``.
-  """
+  """Lazy ``product(A^(k), rows[k])``, k = 0..K-1; checks ``[K, width]``."""
   K = _num_subspaces(fastfood)
   if rows.shape != (K, width):
     raise ValueError(f'{name} must have shape ({K}, {width}); got '
@@ -157,21 +138,13 @@ def _each_subspace(product: Callable[[ff.FastfoodParams, jax.Array], jax.Array],
 
 @jax.jit
 def sample_subspace(key: jax.Array, num_subspaces: int) -> jax.Array:
-  """The subspace index a client draws: int32 scalar uniform in [0, K).
-
-  Algorithm 2 (K-subspace): each client picks ``k ~ Unif{0..K-1}``; the
-  encode of :func:`intrinsic_projection` uses exactly this draw.
-  """
+  """A client's subspace index ``k ~ Unif{0..K-1}`` (Alg. 2): int32 scalar."""
   return jax.random.randint(key, (), 0, num_subspaces, dtype=jnp.int32)
 
 
 def project_subspaces(fastfood: ff.FastfoodParams,
                       vectors: jax.Array) -> jax.Array:
   """``[A^(k)T v_k]_k``: K vectors of R^D -> their K intrinsic coordinates.
-
-  Because the projection is linear, ``sum_i w_i A^(k_i)T delta_i`` (the
-  server's per-subspace sum of client uploads) equals ``A^(k)T (sum_{i: k_i
-  = k} w_i delta_i)``: this projects such per-subspace sums once.
 
   Args:
     fastfood: stacked ``FastfoodParams`` ([K, ...]).
@@ -189,10 +162,7 @@ def project_subspaces(fastfood: ff.FastfoodParams,
 
 def lift_subspaces(fastfood: ff.FastfoodParams,
                    sigma: jax.Array) -> jax.Array:
-  """``sum_k A^(k) sigma_k``: intrinsic coordinates of all K subspaces -> R^D.
-
-  The server's reconciliation vector (Algorithm 2: ``theta = theta_0 +
-  sum_k A^(k) Sigma^(k)``).
+  """``sum_k A^(k) sigma_k``: K subspaces' coordinates -> R^D (Alg. 2).
 
   Args:
     fastfood: stacked ``FastfoodParams`` ([K, ...]).
@@ -215,14 +185,10 @@ def intrinsic_projection(d: int,
                          count_index_bits: bool = True) -> base.CommTransform:
   """Intrinsic gradient compression of a pytree: ``(k, A^(k)T ravel(x))``.
 
-  Melas-Kyriazi & Wang (2022), Algorithms 1-3 (the "Sketch" step) and Eq. 5.
-  ``encode`` draws ``k ~ Unif{0..K-1}`` from ``key`` (K = 1: always 0),
-  ravels ``x`` (``jax.tree.leaves`` order, float32, length D) and sends
-  ``values = A^(k)T x`` (``float32[d]``) and ``side = {'subspace': int32
-  k}``. ``decode`` returns ``unravel(A^(k) values)`` (the paper's
-  "Unsketch"). ``init(example)`` draws the epoch-0 matrices (host code);
-  replace the state with :func:`intrinsic_state` for another epoch
-  (time-varying compression).
+  Source: Melas-Kyriazi & Wang (2022), Alg. 1-3 and Eq. 5. ``values``:
+  ``float32[d]``; ``side``: ``{'subspace': int32 k}``; ``decode`` returns
+  ``unravel(A^(k) values)``. ``init`` draws the epoch-0 matrices; use
+  :func:`intrinsic_state` for another epoch.
 
   Args:
     d: intrinsic dimension (>= 1).
@@ -232,8 +198,7 @@ def intrinsic_projection(d: int,
     count_index_bits: charge ``ceil(log2 K)`` bits for the index.
 
   Returns:
-    A :class:`~fedlite_jax.transforms.CommTransform`; message bits ``32 d +
-    ceil(log2 K)``.
+    A ``CommTransform``; bits: ``32 d + ceil(log2 K)``.
 
   Raises:
     ValueError: d < 1, K < 1, bad seed or scale (here); at ``init``, also a

@@ -1,65 +1,17 @@
 """Partial Variable Training (PVT): per-client, per-round masks of variables.
 
-Sources: Yang, Xiao, Wang, et al., "Partial Variable Training for Efficient
-On-Device Federated Learning" (2021), the per-client-per-round (PCPR)
-configuration; Ro et al., "Scaling Language Model Size in Cross-Device
-Federated Learning" (2022), Section 4 and Appendix B: each sampled client
-freezes a fresh random subset of the *multiplicative* variables ("the
-embedding and weights of the LSTM, and for the Transformer, the weights of
-the MLP layer, attention matrices, layer normalization in each block, and
-embedding") so that the trainable share of the parameters is 10%..90%; only
-the trained variables are uploaded, and the server averages each variable
-over the clients that trained it. The target is met in expectation, not per
-client (Ro et al.: "the number of trainable variables might average to the
-desired percentage").
+Sources: Yang et al., "Partial Variable Training for Efficient On-Device
+Federated Learning" (2021), per-client-per-round configuration; Ro et al.,
+"Scaling Language Model Size in Cross-Device Federated Learning" (2022),
+Sec. 4 and App. B: each client freezes a random subset of the multiplicative
+variables so that the trained share is ``f`` in expectation; only trained
+variables are uploaded, averaged over the clients that trained them.
 
-PVT is the one compression stage whose message size is random: it depends on
-the client's mask. So it is not a :class:`~fedlite_jax.transforms.CommTransform`
-(whose sizes are static) but a transform of the *upload*: :func:`masked_upload`
-encodes only the trained variables with any per-variable CommTransform chain,
-and :func:`masked_bits` sums the per-variable message sizes
-(:func:`leaf_bits`) of the trained variables. The mask also freezes local
-training (:func:`apply_mask` on gradients and updates), which is the
-algorithm's job (:mod:`fedlite_jax.algorithms.fedopt`).
-
-Pure functions over pytrees (no FedJAX; jittable where stated):
-
-* :func:`make_plan` (host): which leaves are freezable, their sizes, and the
-  inclusion probability ``p`` of a freezable leaf.
-* :func:`sample_mask` (jittable): a ``bool[num_leaves]`` mask from a PRNG key.
-* :func:`apply_mask`, :func:`mask_tree`: the mask applied to / as a pytree.
-* :func:`masked_upload` (jittable): encode + decode the trained leaves.
-* :func:`leaf_bits`, :func:`masked_bits`, :func:`expected_masked_bits`,
-  :func:`trained_params`, :func:`realized_fraction` (host): sizes.
-
-Sampling (exact in expectation). Let ``N`` be all parameters, ``A`` those of
-leaves that are never frozen (biases, LayerNorm offsets, the output bias),
-``S = N - A`` those of the ``n`` freezable leaves, and ``f`` the target
-fraction. Every freezable leaf is trained with the same probability ``p = (f
-N - A) / S``, so ``E[trained parameters] = A + p S = f N`` exactly. The
-leaves are drawn by *systematic sampling* over a uniformly random order:
-with ``u ~ U[0, 1)``, the leaf at position ``j`` of the random order is
-trained iff ``floor(u + p (j + 1)) > floor(u + p j)``. Each leaf then has
-inclusion probability exactly ``p`` and the number of trained freezable
-leaves is ``floor(n p)`` or ``ceil(n p)`` (much less variable than
-independent coin flips, and never 0 when ``n p >= 1``). ``f = 1`` trains
-everything (``p = 1``: the mask is all True, a static special case), so PVT
-100% is plain FedAvg.
-
-Client compute: a frozen variable's gradient is computed and then zeroed
-(one compiled step serves every mask, because the mask is data). Skipping
-the frozen weight-gradient matmuls would need a gradient program split per
-variable; it saved about 14% CPU per round for a small Transformer on the
-one-client-per-call engine only (nothing under ``vmap``, nothing for the
-LSTM), so it is not done.
-
-Bad input (``ValueError`` naming the value): ``f`` outside (0, 1]; no
-freezable leaf while ``f < 1``; ``f N < A`` (the target is below the
-always-trained share); ``n p < 1`` on a model with no always-trained
-parameter (some clients would train nothing); an explicit mask that trains
-no variable (:func:`check_mask`); an upload chain that cannot encode one
-variable on its own, or whose size is not a sum over variables
-(:func:`leaf_bits`).
+With ``N`` parameters, ``A`` of them never frozen and ``S = N - A`` in ``n``
+freezable leaves, each freezable leaf is trained with ``p = (f N - A) / S``
+(``E[trained] = f N``), chosen by systematic sampling over a random order:
+leaf ``j`` is trained iff ``floor(u + p (j + 1)) > floor(u + p j)``,
+``u ~ U[0, 1)`` (``floor(n p)`` or ``ceil(n p)`` leaves). ``f = 1`` is FedAvg.
 """
 
 from __future__ import annotations
@@ -79,12 +31,11 @@ Path = tuple[Any, ...]
 
 MULTIPLICATIVE_NAMES = ('kernel', 'embedding', 'scale', 'projection',
                         'pos_embedding')
-"""Leaf names treated as multiplicative (freezable) by default: dense and
-LSTM kernels (attention q/k/v/out and MLP kernels in the Transformer), the
-LSTM projection, token and position embeddings, LayerNorm scales."""
+"""Leaf names freezable by default (kernels, embeddings, LayerNorm scales)."""
 
 
 def _key_name(entry: Any) -> str:
+  """The name of one key-path entry."""
   for attr in ('key', 'name', 'idx'):
     if hasattr(entry, attr):
       return str(getattr(entry, attr))
@@ -97,16 +48,7 @@ def path_name(path: Path) -> str:
 
 
 def is_multiplicative(path: Path, leaf: Any) -> bool:
-  """Default freezable predicate: the leaf's name is in MULTIPLICATIVE_NAMES.
-
-  Args:
-    path: the leaf's ``jax.tree_util`` key path.
-    leaf: the leaf (unused; part of the predicate signature).
-
-  Returns:
-    True for kernels, projections, embeddings and LayerNorm scales; False
-    for biases and anything else.
-  """
+  """Default freezable predicate: the leaf's name is in MULTIPLICATIVE_NAMES."""
   del leaf
   return bool(path) and _key_name(path[-1]) in MULTIPLICATIVE_NAMES
 
@@ -152,7 +94,7 @@ class PVTPlan:
 def make_plan(params: PyTree, fraction: float,
               is_freezable: Callable[[Path, Any], bool] = is_multiplicative
               ) -> PVTPlan:
-  """Plans PVT for a model (host code; see the module docstring).
+  """Plans PVT for a model (host code).
 
   Args:
     params: the model parameters (arrays or ``jax.ShapeDtypeStruct``).
@@ -165,8 +107,8 @@ def make_plan(params: PyTree, fraction: float,
 
   Raises:
     ValueError: fraction outside (0, 1]; no freezable leaf (with fraction <
-      1); a fraction below the always-trained share; or a plan under which a
-      client could train nothing.
+      1); ``f N < A``; or ``n p < 1`` with ``A = 0`` (a client could train
+      nothing).
   """
   if isinstance(fraction, bool) or not isinstance(
       fraction, (int, float, np.floating)) or not 0.0 < fraction <= 1.0 or \
@@ -210,12 +152,10 @@ def sample_mask(plan: PVTPlan, key: jax.Array) -> jax.Array:
 
   Args:
     plan: from :func:`make_plan`.
-    key: a JAX PRNG key (derive it from the client's round key, e.g.
-      ``jax.random.fold_in(client_key, common.PVT_STREAM)``).
+    key: a JAX PRNG key (e.g. ``fold_in(client_key, common.PVT_STREAM)``).
 
   Returns:
-    ``bool[num_leaves]``: True = trained (always True for non-freezable
-    leaves; all True when ``plan.trains_everything``).
+    ``bool[num_leaves]``, True = trained.
   """
   num = len(plan.sizes)
   base = jnp.asarray(np.logical_not(plan.freezable))
@@ -232,7 +172,7 @@ def sample_mask(plan: PVTPlan, key: jax.Array) -> jax.Array:
 
 
 def check_mask(plan: PVTPlan, mask: Any) -> np.ndarray:
-  """Validates an explicit mask (host) and returns it as ``bool[num_leaves]``.
+  """An explicit mask, validated (host), as ``bool[num_leaves]``.
 
   Raises:
     ValueError: wrong length, a frozen non-freezable leaf, or a mask that
@@ -279,14 +219,7 @@ def realized_fraction(plan: PVTPlan, mask: Any) -> float:
 
 
 def masked_bits(leaf_bits: Sequence[float], mask: Any) -> float:
-  """Upload size of the trained leaves: ``sum_i mask_i * leaf_bits_i``.
-
-  Args:
-    leaf_bits: bits of each leaf's message (``jax.tree.leaves`` order).
-    mask: ``bool[num_leaves]``.
-
-  Returns:
-    Bits (Python float).
+  """Upload bits of the trained leaves: ``sum_i mask_i * leaf_bits_i``.
 
   Raises:
     ValueError: if the lengths differ.
@@ -299,11 +232,7 @@ def masked_bits(leaf_bits: Sequence[float], mask: Any) -> float:
 
 
 def expected_masked_bits(plan: PVTPlan, leaf_bits: Sequence[float]) -> float:
-  """Expected upload size over masks: ``sum_i P(leaf i trained) leaf_bits_i``.
-
-  Non-freezable leaves count fully, freezable ones with probability
-  ``plan.probability``; for per-value costs this is ``fraction`` of the
-  unmasked size (plus the per-leaf overheads of the expected leaves).
+  """Expected upload bits: ``sum_i P(leaf i trained) leaf_bits_i``.
 
   Raises:
     ValueError: if ``leaf_bits`` does not have one entry per leaf.
@@ -317,27 +246,23 @@ def expected_masked_bits(plan: PVTPlan, leaf_bits: Sequence[float]) -> float:
 
 
 def _shape_struct(tree: PyTree) -> PyTree:
+  """``tree`` as ``jax.ShapeDtypeStruct`` leaves."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 def leaf_bits(transform: Optional[base.CommTransform], params: PyTree,
               name: str = 'PVT') -> tuple[float, ...]:
-  """Message size of each variable encoded alone, ``jax.tree.leaves`` order.
+  """Bits of each variable encoded alone, ``jax.tree.leaves`` order.
 
   Args:
-    transform: a stateless per-variable CommTransform chain (e.g.
-      ``uniform_quantization(8)``), or None (32 bits per float32 value).
+    transform: a stateless per-variable transform, or None (dtype width).
     params: pytree of arrays or ``jax.ShapeDtypeStruct``.
     name: the algorithm, for error messages.
 
-  Returns:
-    Bits per leaf (Python floats).
-
   Raises:
-    ValueError: the transform cannot encode a single variable (e.g. a top-k
-      whose k exceeds a variable), or its size for the whole model is not
-      the sum of the per-variable sizes.
+    ValueError: the transform cannot encode a single variable, or its size
+      for the whole model is not the sum of the per-variable sizes.
   """
   example = _shape_struct(params)
   leaves = jax.tree.leaves(example)
@@ -362,19 +287,14 @@ def leaf_bits(transform: Optional[base.CommTransform], params: PyTree,
 
 def masked_upload(transform: Optional[base.CommTransform], state: Any,
                   tree: PyTree, mask: jax.Array, key: jax.Array) -> PyTree:
-  """What the server receives from a PVT client (jittable).
+  """``decode(encode(tree))`` with frozen leaves zero: the server's view.
 
   Args:
-    transform: the upload CommTransform (stateless or read-only state), or
-      None (sent as is).
+    transform: the upload transform (read-only state), or None (sent as is).
     state: its state.
     tree: the client's update pytree.
     mask: ``bool[num_leaves]`` (:func:`sample_mask`).
     key: the upload quantizer's key.
-
-  Returns:
-    ``decode(encode(tree))`` with the frozen leaves exactly zero (their
-    values are never sent; :func:`masked_bits` counts only trained leaves).
   """
   if transform is not None:
     message, _ = transform.encode(tree, state, key)

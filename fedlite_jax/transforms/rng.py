@@ -1,9 +1,8 @@
 """Uniform random numbers of the stochastic quantizers, by generator name.
 
 ``'threefry'``: ``jax.random.uniform``. ``'hash'``: a counter-based lowbias32
-hash (Wellons, hash-prospector) of the flat element index with two seeds
-drawn from the key; elementwise, so XLA fuses it into the quantizer. See
-docs/DESIGN_NOTES.md, "Uniform quantizer".
+hash (Wellons, hash-prospector) of the flat element index, fused by XLA into
+the quantizer. See docs/DESIGN_NOTES.md, "Uniform quantizer".
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ GENERATORS = ('hash', 'threefry')
 """Names accepted by :func:`random_uniform` and by ``generator=``."""
 
 _MAX_HASH_ELEMENTS = 2**32
-
-# ------------------------------------------------------------ random numbers
 
 
 def validate_generator(generator: str) -> None:
@@ -40,15 +37,17 @@ def _lowbias32(x: jax.Array) -> jax.Array:
 
 
 def hash_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
-  """32 pseudo-random bits per element from a key and the element's index.
+  """32 pseudo-random bits per element: ``mix(mix(i ^ s0) + s1)``.
+
+  ``i`` is the row-major flat index, ``(s0, s1) = jax.random.bits(key, (2,),
+  uint32)``.
 
   Args:
     key: a JAX PRNG key (raw ``uint32[2]`` or typed).
     shape: output shape (static).
 
   Returns:
-    ``uint32`` array of ``shape``: ``mix(mix(i ^ s0) + s1)`` for the row-major
-    flat index ``i``, with ``(s0, s1) = jax.random.bits(key, (2,), uint32)``.
+    ``uint32`` array of ``shape``.
 
   Raises:
     ValueError: if ``shape`` has more than 2**32 elements.
@@ -66,17 +65,16 @@ def hash_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
 def hash_uniform(key: jax.Array,
                  shape: Sequence[int],
                  dtype: jnp.dtype = jnp.float32) -> jax.Array:
-  """Uniform numbers in [0, 1) from :func:`hash_bits` (counter-based, fast).
+  """Uniform numbers in [0, 1) from :func:`hash_bits`.
 
   Args:
     key: a JAX PRNG key.
     shape: output shape (static).
-    dtype: ``float32`` (24 random bits per value, step ``2**-24``) or
-      ``float64`` (32 random bits, step ``2**-32``; needs ``jax_enable_x64``).
-      Other floating dtypes get the float32 values cast to them.
+    dtype: ``float32`` (step ``2**-24``), ``float64`` (step ``2**-32``) or
+      another floating dtype (float32 values cast).
 
   Returns:
-    Array of ``shape`` and ``dtype`` with values in [0, 1).
+    Array of ``shape`` and ``dtype``.
 
   Raises:
     ValueError: if ``shape`` has more than 2**32 elements.
@@ -102,10 +100,7 @@ def random_uniform(key: jax.Array,
     shape: output shape (static).
     dtype: a floating dtype.
     generator: ``'hash'`` (:func:`hash_uniform`) or ``'threefry'``
-      (``jax.random.uniform(key, shape, dtype)``).
-
-  Returns:
-    Array of ``shape`` and ``dtype`` with values in [0, 1).
+      (``jax.random.uniform``).
 
   Raises:
     ValueError: for an unknown ``generator``, or a ``'hash'`` request of more
@@ -116,5 +111,3 @@ def random_uniform(key: jax.Array,
     return jax.random.uniform(key, tuple(shape), dtype)
   return hash_uniform(key, shape, dtype)
 
-
-# ------------------------------------------------------ layers and clipping

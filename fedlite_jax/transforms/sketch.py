@@ -1,28 +1,15 @@
 """Count sketch of an update vector (FetchSGD's compressor).
 
 Sources: Charikar, Chen & Farach-Colton, "Finding Frequent Items in Data
-Streams" (ICALP 2002: the Count Sketch); Rothchild et al., "FetchSGD:
-Communication-Efficient Federated Learning with Sketching" (ICML 2020),
-Algorithm 1, and its reference code (CommEfficient's ``CSVec``).
+Streams" (ICALP 2002); Rothchild et al., "FetchSGD" (ICML 2020), Alg. 1.
 
-A sketch of ``v in R^D`` is a ``rows x cols`` table ``S[r, c] = sum_{i:
-h_r(i) = c} s_r(i) v_i`` with bucket hashes ``h_r`` and sign hashes ``s_r in
-{-1, +1}``. It is linear (sketches of several clients add up to the sketch
-of their sum). The estimate of ``v_i`` is ``median_r s_r(i) S[r, h_r(i)]``
-(an even number of rows takes the mean of the two middle values, NumPy's
-convention; CSVec uses PyTorch's lower median there -- use odd ``rows``).
-
-Hashes (a deterministic function of ``seed``, recomputed where needed, never
-stored): with ``fmix32`` MurmurHash3's 32-bit finalizer (a bijection),
-``kb_r = fmix32(seed XOR fmix32(2r + 1))``, ``ks_r = fmix32(seed XOR
-fmix32(2r + 2))``:
+``S[r, c] = sum_{i: h_r(i) = c} s_r(i) v_i`` (linear in ``v``); the estimate
+of ``v_i`` is ``median_r s_r(i) S[r, h_r(i)]`` (NumPy's median: use odd
+``rows``). With ``fmix32`` MurmurHash3's finalizer, ``kb_r = fmix32(seed XOR
+fmix32(2r + 1))`` and ``ks_r = fmix32(seed XOR fmix32(2r + 2))``:
 
 * ``h_r(i) = fmix32(i XOR kb_r) mod cols``
 * ``s_r(i) = +1 if fmix32(i XOR ks_r) < 2**31 else -1``
-
-(CSVec draws hash coefficients with ``torch.randint``; any pairwise
-independent-looking family serves.) Integer hashing fuses into the sketching
-loop and needs no ``rows x D`` table in memory between calls.
 
 Bits: ``32 * rows * cols`` per sketch (float32 table), as in FetchSGD.
 """
@@ -55,11 +42,7 @@ _MEDIAN_NETWORK_MAX_ROWS = 15
 
 
 def fmix32_int(x: int) -> int:
-  """MurmurHash3's 32-bit finalizer of ``x mod 2**32``, as a Python int.
-
-  A bijection of ``[0, 2**32)`` with ``0 -> 0``; :func:`hashes_at` and
-  :func:`fedlite_jax.transforms.subspace_seed` derive their keys with it.
-  """
+  """MurmurHash3's 32-bit finalizer of ``x mod 2**32`` (a bijection, 0 -> 0)."""
   x &= 0xFFFFFFFF
   x ^= x >> 16
   x = (x * 0x85EBCA6B) & 0xFFFFFFFF
@@ -79,6 +62,7 @@ def _fmix32(x: jax.Array) -> jax.Array:
 
 
 def _row_keys(seed: int, rows: int) -> tuple[list[int], list[int]]:
+  """``(kb_r, ks_r)`` for r < rows; validates ``seed``."""
   seed = check_seed(seed, 'sketch seed')
   kb = [fmix32_int(seed ^ fmix32_int(2 * r + 1)) for r in range(rows)]
   ks = [fmix32_int(seed ^ fmix32_int(2 * r + 2)) for r in range(rows)]
@@ -87,7 +71,7 @@ def _row_keys(seed: int, rows: int) -> tuple[list[int], list[int]]:
 
 def sketch_hashes(seed: int, rows: int, cols: int,
                   D: int) -> tuple[jax.Array, jax.Array]:
-  """Bucket and sign hashes of every coordinate (see module docstring).
+  """Bucket and sign hashes of coordinates ``0..D-1``.
 
   Args:
     seed: sketch seed in ``[0, 2**32)`` (shared by clients and server).
@@ -134,14 +118,9 @@ def sketch_message_bits(rows: int, cols: int) -> float:
 
 def sketch_vector(v: jax.Array, seed: int, rows: int,
                   cols: int) -> jax.Array:
-  """The count sketch of ``v``: ``float32[rows, cols]`` (linear in ``v``).
+  """The count sketch ``float32[rows, cols]`` of ``v: float[D]``.
 
-  Args:
-    v: ``float[D]``.
-    seed, rows, cols: as :func:`sketch_hashes` (static Python ints).
-
-  Returns:
-    ``S[r, c] = sum_{i: h_r(i) = c} s_r(i) v_i``.
+  ``seed``, ``rows``, ``cols``: as :func:`sketch_hashes` (static ints).
   """
   D = v.shape[-1]
   buckets, signs = sketch_hashes(seed, rows, cols, D)
@@ -152,11 +131,7 @@ def sketch_vector(v: jax.Array, seed: int, rows: int,
 
 
 def median_rows(x: jax.Array) -> jax.Array:
-  """Median over axis 0 (NumPy convention), a sorting network for <= 15 rows.
-
-  ``jnp.median`` sorts (0.44 s for 5 x 1.2M on this CPU); an odd-even
-  transposition network of elementwise min/max fuses into one pass.
-  """
+  """Median over axis 0 (NumPy's), a min/max sorting network for <= 15 rows."""
   n = x.shape[0]
   if n > _MEDIAN_NETWORK_MAX_ROWS:
     return jnp.median(x, axis=0)
@@ -172,15 +147,12 @@ def median_rows(x: jax.Array) -> jax.Array:
 
 
 def unsketch(table: jax.Array, seed: int, D: int) -> jax.Array:
-  """Estimates of all D coordinates from a sketch: ``median_r s_r(i) S[r, h_r(i)]``.
+  """``float32[D]`` estimates ``median_r s_r(i) S[r, h_r(i)]`` of a table.
 
   Args:
     table: ``float32[rows, cols]``.
     seed: the sketch seed.
     D: vector length.
-
-  Returns:
-    ``float32[D]``.
   """
   rows, cols = table.shape
   buckets, signs = sketch_hashes(seed, rows, cols, D)
@@ -190,14 +162,10 @@ def unsketch(table: jax.Array, seed: int, D: int) -> jax.Array:
 
 def count_sketch(rows: int, cols: int, seed: int = 0,
                  k: Optional[int] = None) -> base.CommTransform:
-  """Count sketch of a pytree as a :class:`CommTransform` (stateless).
+  """Count sketch of a raveled pytree as a stateless ``CommTransform``.
 
-  ``encode``: ``values = sketch_vector(ravel(x))`` (``float32[rows, cols]``,
-  ``32 rows cols`` bits, no side information). ``decode``: the median
-  estimates of every coordinate, or (with ``k``) only the k largest in
-  magnitude with zeros elsewhere (FetchSGD's "unsketch + top-k"), unraveled.
-  FetchSGD's server-side momentum and error feedback live in
-  :mod:`fedlite_jax.algorithms.fetchsgd`.
+  ``values``: ``float32[rows, cols]`` (``32 rows cols`` bits); ``decode``:
+  the estimates, or only the top-k in magnitude (FetchSGD's unsketch).
 
   Args:
     rows: sketch rows (>= 1; odd recommended).
@@ -205,12 +173,9 @@ def count_sketch(rows: int, cols: int, seed: int = 0,
     seed: hash seed in ``[0, 2**32)``.
     k: if set, ``decode`` keeps the top-k estimates (1 <= k <= D).
 
-  Returns:
-    A :class:`~fedlite_jax.transforms.CommTransform`.
-
   Raises:
     ValueError: non-positive sizes, bad seed, k < 1 (here) or k > D (at
-      ``init`` / ``encode``).
+      ``init``).
   """
   rows = check_int(rows, 'sketch rows')
   cols = check_int(cols, 'sketch cols')

@@ -1,36 +1,11 @@
-"""One flag vocabulary for compression: ``'stage:arg,stage:arg'`` -> transform.
+"""Compression flags: ``'stage:arg,stage:arg'`` -> a transform.
 
-A compression pipeline is written as comma-separated stages, applied left to
-right (:func:`fedlite_jax.transforms.chain`); a stage is the name of a
-transform function of :mod:`fedlite_jax.transforms` followed by its
-positional arguments, separated by ``:``::
-
-  intrinsic_projection:4096,uniform_quantization:8   # 32 D / (8 * 4096 + 64)
-  top_k:12000,uniform_quantization:8                 # k values at 8 bits
-  uniform_quantization:16
-  terngrad
-  identity
-
-The stages (:data:`STAGE_FORMS`, each registered once below with
-:func:`register_stage`):
-
-* ``identity`` -- :func:`~fedlite_jax.transforms.identity` (32 bits/float).
-* ``intrinsic_projection:d[:K[:seed]]`` --
-  :func:`~fedlite_jax.transforms.intrinsic_projection` with intrinsic
-  dimension d, K subspaces (default 1), subspace seed (default: the
-  ``seed`` argument of :func:`parse_chain`).
-* ``uniform_quantization:bits`` --
-  :func:`~fedlite_jax.transforms.uniform_quantization` (1..32 bits).
-* ``terngrad[:clip_std|none]`` -- :func:`~fedlite_jax.transforms.terngrad`
-  (clip at 2.5 std by default; ``none`` = no clipping).
-* ``top_k:k[:log2|none]`` -- :func:`~fedlite_jax.transforms.top_k` (index
-  bits ``log2`` by default), without error feedback.
-* ``count_sketch:rows:cols[:seed]`` --
-  :func:`~fedlite_jax.transforms.count_sketch`.
-
-A single stage gives that transform itself (not a one-stage chain, whose
-key use differs), so ``uniform_quantization:8`` is exactly
-``uniform_quantization(8)``. Pure: no FedJAX.
+Stages apply left to right (:func:`chain`); a single stage gives the transform
+itself. Built-in stages (:data:`STAGE_FORMS`; defaults in parentheses):
+``identity``, ``intrinsic_projection:d[:K[:seed]]`` (K = 1,
+:func:`parse_chain`'s seed), ``uniform_quantization:bits``,
+``terngrad[:clip_std|none]`` (2.5), ``top_k:k[:log2|none]`` (log2; no error
+feedback), ``count_sketch:rows:cols[:seed]``.
 """
 
 from __future__ import annotations
@@ -48,13 +23,10 @@ from fedlite_jax.transforms import uniform
 __all__ = ['STAGE_FORMS', 'parse_chain', 'register_stage']
 
 Builder = Callable[[Sequence[str], int, str], base.CommTransform]
-"""``build(args, seed, generator) -> CommTransform``: ``args`` are the
-stage's argument strings, ``seed`` and ``generator`` those of
-:func:`parse_chain`."""
+"""``build(args, seed, generator)``; ``args`` are the stage's strings."""
 
 STAGE_FORMS: list[str] = []
-"""The registered stages with their argument forms (``[...]`` = optional),
-in registration order; :func:`register_stage` keeps it up to date."""
+"""The registered stages' argument forms (``[...]`` = optional)."""
 
 # name -> (form, min args, max args, builder)
 _STAGES: dict[str, tuple[str, int, int, Builder]] = {}
@@ -63,14 +35,10 @@ _STAGES: dict[str, tuple[str, int, int, Builder]] = {}
 def register_stage(form: str, build: Builder, *, replace: bool = False) -> None:
   """Adds the stage ``form`` (e.g. ``'top_k:k[:log2|none]'``) to the vocabulary.
 
-  The name is the text before the first ``:`` or ``[``; every ``:`` is one
-  argument, optional from the first ``[`` on. :func:`parse_chain` checks the
-  argument count and calls ``build(args, seed, generator)``; a
-  ``ValueError`` or ``TypeError`` it raises becomes the bad-stage message.
-
   Args:
-    form: the stage's name and argument form, as listed in error messages.
-    build: a :data:`Builder`.
+    form: name, then one ``:`` per argument, optional from the first ``[``.
+    build: a :data:`Builder`; its ``ValueError`` / ``TypeError`` becomes the
+      bad-stage message.
     replace: allow replacing a stage of the same name.
 
   Raises:
@@ -90,6 +58,7 @@ def register_stage(form: str, build: Builder, *, replace: bool = False) -> None:
 
 
 def _int(text: str, name: str) -> int:
+  """``int(text)``, or a ``ValueError`` naming ``name``."""
   try:
     return int(text)
   except ValueError:
@@ -139,6 +108,7 @@ register_stage('count_sketch:rows:cols[:seed]', _count_sketch)
 
 
 def _stage(text: str, seed: int, generator: str) -> base.CommTransform:
+  """One stage's transform; ``ValueError`` for a bad name or arguments."""
   name, *args = [part.strip() for part in text.split(':')]
   if name not in _STAGES:
     raise ValueError(f'unknown stage {name!r}')
@@ -156,23 +126,15 @@ def parse_chain(spec: str, *, seed: int = 0,
   """The transform a stage string describes (see the module docstring).
 
   Args:
-    spec: comma-separated stages, e.g.
-      ``'intrinsic_projection:4096,uniform_quantization:8'`` (spaces around
-      separators are ignored).
-    seed: default seed of ``intrinsic_projection`` / ``count_sketch`` stages
-      that give none (a protocol constant both sides know; costs no bits).
-    generator: random generator of the quantizer stages (``'hash'`` or
-      ``'threefry'``, see :mod:`fedlite_jax.transforms.uniform`).
-
-  Returns:
-    The single stage's transform, or :func:`~fedlite_jax.transforms.chain`
-    of the stages.
+    spec: comma-separated stages (spaces around separators are ignored).
+    seed: seed of ``intrinsic_projection`` / ``count_sketch`` stages that
+      give none (a protocol constant; costs no bits).
+    generator: the quantizer stages' generator (``'hash'``, ``'threefry'``).
 
   Raises:
-    ValueError: (one line) an empty spec or stage, an unknown stage name, a
-      wrong number of arguments, or an argument the transform refuses (e.g.
-      ``uniform_quantization:40``); the message names the bad stage and
-      lists :data:`STAGE_FORMS`.
+    ValueError: (one line, naming the bad stage and listing
+      :data:`STAGE_FORMS`) an empty spec or stage, an unknown name, a wrong
+      argument count, or an argument the transform refuses.
   """
   if not isinstance(spec, str):
     raise ValueError(f'compression stages must be a string, got {spec!r}.')

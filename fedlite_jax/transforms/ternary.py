@@ -1,31 +1,9 @@
 """TernGrad: stochastic ternarization of a layer, with its bit cost.
 
-Source: Wen, Xu, Yan, Wu, Wang, Chen, Li, "TernGrad: Ternary Gradients to
-Reduce Communication in Distributed Deep Learning", NeurIPS 2017, Sec. 3:
-``ternarize(v) = s * sign(v) o b`` with ``s = ||v||_inf`` and independent
-``b_i ~ Bernoulli(|v_i| / s)`` (unbiased: ``E = v``), applied layer-wise, with
-optional gradient clipping ``f(v_i) = clip(v_i, -c sigma, c sigma)``
-(``sigma`` = standard deviation of the layer, ``c = 2.5``) before
-ternarizing. Used on upload by Ro et al., "Scaling Language Model Size in
-Cross-Device Federated Learning" (2022), App. C, "with and without" the
-l-infinity clipping, at ``log2(3) ~= 1.585`` bits per parameter.
-
-For one layer ``v`` (after optional clipping): values become ``0`` or
-``sign(v_i) * s``; ``P(nonzero) = |v_i| / s``; ``E[Q(v_i)] = v_i``;
-``Var[Q(v_i)] = s |v_i| - v_i**2``. With clipping the quantizer is unbiased
-for the *clipped* layer and therefore biased with respect to the unclipped
-one (by ``clip(v) - v`` on the clipped coordinates). ``|v_i| == s`` maps to
-``sign(v_i) * s`` exactly; an all-zero layer stays zero; a constant layer is
-returned unchanged (clipping is skipped for it, see
-:func:`fedlite_jax.transforms.uniform.clip_by_std`).
-
-Cost: ``log2(3)`` bits per value (an ideal ternary code, e.g. 5 trits per
-byte gives 1.6) plus one float32 (``s``) per non-empty layer. FedJAX's
-``terngrad_quantizer`` charges two floats per layer; the values are the same.
-
-Randomness: as in :mod:`fedlite_jax.transforms.uniform` (``generator`` is
-``'hash'`` or ``'threefry'``; per-leaf keys ``jax.random.split(key, n)``).
-Computation is in float32 (float64 for float64 layers) and cast back.
+Source: Wen et al., "TernGrad", NeurIPS 2017, Sec. 3: ``s * sign(v) o b``,
+``s = ||v||_inf``, ``b_i ~ Bernoulli(|v_i| / s)`` (unbiased), per layer, after
+optional clipping at ``c sigma`` (c = 2.5); upload in Ro et al. (2022), App. C.
+Bits: ``log2(3) * size + 32`` per non-empty layer (one float32 ``s``).
 """
 
 from __future__ import annotations
@@ -46,18 +24,13 @@ DEFAULT_CLIP_STD = 2.5
 """TernGrad's clipping constant ``c`` (Wen et al. 2017)."""
 
 BITS_PER_VALUE = math.log2(3)
+"""Bits per ternary value (an ideal ternary code)."""
 
 
 def terngrad_num_bits(tree: PyTree) -> float:
-  """Message size of :func:`terngrad_quantize_tree` (or of one array).
+  """Bits of :func:`terngrad_quantize_tree` (shapes read only).
 
   ``sum over non-empty leaves of (log2(3) * leaf.size + 32)``.
-
-  Args:
-    tree: an array or pytree of arrays (anything with a ``shape``).
-
-  Returns:
-    Size in bits (Python float).
   """
   total = 0.0
   for leaf in jax.tree.leaves(tree):
@@ -103,24 +76,18 @@ def terngrad_quantize(v: jax.Array,
                       *,
                       clip_std: Optional[float] = DEFAULT_CLIP_STD,
                       generator: str = 'hash') -> base.Encoded:
-  """TernGrad on one layer (Wen et al. 2017, Sec. 3).
-
-  Jittable (``clip_std`` and ``generator`` static) and vmappable.
+  """TernGrad on one layer (Wen et al. 2017, Sec. 3); jittable, vmappable.
 
   Args:
     v: floating array of any shape (one layer).
     key: JAX PRNG key (raw or typed), used as is.
-    clip_std: clip to ``+-clip_std * std(v)`` before ternarizing (default
-      2.5, TernGrad's ``c``); ``None`` disables clipping. With clipping,
-      ``s = max|clip(v)|`` and the result is unbiased for ``clip(v)``, not
-      for ``v``.
-    generator: ``'hash'`` (default) or ``'threefry'``
-      (``jax.random.uniform(key, v.shape)``).
+    clip_std: clip to ``+-clip_std * std(v)`` first (then unbiased for
+      ``clip(v)`` only), or None.
+    generator: ``'hash'`` or ``'threefry'``.
 
   Returns:
-    :class:`~fedlite_jax.transforms.Encoded`: ``values`` (``v``'s shape and
-    dtype) in ``{0, -s, +s}``; ``bits = value_bits = log2(3) * v.size + 32``
-    (0 if empty).
+    ``Encoded``: ``values`` (``v``'s shape and dtype) in ``{0, -s, +s}``;
+    ``bits = log2(3) * v.size + 32`` (0 if empty).
 
   Raises:
     TypeError: non-floating ``v``.
@@ -134,20 +101,10 @@ def terngrad_quantize_tree(tree: PyTree,
                            *,
                            clip_std: Optional[float] = DEFAULT_CLIP_STD,
                            generator: str = 'hash') -> base.Encoded:
-  """:func:`terngrad_quantize` per leaf (one leaf = one layer, own ``s``).
-
-  Leaf ``i`` uses ``jax.random.split(key, num_leaves)[i]`` (as FedJAX's
-  ``terngrad_quantize_pytree``).
-
-  Args:
-    tree: pytree of floating arrays.
-    key: JAX PRNG key.
-    clip_std: as in :func:`terngrad_quantize` (per leaf).
-    generator: ``'hash'`` or ``'threefry'``.
+  """:func:`terngrad_quantize` per leaf, key ``split(key, num_leaves)[i]``.
 
   Returns:
-    :class:`~fedlite_jax.transforms.Encoded` with ``bits =
-    terngrad_num_bits(tree)``.
+    ``Encoded`` with ``bits = terngrad_num_bits(tree)``.
 
   Raises:
     TypeError: a non-floating leaf.
@@ -159,15 +116,6 @@ def terngrad_quantize_tree(tree: PyTree,
 def terngrad(*, clip_std: Optional[float] = DEFAULT_CLIP_STD,
              generator: str = 'hash') -> base.CommTransform:
   """:func:`terngrad_quantize_tree` as a stateless transform.
-
-  ``log2(3)`` bits per value plus 32 per leaf; ``decode`` returns the values.
-
-  Args:
-    clip_std: clipping at ``clip_std * std`` (TernGrad's 2.5), or None.
-    generator: ``'hash'`` or ``'threefry'``.
-
-  Returns:
-    A :class:`~fedlite_jax.transforms.CommTransform`.
 
   Raises:
     ValueError: ``clip_std <= 0`` or an unknown ``generator``.

@@ -2,27 +2,10 @@
 
 Sources: Aji & Heafield, "Sparse Communication for Distributed Gradient
 Descent" (EMNLP 2017); Lin et al., "Deep Gradient Compression" (ICLR 2018,
-error feedback); the "local top-k" baseline of Rothchild et al., "FetchSGD"
+error feedback); the local top-k baseline of Rothchild et al., "FetchSGD"
 (ICML 2020) and Melas-Kyriazi & Wang (2022), Table 2.
-
-The whole update pytree is raveled into one vector of length D (leaves in
-``jax.tree.leaves`` order) and the k entries of largest ``|x_i|`` are kept
-(``jax.lax.top_k``; ties go to the lower index).
-
-Bits (``index_bits``, an explicit choice):
-
-* ``'log2'`` (default): ``k * (32 + ceil(log2 D))`` -- a float32 value and a
-  ``ceil(log2 D)``-bit index per kept entry; what a real message needs.
-* ``'none'``: ``32 k`` -- values only, FetchSGD's / CommEfficient's
-  accounting (``upload_bytes = 4 k``; Melas-Kyriazi & Wang's Table 2 uses it:
-  D / k = 2,489 for k = 50,000), kept to compare with the papers.
-
-Error feedback (``error_feedback=True``, Lin et al. 2018 / Stich et al.
-2018): the sender keeps the residual ``e`` (its state) and sparsifies ``x +
-e``; the new residual is what was not sent. It is sender-side state, so a
-federated client would have to keep it between its (rare) participations;
-the algorithms in :mod:`fedlite_jax.algorithms` do not use it (see
-``FetchSGD`` for server-side error feedback).
+Bits ``'log2'``: ``k * (32 + ceil(log2 D))`` (value + index per entry).
+Bits ``'none'``: ``32 k`` (values only; FetchSGD's and Table 2's accounting).
 """
 
 from __future__ import annotations
@@ -37,11 +20,13 @@ from fedlite_jax.transforms import base
 
 
 INDEX_BITS = ('log2', 'none')
+"""Accepted ``index_bits`` accountings."""
 
 __all__ = ['INDEX_BITS', 'top_k', 'topk_abs', 'topk_message_bits', 'scatter']
 
 
 def _check_k(k: Any, D: int | None = None) -> int:
+  """``k`` as an int >= 1 (and <= D if given), else ``ValueError``."""
   k = check_int(k, 'top-k: k')
   if D is not None and k > D:
     raise ValueError(f'top-k: k={k} exceeds the number of entries D={D}.')
@@ -49,13 +34,7 @@ def _check_k(k: Any, D: int | None = None) -> int:
 
 
 def topk_message_bits(k: int, D: int, index_bits: str = 'log2') -> float:
-  """Size of one top-k message in bits (see the module docstring).
-
-  Args:
-    k: entries kept (1 <= k <= D).
-    D: vector length (>= 1).
-    index_bits: ``'log2'`` (``k * (32 + ceil(log2 D))``) or ``'none'``
-      (``32 k``).
+  """Bits of one top-k message of k of D entries (see the module docstring).
 
   Raises:
     ValueError: bad k, D or index_bits.
@@ -70,15 +49,10 @@ def topk_message_bits(k: int, D: int, index_bits: str = 'log2') -> float:
 
 
 def topk_abs(v: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """The k entries of largest magnitude of a 1-D vector.
-
-  Args:
-    v: ``float[D]``.
-    k: 1 <= k <= D.
+  """The k entries of ``v: float[D]`` of largest ``|v|`` (ties: lower index).
 
   Returns:
-    ``(values float[k], indices int32[k])`` with ``values = v[indices]``, in
-    decreasing ``|v|`` order.
+    ``(v[idx] float[k], idx int32[k])``, in decreasing ``|v|`` order.
   """
   _, idx = jax.lax.top_k(jnp.abs(v), k)
   return v[idx], idx.astype(jnp.int32)
@@ -91,21 +65,17 @@ def scatter(values: jax.Array, indices: jax.Array, D: int) -> jax.Array:
 
 def top_k(k: int, index_bits: str = 'log2',
           error_feedback: bool = False) -> base.CommTransform:
-  """Top-K sparsification of a pytree as a :class:`CommTransform`.
+  """Top-K sparsification of a raveled pytree as a ``CommTransform``.
 
-  ``encode(x)``: ``values = v[idx]`` (``float32[k]``), ``side = {'indices':
-  int32[k]}`` for ``v = ravel(x) (+ residual)``; ``decode`` scatters the
-  values into zeros and unravels. State: ``()``, or ``{'residual':
-  float32[D]}`` with ``error_feedback``.
+  ``values``: ``float32[k]``; ``side``: ``{'indices': int32[k]}``; ``decode``
+  scatters into zeros. State: ``()``, or ``{'residual': float32[D]}``.
 
   Args:
-    k: entries kept per message (>= 1; at most D, checked at ``init`` and
-      ``encode``).
+    k: entries kept per message (1 <= k <= D).
     index_bits: ``'log2'`` or ``'none'`` (see the module docstring).
-    error_feedback: keep and re-add the unsent residual (sender state).
-
-  Returns:
-    A :class:`~fedlite_jax.transforms.CommTransform`.
+    error_feedback: send ``ravel(x) + residual``, keep the unsent rest as the
+      residual (Lin et al. 2018; Stich et al. 2018); sender state, so not
+      for federated clients.
 
   Raises:
     ValueError: k < 1, k > D, unknown ``index_bits``.

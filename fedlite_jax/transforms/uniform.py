@@ -1,32 +1,10 @@
-"""Stochastic k-level uniform quantization, its bit cost and its random numbers.
+"""Stochastic k-level uniform quantization (``k = 2**bits``) and its bit cost.
 
 Source: Suresh et al., "Distributed Mean Estimation with Limited
-Communication", ICML 2017, Sec. 2.2, as used for upload and download by Ro et
-al., "Scaling Language Model Size in Cross-Device Federated Learning" (2022),
-Sec. 4 and App. C.
-
-For one layer ``x`` with ``k = 2**bits`` levels ``B_r = lo + r (hi - lo) /
-(k - 1)``, a value in ``[B_r, B_{r+1})`` becomes ``B_{r+1}`` with probability
-``(x_i - B_r) / (B_{r+1} - B_r)``, else ``B_r``: ``E[Q(x_i)] = x_i``,
-``Var <= (hi - lo)**2 / (4 (k - 1)**2)``.
-
-* ``zero_center=False`` (the paper's default): ``[min(x), max(x)]``, cost
-  ``bits * size + 64`` bits per layer. ``zero_center=True``: ``[-m, m]``,
-  ``m = max|x|``, cost ``bits * size + 32`` (our reading of Ro et al.'s
-  undefined "zero-centering"; centring on the mean would change nothing).
-* ``clip_std=c`` clips the layer to ``[-c std, c std]`` first (TernGrad, Wen
-  et al. 2017, Sec. 3); unbiased for the clipped layer only.
-* At ``bits >=`` the dtype's significand bits (24 for float32) the grid is
-  finer than the dtype: the layer passes through unchanged and ``bits`` per
-  value are still charged (:func:`passthrough_bits`).
-* Random numbers (:data:`GENERATORS`): ``'threefry'`` is
-  ``jax.random.uniform``; ``'hash'`` (default) is a counter-based lowbias32
-  hash of the flat index with two seeds drawn from the key, exactly uniform
-  per element over keys and fused into the quantizer (at most 2**32
-  elements). Pytree leaf ``i`` uses ``jax.random.split(key, n)[i]``.
-
-The full reasoning (range readings, float precision, the hash's properties)
-is in docs/DESIGN_NOTES.md, "Uniform quantizer".
+Communication", ICML 2017, Sec. 2.2; upload and download in Ro et al.,
+"Scaling Language Model Size in Cross-Device Federated Learning" (2022), Sec.
+4 and App. C. Float precision (identity at ``bits >= passthrough_bits``) and
+range readings: docs/DESIGN_NOTES.md, "Uniform quantizer".
 """
 
 from __future__ import annotations
@@ -50,16 +28,10 @@ from fedlite_jax.common import PyTree, FLOAT_BITS
 
 MIN_BITS = 1
 MAX_BITS = 32
-"""Bits charged for each float sent alongside the codes (min, max, scale)."""
+
 
 def validate_bits(bits: int) -> int:
-  """Checks ``bits`` and returns it as a Python ``int``.
-
-  Args:
-    bits: bits per value; a static Python (or NumPy) integer.
-
-  Returns:
-    ``int(bits)``.
+  """``bits`` (bits per value, a static integer) as a Python ``int``.
 
   Raises:
     TypeError: if ``bits`` is not an integer (e.g. a float, a bool or a
@@ -88,12 +60,8 @@ def validate_options(clip_std: Optional[float], generator: str) -> None:
 def passthrough_bits(dtype: Any) -> int:
   """Smallest ``bits`` at which :func:`uniform_quantize` is the identity.
 
-  Args:
-    dtype: a floating dtype.
-
-  Returns:
-    The significand precision ``finfo(dtype).nmant + 1`` in bits: 24 for
-    float32, 53 for float64, 11 for float16, 8 for bfloat16.
+  The significand precision ``finfo(dtype).nmant + 1``: 24 for float32, 53
+  for float64, 11 for float16, 8 for bfloat16.
   """
   return int(jnp.finfo(dtype).nmant) + 1
 
@@ -106,9 +74,7 @@ def check_floating(x: Any, what: str) -> None:
 
 
 def as_layers(tree: PyTree, split: bool) -> PyTree:
-  """``tree`` as JAX arrays, every leaf checked to be floating.
-
-  ``split=False``: ``tree`` is one array (``jnp.asarray``); else a pytree.
+  """``tree`` (one array if not ``split``) as floating JAX arrays.
 
   Raises:
     TypeError: a non-floating array or leaf.
@@ -125,39 +91,31 @@ def as_layers(tree: PyTree, split: bool) -> PyTree:
 
 def per_layer(fn: Callable[[jax.Array, jax.Array], jax.Array], tree: PyTree,
               key: jax.Array, split: bool) -> PyTree:
-  """``fn(leaf, leaf_key)`` on every leaf (one leaf = one layer).
-
-  Leaf ``i`` gets ``jax.random.split(key, num_leaves)[i]`` (as FedJAX's
-  ``*_quantize_pytree``); with ``split=False`` (``tree`` one array) ``key``
-  itself.
-  """
+  """``fn(leaf, split(key, num_leaves)[i])`` per leaf (``key`` if not split)."""
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
   keys = jax.random.split(key, len(leaves)) if split else [key]
-  return jax.tree.unflatten(treedef,
-                            [fn(leaf, keys[i]) for i, leaf in enumerate(leaves)])
+  return jax.tree.unflatten(treedef, [fn(x, k) for x, k in zip(leaves, keys)])
 
 
 def _compute_dtype(dtype: Any) -> Any:
+  """float64 for float64, else float32."""
   return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
 def clip_bound(x: jax.Array, clip_std: float,
                lo: Optional[jax.Array] = None,
                hi: Optional[jax.Array] = None) -> jax.Array:
-  """The clipping threshold ``clip_std * std(x)`` of :func:`clip_by_std`.
+  """``clip_std * std(x)`` (population std), ``+inf`` if ``max == min``.
 
   Args:
     x: floating array (one layer), at least one element.
     clip_std: ``c > 0``.
-    lo, hi: ``min(x)`` and ``max(x)`` if the caller already has them (saves
-      a pass over ``x``); computed here otherwise.
+    lo, hi: ``min(x)`` and ``max(x)`` if known; computed otherwise.
 
   Returns:
-    A scalar of ``x``'s dtype: ``c * std(x)`` (population standard
-    deviation), or ``+inf`` for a constant layer (``max == min``), which is
-    therefore never clipped.
+    A scalar of ``x``'s dtype.
   """
   bound = clip_std * jnp.std(x)
   if lo is None or hi is None:
@@ -166,21 +124,17 @@ def clip_bound(x: jax.Array, clip_std: float,
 
 
 def clip_by_std(x: jax.Array, clip_std: float) -> jax.Array:
-  """l-infinity clipping of a layer at ``clip_std`` standard deviations.
+  """``clip(x, -c sigma, c sigma)`` of a layer; a constant layer is unchanged.
 
-  Source: Wen et al., "TernGrad", NeurIPS 2017, Sec. 3 ("gradient
-  clipping"): ``f(x_i) = x_i`` if ``|x_i| <= c * sigma`` else
-  ``sign(x_i) * c * sigma``, with ``sigma`` the (population) standard
-  deviation of the layer.
+  Source: Wen et al., "TernGrad", NeurIPS 2017, Sec. 3 (gradient clipping);
+  ``sigma`` is the layer's population standard deviation.
 
   Args:
     x: floating array of any shape (one layer).
     clip_std: ``c > 0``.
 
   Returns:
-    Array of ``x``'s shape and dtype (computed in float32, or float64 for
-    float64). A constant layer (``max == min``, where ``sigma`` is 0 up to
-    rounding and clipping would zero it) is returned unchanged.
+    Array of ``x``'s shape and dtype.
 
   Raises:
     ValueError: if ``clip_std <= 0``.
@@ -195,13 +149,7 @@ def clip_by_std(x: jax.Array, clip_std: float) -> jax.Array:
 
 
 def _min_and_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(min(x), max(x))`` in one pass over ``x`` (a variadic ``lax.reduce``).
-
-  ``jnp.min`` and ``jnp.max`` compile to two separate reductions on XLA:CPU,
-  i.e. two reads of the layer from memory; the variadic form reads it once
-  (``benchmarks/bench_quantize.py``). Min and max are exact, so the result
-  does not depend on the reduction order. NaN-propagating like ``jnp.min``.
-  """
+  """``(min(x), max(x))`` in one read of ``x`` (a variadic ``lax.reduce``)."""
   init = (jnp.array(jnp.inf, x.dtype), jnp.array(-jnp.inf, x.dtype))
   lo, hi = lax.reduce(
       (x, x), init,
@@ -211,18 +159,11 @@ def _min_and_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def min_max(x: jax.Array, clip_std: Optional[float]):
-  """Clipped layer and its min and max, without materializing the clip.
+  """``(clip(x), min(clip(x)), max(clip(x)))``; the clip is left to fuse.
 
   Args:
     x: floating array, at least one element.
     clip_std: ``None`` or ``c > 0`` (:func:`clip_by_std`).
-
-  Returns:
-    ``(clipped x, min, max)``. The reductions run on ``x`` itself (clipping
-    is monotone, so ``min(clip(x)) = clip(min(x))``), so XLA fuses the clip
-    into the consumer's elementwise pass instead of writing a clipped copy.
-    Min and max come from ONE variadic reduction (:func:`_min_and_max`):
-    one read of ``x`` instead of two.
   """
   lo, hi = _min_and_max(x)
   if clip_std is None:
@@ -238,27 +179,13 @@ def leaf_shape(leaf: Any) -> tuple[int, ...]:
   return tuple(np.shape(leaf) if shape is None else shape)
 
 
-# ---------------------------------------------------------------- quantizer
-
 
 def uniform_num_bits(tree: PyTree, bits: int, *,
                      zero_center: bool = False) -> float:
-  """Message size of :func:`uniform_quantize_tree` (or of one array).
+  """Bits of :func:`uniform_quantize_tree` (shapes read only).
 
-  ``sum over non-empty leaves of (bits * leaf.size + 32 * F)`` with ``F = 2``
-  floats per layer (min, max) or ``F = 1`` with ``zero_center`` (max |x|).
-  Matches FedJAX's ``uniform_stochastic_quantizer(num_levels=2**bits)``
-  (``log2(num_levels) * size + 64`` per leaf) for ``zero_center=False``.
-  Empty leaves cost 0 bits.
-
-  Args:
-    tree: an array or a pytree of arrays (anything with a ``shape``, e.g.
-      ``jax.ShapeDtypeStruct``); only shapes are read.
-    bits: bits per value, 1..32.
-    zero_center: as in :func:`uniform_quantize`.
-
-  Returns:
-    Size in bits, a Python float holding an exact integer.
+  Per non-empty leaf: ``bits * size + 64`` (FedJAX's count), or
+  ``bits * size + 32`` with ``zero_center``.
 
   Raises:
     TypeError, ValueError: as :func:`validate_bits`.
@@ -286,21 +213,15 @@ def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
   span = hi - lo
   levels = float(2**bits - 1)  # Exact in float32 for bits <= 24.
   scale = levels / jnp.where(span > 0, span, 1).astype(dtype)
-  # t >= 0 without a clamp: lo <= xc, so the rounded xc - lo is >= 0 (also
-  # with zero_center and clipping, where lo <= min(xc)). x == hi maps to
-  # k - 1 exactly (also covers span == 0). Rounding can push t slightly
-  # above k - 1 for x just below hi; then floor(t) >= k - 1 and the code
-  # maps to hi below, exactly what clamping t to k - 1 gave (the code was
-  # k - 1 -> hi), so no upper clamp either: fewer operations in the single
-  # fused pass, bit-identical results for finite inputs.
+  # No clamps on t: lo <= xc gives t >= 0; x == hi maps to k - 1 exactly,
+  # and a t rounded above k - 1 gives a code that maps to hi below.
   t = jnp.where(xc >= hi, levels, (xc - lo) * scale)
   floor = jnp.floor(t)
   u = random_uniform(key, x.shape, dtype, generator)
   code = floor + (u < t - floor).astype(dtype)
   step = span / levels
-  # The end codes map to lo and hi exactly (also if span overflows to inf).
-  # ``where(v > hi, hi, v)`` is ``minimum(v, hi)`` for non-NaN v, without
-  # the NaN-propagating minimum's extra instructions on x86.
+  # End codes map to lo and hi exactly (also if span overflows); where()
+  # is minimum() for non-NaN values, without its NaN handling.
   value = lo + code * step
   value = jnp.where(value > hi, hi, value)
   out = jnp.where(code >= levels, hi, jnp.where(code <= 0, lo, value))
@@ -343,29 +264,26 @@ def uniform_quantize(x: jax.Array,
                      generator: str = 'hash') -> base.Encoded:
   """Stochastic k-level uniform quantization of one layer (``k = 2**bits``).
 
-  Suresh et al. 2017, Sec. 2.2; Ro et al. 2022, App. C. See the module
-  docstring for the levels, the variance, ``zero_center``, and the float
-  precision rules (identity at ``bits >= passthrough_bits(x.dtype)``, i.e.
-  24..32 for float32). Jittable (``bits``, ``zero_center``, ``clip_std`` and
-  ``generator`` must be static) and vmappable (e.g. over clients: min and max
-  are then per client).
+  Levels ``B_r = lo + r (hi - lo) / (k - 1)``; ``x_i`` in ``[B_r, B_{r+1})``
+  becomes ``B_{r+1}`` w.p. ``(x_i - B_r) / (B_{r+1} - B_r)``, else ``B_r``.
+  ``E[Q(x_i)] = x_i``; ``Var <= (hi - lo)**2 / (4 (k - 1)**2)``.
+  Identity at ``bits >= passthrough_bits(x.dtype)`` (still charged).
+  Jittable (all but ``x`` and ``key`` static) and vmappable.
 
   Args:
-    x: floating array of any shape: one layer, quantized with one (min, max).
+    x: floating array of any shape: one layer, one (min, max).
     key: JAX PRNG key (raw ``uint32[2]`` or typed), used as is.
-    bits: bits per value, a static integer in 1..32 (``bits=1``: 2 levels,
-      min and max).
+    bits: bits per value, a static integer in 1..32.
     zero_center: grid on ``[-max|x|, max|x|]`` (one float sent) instead of
       ``[min(x), max(x)]`` (two floats).
-    clip_std: if set (``c > 0``), clip ``x`` to ``+-c * std(x)`` first
-      (:func:`clip_by_std`); the result is unbiased for the clipped layer.
-    generator: ``'hash'`` (fast counter-based, default) or ``'threefry'``
-      (``jax.random.uniform(key, x.shape)``).
+    clip_std: if set, :func:`clip_by_std` first (then unbiased for the
+      clipped layer only).
+    generator: ``'hash'`` (default) or ``'threefry'`` (``transforms.rng``).
 
   Returns:
-    :class:`~fedlite_jax.transforms.Encoded`: ``values`` has ``x``'s shape
-    and dtype; ``bits = value_bits = bits * x.size + 64`` (``+ 32`` with
-    ``zero_center``; 0 for an empty array).
+    ``Encoded``: ``values`` has ``x``'s shape and dtype.
+    Bits: ``bits * x.size + 64``; ``bits * x.size + 32`` with ``zero_center``;
+    0 if empty.
 
   Raises:
     TypeError: non-integer ``bits`` or non-floating ``x``.
@@ -382,22 +300,10 @@ def uniform_quantize_tree(tree: PyTree,
                           zero_center: bool = False,
                           clip_std: Optional[float] = None,
                           generator: str = 'hash') -> base.Encoded:
-  """:func:`uniform_quantize` applied per leaf (one leaf = one layer).
-
-  Leaf ``i`` uses ``jax.random.split(key, num_leaves)[i]`` (as FedJAX's
-  ``uniform_stochastic_quantize_pytree``), its own min/max and its own floats.
-
-  Args:
-    tree: pytree of floating arrays (e.g. model parameters or a model delta).
-    key: JAX PRNG key.
-    bits: bits per value, 1..32 (static).
-    zero_center: as in :func:`uniform_quantize`.
-    clip_std: as in :func:`uniform_quantize`, per leaf.
-    generator: ``'hash'`` or ``'threefry'``.
+  """:func:`uniform_quantize` per leaf, key ``split(key, num_leaves)[i]``.
 
   Returns:
-    :class:`~fedlite_jax.transforms.Encoded`: ``values`` has ``tree``'s
-    structure, shapes and dtypes; ``bits = uniform_num_bits(tree, bits,
+    ``Encoded`` like ``tree``; ``bits = uniform_num_bits(tree, bits,
     zero_center=zero_center)``.
 
   Raises:
@@ -414,18 +320,6 @@ def uniform_quantization(bits: int,
                          clip_std: Optional[float] = None,
                          generator: str = 'hash') -> base.CommTransform:
   """:func:`uniform_quantize_tree` as a stateless transform.
-
-  ``encode(x, state, key)`` is ``uniform_quantize_tree(x, key, bits, ...)``
-  (``2**bits`` levels per leaf); ``decode`` returns its values.
-
-  Args:
-    bits: bits per value, 1..32 (static).
-    zero_center: grid ``[-max|x|, max|x|]`` (one float sent per leaf).
-    clip_std: optional clipping at ``clip_std * std`` before quantizing.
-    generator: ``'hash'`` or ``'threefry'``.
-
-  Returns:
-    A :class:`~fedlite_jax.transforms.CommTransform`.
 
   Raises:
     TypeError, ValueError: as :func:`validate_bits` and
