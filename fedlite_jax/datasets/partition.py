@@ -104,13 +104,8 @@ def partition_to_federated_data(
     examples: Mapping[str, np.ndarray],
     partition: Sequence[np.ndarray],
     ids: Sequence[bytes] | None = None) -> fedjax.InMemoryFederatedData:
-  """Builds ``fedjax.InMemoryFederatedData`` from a partition of examples.
-
-  Args:
-    examples: feature name -> array [N, ...] (e.g. {'x': ..., 'y': ...}).
-    partition: one index array per client; client k gets
-      ``v[partition[k]]`` of each feature.
-    ids: client ids (default :func:`client_ids`).
+  """``fedjax.InMemoryFederatedData``: client k gets ``v[partition[k]]`` of
+  each ``examples`` array v [N, ...]; ids default to :func:`client_ids`.
 
   Raises:
     ValueError: features disagree on N, no clients, ids of the wrong length
