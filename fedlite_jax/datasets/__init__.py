@@ -1,25 +1,8 @@
 """Federated datasets as ``fedjax.FederatedData``, without TensorFlow.
 
-Entry point: :func:`load_federated_data` (tasks 'embedded_mnist' (default),
-'emnist', 'emnist_digits', 'stackoverflow_nwp', 'stackoverflow_tag',
-'shakespeare'), returning ``(train, test, info)``.
-
-Modules, one job each:
-
-* ``locate``: where files are searched (an explicit data_dir alone; else
-  $FEDLITE_DATA_DIR and its known subfolders, ~/.cache/fedjax, ~/.tff,
-  ~/.keras/datasets).
-* ``sqlite_header``: a cheap check that an SQLite file is whole.
-* ``sources``: opens FedJAX SQLite directly; converts TFF SQLite / HDF5 once
-  into cached FedJAX SQLite; FedJAX download as the opt-in last resort.
-* ``tf_example``: a small ``tf.train.Example`` wire-format decoder.
-* ``tff_sqlite``, ``tff_hdf5``: stream clients out of TFF's two formats.
-* ``schema``, ``cache``: feature specs; the cache directory and atomic writes.
-* ``emnist``, ``shakespeare``, ``stackoverflow``, ``embedded_mnist``: datasets.
-* ``vocab``, ``word_pipeline``: training-split vocabularies; numpy versions of
-  FedJAX's word tokenizer (and the next-word task loader) and TFF's
-  tag-prediction features.
-* ``partition``: the Dirichlet label-skew partitioner.
+Entry point: :func:`load_federated_data` (tasks in ``TASKS``; default
+'embedded_mnist'), returning ``(train, test, info)``. File search order:
+:mod:`fedlite_jax.datasets.locate`; overview: ``datasets/README.md``.
 """
 
 from fedlite_jax.datasets.api import DEFAULT_TASK

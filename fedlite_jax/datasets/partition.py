@@ -1,12 +1,9 @@
 """Synthetic client partitions of a centralized dataset.
 
-:func:`dirichlet_label_skew` is the label-skew partition of Hsu, Qi & Brown,
-"Measuring the Effects of Non-Identical Data Distribution for Federated Visual
-Classification" (2019, arXiv:1909.06335), in the per-class form most code
-uses (e.g. Yurochkin et al. 2019; Li et al., NIID-Bench 2021): for every class
-``c``, proportions ``p_c ~ Dir_K(alpha)`` over the K clients say how the
-class's examples are split. Small ``alpha`` gives each client few classes;
-``alpha -> inf`` approaches an IID split.
+Source: Hsu, Qi & Brown, "Measuring the Effects of Non-Identical Data
+Distribution for Federated Visual Classification" (2019, arXiv:1909.06335),
+per-class form (Yurochkin et al. 2019; Li et al., NIID-Bench 2021): each
+class's examples are split by ``p_c ~ Dir_K(alpha)`` over the K clients.
 """
 
 from __future__ import annotations
@@ -17,13 +14,7 @@ from typing import Mapping, Sequence
 import fedjax
 import numpy as np
 
-
-def _check_int(name: str, value, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f'{name} must be an integer, got {value!r}.')
-  if value < minimum:
-    raise ValueError(f'{name} must be >= {minimum}, got {value}.')
-  return int(value)
+from fedlite_jax.checks import check_int
 
 
 def dirichlet_label_skew(labels: np.ndarray,
@@ -34,50 +25,43 @@ def dirichlet_label_skew(labels: np.ndarray,
                          ) -> list[np.ndarray]:
   """Splits example indices across clients with Dirichlet label skew.
 
-  Algorithm (deterministic given ``seed``; ``np.random.default_rng(seed)``):
-
-  1. For each class in increasing label order: shuffle the class's indices,
-     draw ``p ~ Dir(alpha * ones(num_clients))``, and give client k the next
-     ``floor(cumsum(p)[k] * n_c) - floor(cumsum(p)[k-1] * n_c)`` indices.
-  2. Repair (deterministic, no re-sampling, so it always terminates): while
-     some client has fewer than ``min_examples_per_client`` examples, the
-     lowest-numbered such client takes the last-assigned index of the client
-     with the most examples (ties: the lowest-numbered). Step 1's shuffle
-     makes that index a random example of the donor.
+  Deterministic given ``seed`` (``np.random.default_rng(seed)``): per class,
+  in label order, shuffle its n_c indices, draw ``p ~ Dir(alpha * 1_K)`` and
+  give client k the next ``floor(cumsum(p)[k] n_c) - floor(cumsum(p)[k-1]
+  n_c)``. Then, while a client has fewer than ``min_examples_per_client``,
+  the lowest-numbered such client takes the last-assigned index of the
+  largest client (ties: lowest-numbered); no re-sampling, so it terminates.
 
   Args:
     labels: int array [N] of class labels (any integer values).
-    num_clients: K >= 1.
+    num_clients: K, 1..N.
     alpha: Dirichlet concentration, finite and > 0.
     seed: integer >= 0.
-    min_examples_per_client: minimum examples per client, >= 0 (default 1:
-      no empty clients).
+    min_examples_per_client: >= 0 (default 1: no empty clients).
 
   Returns:
-    K int64 arrays of indices into ``labels``, each sorted ascending; together
-    they contain every index in ``range(N)`` exactly once.
+    K sorted int64 index arrays into ``labels``, together ``range(N)`` once.
 
   Raises:
-    ValueError: ``labels`` is not a 1-D integer array; ``num_clients`` < 1 or
-      greater than N; ``alpha`` <= 0 or not finite; ``seed`` < 0;
-      ``min_examples_per_client`` < 0 or ``num_clients *
-      min_examples_per_client`` > N. Each message names the bad value.
+    NotAnIntegerError (a ValueError): an integer argument is not an integer.
+    ValueError: any other bad argument, e.g. ``num_clients *
+      min_examples_per_client`` > N; each message names the bad value.
   """
   labels = np.asarray(labels)
   if labels.ndim != 1 or labels.dtype.kind not in 'iu':
     raise ValueError('labels must be a 1-D integer array, got shape '
                      f'{labels.shape} and dtype {labels.dtype}.')
   num_examples = labels.shape[0]
-  num_clients = _check_int('num_clients', num_clients, 1)
+  num_clients = check_int(num_clients, 'num_clients', 1)
   if num_clients > num_examples:
     raise ValueError(f'num_clients={num_clients} is greater than the number '
                      f'of examples ({num_examples}).')
   if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or
       not np.isfinite(alpha) or alpha <= 0):
     raise ValueError(f'alpha must be a finite number > 0, got {alpha!r}.')
-  seed = _check_int('seed', seed, 0)
-  min_examples = _check_int('min_examples_per_client',
-                            min_examples_per_client, 0)
+  seed = check_int(seed, 'seed', 0)
+  min_examples = check_int(min_examples_per_client, 'min_examples_per_client',
+                           0)
   if num_clients * min_examples > num_examples:
     raise ValueError(
         f'min_examples_per_client={min_examples} is impossible: '
@@ -108,11 +92,9 @@ def dirichlet_label_skew(labels: np.ndarray,
 
 
 def client_ids(num_clients: int, prefix: str = 'client_') -> list[bytes]:
-  """Zero-padded bytes ids whose sorted order is the numeric order.
+  """Zero-padded bytes ids sorting in numeric order (FedJAX iterates sorted).
 
-  E.g. ``client_ids(12)`` -> [b'client_00', ..., b'client_11']. FedJAX client
-  ids are bytes, and ``fedjax.InMemoryFederatedData`` iterates in sorted id
-  order.
+  E.g. ``client_ids(12)`` -> [b'client_00', ..., b'client_11'].
   """
   width = len(str(max(num_clients - 1, 0)))
   return [f'{prefix}{k:0{width}d}'.encode() for k in range(num_clients)]
@@ -122,17 +104,8 @@ def partition_to_federated_data(
     examples: Mapping[str, np.ndarray],
     partition: Sequence[np.ndarray],
     ids: Sequence[bytes] | None = None) -> fedjax.InMemoryFederatedData:
-  """Builds ``fedjax.InMemoryFederatedData`` from a partition of examples.
-
-  Args:
-    examples: feature name -> array [N, ...] (e.g. {'x': ..., 'y': ...}).
-    partition: one index array per client (e.g. from
-      :func:`dirichlet_label_skew`); client k gets ``v[partition[k]]`` of each
-      feature, in the given index order.
-    ids: client ids (default :func:`client_ids`).
-
-  Returns:
-    The in-memory federated data (clients iterate in sorted id order).
+  """``fedjax.InMemoryFederatedData``: client k gets ``v[partition[k]]`` of
+  each ``examples`` array v [N, ...]; ids default to :func:`client_ids`.
 
   Raises:
     ValueError: features disagree on N, no clients, ids of the wrong length

@@ -1,10 +1,7 @@
 """Feature schemas: the raw (unpreprocessed) features of each dataset.
 
-A :class:`FeatureSpec` says what one feature of one example looks like, in the
-same terms as TensorFlow's ``tf.io.FixedLenFeature`` (which TFF's loaders use)
-and with the numpy dtype FedJAX's own SQLite files store. Every on-disk format
-(FedJAX SQLite, TFF SQLite, TFF HDF5) is brought to this one schema, so the
-preprocessing downstream never needs to know where the data came from.
+Every on-disk format (FedJAX SQLite, TFF SQLite, TFF HDF5) is brought to one
+schema (FedJAX's numpy dtypes), so preprocessing never depends on the source.
 """
 
 from __future__ import annotations
@@ -21,16 +18,13 @@ KINDS = ('bytes', 'float', 'int64')
 
 @dataclasses.dataclass(frozen=True)
 class FeatureSpec:
-  """One fixed-length feature of an example.
+  """One fixed-length feature of an example (``tf.io.FixedLenFeature``).
 
   Attributes:
-    kind: the ``tf.train.Feature`` list it is stored in: 'bytes', 'float' or
-      'int64' (``bytes_list``, ``float_list``, ``int64_list``).
-    shape: the per-example shape (``()`` for a scalar), as in
-      ``tf.io.FixedLenFeature(shape=...)``.
-    dtype: the numpy dtype of the stacked array ``[N, *shape]``: 'object' for
-      bytes features (an object array of ``bytes``, FedJAX's convention), else
-      e.g. 'float32', 'int32', 'int64'.
+    kind: the ``tf.train.Feature`` list: 'bytes', 'float' or 'int64'.
+    shape: the per-example shape (``()`` for a scalar).
+    dtype: numpy dtype of the stacked ``[N, *shape]`` array: 'object' (of
+      ``bytes``) for bytes features, else e.g. 'float32', 'int32', 'int64'.
   """
   kind: str
   shape: tuple[int, ...] = ()
@@ -47,7 +41,7 @@ class FeatureSpec:
 
   @property
   def size(self) -> int:
-    """Number of values per example (the product of ``shape``)."""
+    """Number of values per example."""
     return int(np.prod(self.shape, dtype=np.int64))
 
 
@@ -76,23 +70,16 @@ def _bytes_array(values: np.ndarray, name: str, where: str) -> np.ndarray:
 def conform(examples: Mapping[str, np.ndarray],
             specs: Mapping[str, FeatureSpec],
             where: str) -> dict[str, np.ndarray]:
-  """Checks and converts a client's examples to ``specs``.
+  """Checks and converts a client's examples ``[N, ...]`` to ``specs``.
 
-  Args:
-    examples: feature name -> array ``[N, ...]`` as read from a file (extra
-      features are dropped).
-    specs: the expected features.
-    where: names the source in error messages (e.g. file and client id).
-
-  Returns:
-    A dict with exactly the features of ``specs``, in ``specs`` order, each of
-    shape ``[N, *spec.shape]`` and dtype ``spec.dtype``; bytes features become
-    object arrays of ``bytes``.
+  Returns the features of ``specs`` (others dropped), in order, each
+  ``[N, *spec.shape]`` of ``spec.dtype`` (bytes: object arrays of ``bytes``).
+  ``where`` names the source (e.g. file and client id) in errors.
 
   Raises:
     DatasetFormatError (a ValueError): a feature is missing, has the wrong
-      per-example shape, the features disagree on N, or numeric values do
-      not fit ``spec.dtype``; the message starts with ``where``.
+      shape or N, or values that do not fit ``spec.dtype``; the message
+      starts with ``where``.
   """
   out = {}
   num = None

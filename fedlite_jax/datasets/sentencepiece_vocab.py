@@ -1,55 +1,9 @@
 """SentencePiece sub-word vocabularies and next-token-prediction data.
 
-Source: Ro, Breiner, McConnaughey, Chen, Suresh, Kumar, Mathews, "Scaling
-Language Model Size in Cross-Device Federated Learning" (2022), Section 3:
-"we use sentence-piece [Kudo and Richardson, 2018] for sub-word tokenization
-with a vocabulary size of 4K ... computed based on the entire Stack Overflow
-training corpus in an offline process"; Appendix A: "we fix the max sequence
-length for training and evaluation to 30".
-
-What this module does:
-
-* :func:`train_sentencepiece` trains a SentencePiece model (``sentencepiece``
-  library, unigram by default) on sentences of a TRAINING split and returns
-  the serialized model proto. Deterministic: the library's random generator
-  is seeded (``spm.set_random_generator_seed``) and training runs on ONE
-  thread (measured here: the same corpus gives different models with 1 and 2
-  threads, identical models for repeated runs at a fixed thread count).
-  ``input_sentence_size`` caps the sentences the trainer keeps (it
-  reservoir-samples with the seeded generator), so StackOverflow's 135.8M
-  posts fit in memory.
-* :func:`cached_sentencepiece_model` caches the proto in the cache directory
-  (:mod:`fedlite_jax.datasets.cache`; the shared data directory may be
-  read-only), under a name that fingerprints the source files and every
-  training option; it never downloads anything.
-* :class:`SubwordTokenizer` maps text to ``x``/``y`` int32 ``[B, L]`` with the
-  word pipeline's conventions.
-* ``load_shakespeare_sp``, ``load_stackoverflow_sp`` (each a
-  :class:`SentencePieceTask`; the dispatcher :func:`load_sentencepiece_data`)
-  return ``(train, test, info)`` like
-  :func:`fedlite_jax.datasets.load_federated_data`.
-
-Id layout (configured in the SentencePiece trainer, checked when a model is
-loaded): PAD 0 (``<pad>``), BOS 1 (``<s>``), EOS 2 (``</s>``), UNK/OOV 3
-(``<unk>``), sub-word pieces 4 .. vocab_size - 1. So PAD, BOS and EOS have the
-word pipeline's ids (FedJAX's StackOverflow layout) and the model's output
-size is exactly ``vocab_size`` (4,096 for "4K"); the OOV id is 3 (the word
-pipeline puts OOV last, at ``vocab_size + 3``). UNK only occurs for
-characters outside the model's ``character_coverage``.
-
-Sequences: ``ids = [BOS] + pieces + [EOS]``, ``x = ids[:-1]``, ``y = ids[1:]``,
-each cut to ``L`` and right-padded with PAD (as
-:class:`~fedlite_jax.datasets.word_pipeline.WordTokenizer`); one example per
-Shakespeare snippet / StackOverflow post (its first ``L`` tokens).
-
-Training text:
-
-* Shakespeare: each snippet's lines (split on newlines, whitespace collapsed,
-  case kept), so a verse line is one SentencePiece "sentence"; examples are
-  whole snippets with whitespace (newlines included) collapsed to one space.
-* StackOverflow: the raw ``tokens`` feature (already lowercased and
-  space-separated by TFF), one post per sentence; clients keep FedJAX's
-  ``domain_id`` (``stackoverflow.preprocess_client``).
+Source: Ro et al., "Scaling Language Model Size in Cross-Device Federated
+Learning" (2022), Sec. 3 (SentencePiece [Kudo & Richardson 2018], 4K
+vocabulary from the Stack Overflow training corpus) and App. A (sequence
+length 30). Ids: PAD 0, BOS 1, EOS 2, UNK/OOV 3, pieces 4..vocab_size - 1.
 """
 
 from __future__ import annotations
@@ -93,16 +47,12 @@ class SentencePieceConfig:
   """Training options of a SentencePiece model (all part of the cache key).
 
   Attributes:
-    vocab_size: total number of ids including PAD, BOS, EOS and UNK (default
-      4,096: the paper's "4K"); must be > 4.
-    model_type: 'unigram' (SentencePiece's default; Kudo 2018) or 'bpe'.
-    character_coverage: fraction of characters covered by the alphabet
-      (SentencePiece's default 0.9995); rarer characters map to UNK.
-    input_sentence_size: at most this many training sentences are kept
-      (sampled with the seeded generator); 0 keeps all.
+    vocab_size: ids including PAD, BOS, EOS, UNK; > 4 (default: "4K").
+    model_type: 'unigram' (Kudo 2018) or 'bpe'.
+    character_coverage: fraction of characters in the alphabet (rest: UNK).
+    input_sentence_size: training sentences kept (seeded sample); 0 = all.
     seed: seed of SentencePiece's random generator.
-    max_sentence_length: sentences longer than this many bytes are skipped
-      by the trainer (SentencePiece's default 4,192).
+    max_sentence_length: longer sentences (bytes) are skipped by the trainer.
   """
   vocab_size: int = DEFAULT_VOCAB_SIZE
   model_type: str = 'unigram'
@@ -138,14 +88,7 @@ class SentencePieceConfig:
 
 
 def normalize_text(text: bytes | str) -> str:
-  """UTF-8 text with every whitespace run (newlines too) collapsed to ' '.
-
-  Args:
-    text: bytes (invalid UTF-8 becomes U+FFFD) or str.
-
-  Returns:
-    The stripped, whitespace-collapsed string ('' for blank text).
-  """
+  """Stripped text, whitespace runs collapsed to ' ' (bad UTF-8 -> U+FFFD)."""
   if isinstance(text, (bytes, np.bytes_)):
     text = bytes(text).decode('utf-8', errors='replace')
   return ' '.join(str(text).split())
@@ -154,21 +97,13 @@ def normalize_text(text: bytes | str) -> str:
 def train_sentencepiece(sentences: Iterable[str],
                         config: SentencePieceConfig = SentencePieceConfig()
                         ) -> bytes:
-  """Trains a SentencePiece model with the id layout of this module.
+  """The serialized ``ModelProto`` trained on non-blank ``sentences``.
 
-  Args:
-    sentences: training sentences (str); blank ones are skipped.
-    config: training options (see :class:`SentencePieceConfig`).
-
-  Returns:
-    The serialized ``ModelProto`` (bytes), loadable with
-    :class:`SubwordTokenizer` or ``spm.SentencePieceProcessor(model_proto=)``.
-    The same sentences and config give the same bytes.
+  Deterministic (seeded, one thread); this module's id layout.
 
   Raises:
-    ValueError: a bad config value; no non-blank sentence; or a
-      ``vocab_size`` larger than the corpus supports (the message names the
-      requested size and SentencePiece's limit).
+    ValueError: a bad config; no non-blank sentence; or a ``vocab_size`` the
+      corpus cannot support (naming SentencePiece's limit).
   """
   config.validate()
   non_blank = (s for s in sentences if s and not s.isspace())
@@ -217,21 +152,13 @@ class SubwordTokenizer:
 
   Attributes:
     num_ids: the model's output size (= the SentencePiece vocab size).
-    vocab_size: sub-word pieces without the 4 special ids (num_ids - 4).
+    vocab_size: pieces without the 4 special ids (num_ids - 4).
     oov_id: UNK's id, 3.
     model_proto: the serialized model.
   """
 
   def __init__(self, model_proto: bytes):
-    """Loads a model and checks its special ids.
-
-    Args:
-      model_proto: a serialized SentencePiece ``ModelProto``.
-
-    Raises:
-      ValueError: the proto does not load, or its PAD/BOS/EOS/UNK ids are not
-        0/1/2/3 (e.g. a model trained with SentencePiece's default ids).
-    """
+    """Raises ValueError: not a model, or PAD/BOS/EOS/UNK ids not 0/1/2/3."""
     self._sp = spm.SentencePieceProcessor()
     try:
       self._sp.LoadFromSerializedProto(model_proto)
@@ -262,18 +189,10 @@ class SubwordTokenizer:
 
   def encode(self, texts: Sequence[bytes | str],
              max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes a batch of texts.
+    """Encodes [B] texts as (x, y), int32 [B, L] each (L = max_length).
 
-    Args:
-      texts: [B] bytes or str.
-      max_length: L >= 1.
-
-    Returns:
-      (x, y), int32 [B, L] each: ``x = ([BOS] + ids)[:L]``, ``y = (ids +
-      [EOS])[:L]``, right-padded with PAD (0).
-
-    Raises:
-      ValueError: max_length < 1.
+    ``x = ([BOS] + ids)[:L]``, ``y = (ids + [EOS])[:L]``, padded with PAD 0.
+    Raises ValueError if max_length < 1.
     """
     if max_length < 1:
       raise ValueError(f'max_length must be >= 1, got {max_length}.')
@@ -290,10 +209,7 @@ class SubwordTokenizer:
   def as_preprocess_batch(
       self, feature: str,
       max_length: int) -> Callable[[Examples], dict[str, np.ndarray]]:
-    """A ``FederatedData.preprocess_batch`` function.
-
-    Maps ``{feature: [B] bytes, optional 'domain_id'}`` to ``{'x', 'y'}``
-    int32 [B, L] (plus 'domain_id' if present).
+    """``preprocess_batch``: {feature, 'domain_id'?} -> {'x', 'y', ...}.
 
     Raises:
       ValueError: max_length < 1.
@@ -313,15 +229,9 @@ class SubwordTokenizer:
 
 def split_sentences(fd: fedjax.FederatedData, feature: str,
                     split_lines: bool) -> Iterator[str]:
-  """Training sentences of a raw split, client by client in FedJAX order.
+  """Normalized non-blank sentences of a raw split's bytes ``feature``.
 
-  Args:
-    fd: raw federated data with a bytes feature.
-    feature: the text feature ('snippets', 'tokens').
-    split_lines: yield each line of an example separately.
-
-  Yields:
-    Normalized, non-blank strings.
+  With ``split_lines`` each line of an example is a sentence.
   """
   for _, cds in fd.clients():
     for text in cds.all_examples()[feature]:
@@ -341,22 +251,11 @@ def cached_sentencepiece_model(
     config: SentencePieceConfig = SentencePieceConfig(),
     cache_directory: str | os.PathLike[str] | None = None
 ) -> tuple[bytes, str]:
-  """:func:`train_sentencepiece`, cached as a ``.model`` file.
+  """:func:`train_sentencepiece`, cached; returns (proto, ``.model`` path).
 
-  Args:
-    sentences: called only on a cache miss; returns the training sentences.
-    name: file-name prefix, e.g. 'shakespeare_train'.
-    source_paths: the files the sentences come from (their identity keys the
-      cache, :func:`fedlite_jax.datasets.cache.fingerprint`).
-    derivation: how the sentences are made (part of the key).
-    config: training options (part of the key).
-    cache_directory: see :func:`fedlite_jax.datasets.cache.cache_dir`.
-
-  Returns:
-    (model proto bytes, path of the cached ``.model`` file).
-
-  Raises:
-    ValueError: as :func:`train_sentencepiece`.
+  ``sentences()`` is called only on a cache miss. The cache key covers
+  ``source_paths`` (the files the sentences come from), ``derivation`` (how
+  they are made) and ``config``; ``name`` is the file-name prefix.
   """
   config.validate()
   key = cache.fingerprint(list(source_paths), derivation, config.cache_key(),
@@ -388,21 +287,17 @@ def _check_length(sequence_length: int) -> None:
 class SentencePieceTask:
   """Next-sub-word prediction on one text dataset; call it to load the data.
 
-  A call trains a SentencePiece model on the training split's ``feature``
-  (once; then :func:`cached_sentencepiece_model` reuses it) and encodes the
-  train and test splits with :class:`SubwordTokenizer`, one example per
-  snippet / post (its first L tokens).
+  Trains (once, cached) a model on the training split's ``feature``; one
+  example per snippet / post (its first L tokens).
 
   Attributes:
     task: the ``DatasetInfo.task`` name, e.g. 'shakespeare_sp'.
-    source: the dataset (:class:`fedlite_jax.datasets.sources.DatasetSource`).
+    source: the dataset.
     feature: the raw text feature ('snippets', 'tokens').
     split_lines: train on each line of an example separately.
     model_name: file-name prefix of the cached ``.model`` file.
     derivation: how the training sentences are made (part of the cache key).
-    client: ``preprocess_client`` function applied before encoding (e.g.
-      FedJAX's ``stackoverflow.preprocess_client``, which adds
-      ``domain_id``), or None.
+    client: ``preprocess_client`` applied before encoding, or None.
     describe: (config, sequence_length) -> ``DatasetInfo.derived``.
   """
   task: str
@@ -423,25 +318,15 @@ class SentencePieceTask:
       allow_download: bool = False,
       cache_dir: str | os.PathLike[str] | None = None
   ) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
-    """Loads the task (a download, if allowed, fetches only the dataset).
-
-    Args:
-      sequence_length: L (default 30, Ro et al. App. A).
-      config: SentencePiece options (default: 4,096 ids, unigram, seed 0).
-      data_dir, allow_download, cache_dir: as for
-        :func:`fedlite_jax.datasets.load_federated_data` (the cache also
-        holds the SentencePiece model).
+    """Loads the task; L = ``sequence_length`` (default 30, Ro et al. App. A).
 
     Returns:
       (train, test, info). Batches: ``x``, ``y`` int32 [B, L] in
-      [0, config.vocab_size), plus what ``client`` adds (``domain_id`` int32
-      [B] for StackOverflow); ``info.num_classes = config.vocab_size``,
-      ``info.oov_id = 3``, ``info.vocab_size = config.vocab_size - 4``.
+      [0, config.vocab_size), plus ``domain_id`` int32 [B] for StackOverflow.
 
     Raises:
       DatasetNotFoundError: no files of the dataset found.
-      ValueError: a bad sequence_length or config, or a vocab_size the
-        training split cannot support.
+      ValueError: a bad argument, or a vocab_size the corpus cannot support.
     """
     _check_length(sequence_length)
     config.validate()
@@ -471,8 +356,7 @@ load_shakespeare_sp = SentencePieceTask(
         f'{c.vocab_size} ids trained on the training snippets (seed '
         f'{c.seed}); one example per snippet, first {length} tokens'))
 
-# Ro et al. 2022, Sec. 3; the trainer keeps config.input_sentence_size posts
-# (seeded reservoir sample).
+# Ro et al. 2022, Sec. 3.
 load_stackoverflow_sp = SentencePieceTask(
     'stackoverflow_sp', stackoverflow.STACKOVERFLOW, 'tokens', False,
     'stackoverflow_train', "raw 'tokens', one post per sentence",
@@ -497,19 +381,10 @@ def load_sentencepiece_data(
     allow_download: bool = False,
     cache_dir: str | os.PathLike[str] | None = None
 ) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
-  """``tokenizer='sentencepiece'`` version of a text task.
+  """``tokenizer='sentencepiece'`` version of a text task (a key of SP_TASKS).
 
-  Args:
-    task: 'shakespeare' or 'stackoverflow_nwp'.
-    data_dir, sequence_length, allow_download, cache_dir: as the loaders.
-    vocab_size: SentencePiece ids including the 4 special ones.
-    seed: SentencePiece's training seed.
-
-  Returns:
-    (train, test, info).
-
-  Raises:
-    ValueError: an unknown task (naming the allowed ones) or a bad argument.
+  ``vocab_size`` counts the 4 special ids; ``seed`` seeds the training; the
+  rest as :class:`SentencePieceTask`. Raises ValueError for an unknown task.
   """
   if task not in SP_TASKS:
     raise ValueError(f'tokenizer=sentencepiece supports tasks '
@@ -521,11 +396,6 @@ def load_sentencepiece_data(
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> SubwordTokenizer:
-  """A :class:`SubwordTokenizer` from a ``.model`` file (e.g. the cache's).
-
-  Raises:
-    FileNotFoundError: no such file.
-    ValueError: not a suitable model.
-  """
+  """A :class:`SubwordTokenizer` from a ``.model`` file (e.g. the cache's)."""
   with open(path, 'rb') as f:
     return SubwordTokenizer(f.read())

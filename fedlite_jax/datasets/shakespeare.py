@@ -1,26 +1,9 @@
 """Federated Shakespeare: raw snippets, and word-level next-word prediction.
 
-Sources (search order in :mod:`fedlite_jax.datasets.locate`): FedJAX SQLite
-``shakespeare_{train,test}.sqlite``, TFF SQLite ``shakespeare.sqlite``
-(splits 'train', 'test'), TFF legacy HDF5 ``shakespeare_{train,test}.h5``.
-One client = one speaking role in one play (715 clients; 16,068 train /
-2,356 test snippets). Raw feature: ``snippets``, an object array of bytes.
-
-Word-level next-word prediction (so Shakespeare can stand in for
-StackOverflow) goes through exactly the StackOverflow word pipeline
-(:class:`~fedlite_jax.datasets.word_pipeline.WordTokenizer`). Each snippet is
-first turned into StackOverflow-style ``tokens`` by :func:`words_from_text`,
-which follows the preprocessing TFF documents for StackOverflow (lowercase;
-punctuation as separate tokens except apostrophes and hyphens inside words;
-whitespace, including newlines, collapsed):
-
-  b"Is 'old dog' my reward? Most true,"
-  -> b"is ' old dog ' my reward ? most true ,"
-
-One snippet is one example, like one StackOverflow post, so x / y hold its
-first ``sequence_length`` words (FedJAX's character-level Shakespeare, by
-contrast, concatenates a client's snippets; use ``fedjax.datasets.shakespeare``
-preprocessing on :func:`load_snippets` for that).
+Files: FedJAX ``shakespeare_{train,test}.sqlite``, TFF ``shakespeare.sqlite``
+or TFF ``shakespeare_{train,test}.h5``. One client = one role in one play
+(715 clients). Next-word prediction tokenizes each snippet StackOverflow-style
+(:func:`words_from_text`) and reuses the StackOverflow word pipeline.
 """
 
 from __future__ import annotations
@@ -55,14 +38,10 @@ SHAKESPEARE = sources.DatasetSource(
 
 
 def words_from_text(text: bytes) -> bytes:
-  """StackOverflow-style space-separated tokens of a snippet.
+  """StackOverflow-style tokens of a UTF-8 snippet, as TFF documents them.
 
-  Args:
-    text: UTF-8 bytes (invalid bytes become U+FFFD).
-
-  Returns:
-    Lowercased tokens joined by single spaces, as UTF-8 bytes (b'' for a
-    snippet without tokens); see the module docstring.
+  Lowercased; punctuation is a token of its own except apostrophes and
+  hyphens inside words; joined by single spaces (bad UTF-8 -> U+FFFD).
   """
   words = _WORD_RE.findall(text.decode('utf-8', errors='replace').lower())
   return ' '.join(words).encode('utf-8')
@@ -86,14 +65,11 @@ def load_snippets(data_dir: str | os.PathLike[str] | None = None,
                              sources.Opened]:
   """Loads the raw snippets, like ``fedjax.datasets.shakespeare.load_split``.
 
-  Args:
-    data_dir: explicit data directory (see :mod:`locate`).
-    allow_download: let FedJAX download its copy if nothing is found locally.
-    cache_dir: cache for TFF-format conversions (see :mod:`cache`).
+  Arguments as for :func:`fedlite_jax.datasets.load_federated_data`.
 
   Returns:
-    (train, test, opened): client datasets have ``snippets``, [N] object array
-    of bytes; ``opened`` says which files were read.
+    (train, test, opened): clients have ``snippets``, [N] object array of
+    bytes; ``opened`` says which files were read.
 
   Raises:
     DatasetNotFoundError: no files found and no download allowed / possible.
@@ -104,7 +80,7 @@ def load_snippets(data_dir: str | os.PathLike[str] | None = None,
   return opened.splits['train'], opened.splits['test'], opened
 
 
-# Word-level next-word prediction (see the module docstring).
+# Word-level next-word prediction: one snippet = one example (first L words).
 load_word_data = word_pipeline.NextWordTask(
     'shakespeare', SHAKESPEARE, snippets_to_tokens, 'shakespeare_train_words',
     TOKENIZER_VERSION,

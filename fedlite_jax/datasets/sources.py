@@ -1,26 +1,9 @@
 """Opens a dataset's raw splits from whichever supported source is present.
 
-One entry point, :func:`open_splits`, turns "dataset X, splits (train, test)"
-into raw (unpreprocessed) ``fedjax.FederatedData`` with FedJAX's feature
-schema, whatever the on-disk format:
-
-* FedJAX SQLite: opened directly with ``fedjax.SQLiteFederatedData.new``.
-* TFF SQLite and TFF legacy HDF5: converted once, streaming one client at a
-  time, into a FedJAX-format SQLite file in the cache directory
-  (:mod:`fedlite_jax.datasets.cache`), which is then opened with
-  ``fedjax.SQLiteFederatedData.new``. Why convert rather than hold in memory:
-  StackOverflow is 135.8M examples (and full EMNIST ~2 GB of float32 pixels),
-  far beyond memory, and FedJAX's SQLite format gives cheap random access per
-  client; using one path for all sizes keeps small and huge data on the same,
-  tested code. The conversion is a one-time cost (seconds for Shakespeare,
-  hours for StackOverflow) logged with absl.
-* Nothing found: if ``allow_download`` and the download host is reachable,
-  FedJAX's own ``load_split`` (``fedjax.datasets.downloads.maybe_download``
-  into the explicit ``data_dir``, else ``~/.cache/fedjax``); otherwise
-  :class:`DatasetNotFoundError`.
-* A file that is there but corrupt, truncated, or of another format or
-  schema: :class:`~fedlite_jax.datasets.errors.DatasetFormatError`, one line
-  naming the file.
+FedJAX SQLite is opened directly; TFF SQLite / HDF5 are converted once,
+streaming, into cached FedJAX SQLite; else, only if allowed and reachable,
+FedJAX downloads its copy. Bad files raise
+:class:`~fedlite_jax.datasets.errors.DatasetFormatError` naming the file.
 """
 
 from __future__ import annotations
@@ -49,22 +32,13 @@ DOWNLOAD_HOST = 'storage.googleapis.com'
 # Bump when the conversion's output changes, to invalidate old cache files.
 _CONVERSION_VERSION = 'v1'
 
-# Called as ``download(split, cache_dir=directory)``, like FedJAX's
-# ``load_split`` functions.
 Downloader = Callable[..., fedjax.FederatedData]
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSource:
-  """Everything needed to find and open one dataset.
-
-  Attributes:
-    files: expected file names per format (:class:`locate.DatasetFiles`).
-    specs: the raw features, in FedJAX's schema.
-    download: FedJAX's own ``load_split`` (hence
-      ``downloads.maybe_download``), called as ``download(split,
-      cache_dir=directory)``; None if FedJAX has no copy to download.
-  """
+  """A dataset's file names, raw features (FedJAX's schema), and FedJAX's
+  ``load_split(split, cache_dir=...)`` to download it (None: no copy)."""
   files: locate.DatasetFiles
   specs: Mapping[str, schema.FeatureSpec]
   download: Downloader | None = None
@@ -78,8 +52,7 @@ class Opened:
     splits: split -> raw ``fedjax.FederatedData`` (FedJAX feature schema).
     format: one of ``locate.FORMATS`` or ``FEDJAX_DOWNLOAD``.
     paths: split -> the source file read.
-    cached: cache files this load reads (split -> converted FedJAX SQLite
-      file for TFF formats; loaders may add derived files); else empty.
+    cached: cache files read (split -> converted TFF file; derived files).
     origin: why the source's directory was searched, e.g. 'data_dir argument'.
   """
   splits: Mapping[str, fedjax.FederatedData]
@@ -89,18 +62,14 @@ class Opened:
   origin: str
 
   def read_path(self, split: str) -> str:
-    """The file ``split`` is read from: its converted cache file, else its
-    source file (what keys caches derived from the split)."""
+    """The file ``split`` is read from (converted cache file, else source)."""
     return self.cached.get(split) or self.paths[split]
 
   def dataset_info(self, train: fedjax.FederatedData,
                    test: fedjax.FederatedData, cached: Sequence[str] = (),
                    **fields) -> info_lib.DatasetInfo:
-    """The :class:`~fedlite_jax.datasets.info.DatasetInfo` of a task loaded
-    from these splits: the task's own ``fields`` (task, num_classes, ...),
-    client counts of ``train`` and ``test``, and format, source directory,
-    files and cached files from this object plus ``cached`` (token counts,
-    models)."""
+    """The ``DatasetInfo``: the task's ``fields``, client counts, format,
+    files, and cache files (plus ``cached``: token counts, models)."""
     files = tuple(dict.fromkeys(self.paths[s] for s in ('train', 'test')))
     return info_lib.DatasetInfo(
         num_train_clients=train.num_clients(),
@@ -111,8 +80,8 @@ class Opened:
   def preprocess(self, batch: Callable[..., dict],
                  client: Callable[..., dict] | None = None
                  ) -> tuple[fedjax.FederatedData, fedjax.FederatedData]:
-    """(train, test): ``preprocess_client(client)`` (if given), then
-    ``preprocess_batch(batch)``, on the train and test splits."""
+    """(train, test), each ``preprocess_client``-ed (if given) and
+    ``preprocess_batch``-ed."""
     train, test = (self.splits[s] if client is None else
                    self.splits[s].preprocess_client(client)
                    for s in ('train', 'test'))
@@ -135,18 +104,10 @@ _FEDJAX_COLUMNS = ('client_id', 'data', 'num_examples')
 def check_fedjax_sqlite(path: str,
                         specs: Mapping[str, schema.FeatureSpec] | None = None
                         ) -> None:
-  """Checks that ``path`` is a FedJAX SQLite federated dataset.
+  """Checks cheaply that ``path`` is a FedJAX SQLite federated dataset.
 
-  Cheap checks before ``fedjax.SQLiteFederatedData.new``, so a bad file fails
-  here with its name rather than mid-training: the SQLite header
-  (:func:`sqlite_header.check_sqlite_file`), the ``federated_data`` table
-  with FedJAX's columns (client_id, data, num_examples), and the first client's examples
-  (zlib-compressed msgpack, FedJAX's encoding), which must match ``specs``.
-
-  Args:
-    path: the file.
-    specs: the raw features the dataset must have (see :mod:`schema`), or
-      None to skip the feature check.
+  Checks the SQLite header, FedJAX's table and columns, and that the first
+  client decodes and matches ``specs`` (unless None).
 
   Raises:
     DatasetFormatError (a ValueError): naming the file and what is wrong.
@@ -218,18 +179,9 @@ def open_found(source: DatasetSource, found: locate.Found,
                cache_directory: str | None = None) -> Opened:
   """Opens the splits of a located dataset (converting TFF formats once).
 
-  Args:
-    source: the dataset.
-    found: where it is (from :func:`locate.find`).
-    cache_directory: see :func:`cache.cache_dir`.
-
-  Returns:
-    The opened splits.
-
   Raises:
     DatasetNotFoundError: a TFF SQLite file lacks a needed split.
-    DatasetFormatError (a ValueError): a file is corrupt, truncated, or not
-      in the format or schema its name promises (one line naming the file).
+    DatasetFormatError (a ValueError): a file is bad (names the file).
   """
   splits, cached = {}, {}
   for split, path in found.paths.items():
@@ -245,8 +197,7 @@ def open_found(source: DatasetSource, found: locate.Found,
 
 def _download(source: DatasetSource, splits: Sequence[str], message: str,
               target: str) -> Opened:
-  """Downloads with FedJAX's own loader into ``target``, or raises
-  DatasetNotFoundError."""
+  """Downloads with FedJAX's loader into ``target`` or raises not-found."""
   if not network_reachable():
     raise errors.DatasetNotFoundError(
         f'{message}\nDownload: allowed, but {DOWNLOAD_HOST} is not reachable '
@@ -267,11 +218,8 @@ def _download(source: DatasetSource, splits: Sequence[str], message: str,
 
 def not_found_message(source: DatasetSource, splits: Sequence[str],
                       data_dir: str | os.PathLike[str] | None) -> str:
-  """The text of :class:`DatasetNotFoundError` for ``source``.
-
-  The first line says what is missing and, for an explicit ``data_dir``,
-  where; the next lines list the expected files and searched directories.
-  """
+  """The text of :class:`DatasetNotFoundError`: what is missing (and where,
+  for a ``data_dir``), the expected files and the searched directories."""
   where = ''
   if data_dir is not None:
     data_dir = os.fspath(data_dir)
@@ -293,27 +241,20 @@ def open_splits(source: DatasetSource,
                 allow_download: bool = False,
                 cache_directory: str | os.PathLike[str] | None = None,
                 allow_missing: bool = False) -> Opened | None:
-  """Finds and opens a dataset's raw splits; see the module docstring.
+  """Finds and opens ``source``'s raw ``splits``, e.g. ('train', 'test').
 
   Args:
-    source: the dataset.
-    splits: e.g. ('train', 'test').
-    data_dir: explicit data directory: then the only place searched (with
-      its known subfolders), and where a download goes.
-    allow_download: whether FedJAX may download the files when none are found
-      (only if ``source.download`` exists and the host is reachable), into
-      ``data_dir`` if given, else FedJAX's cache ``~/.cache/fedjax``.
+    data_dir: explicit data directory: the only place searched (with its
+      known subfolders), and where a download goes.
+    allow_download: let FedJAX download the files when none are found, into
+      ``data_dir`` if given, else ``~/.cache/fedjax``.
     cache_directory: where converted files go (see :func:`cache.cache_dir`).
-    allow_missing: return None instead of raising when nothing is found and
-      nothing is downloaded (used to try a fallback source).
-
-  Returns:
-    The opened splits (or None, see ``allow_missing``).
+    allow_missing: return None instead of raising or downloading when
+      nothing is found (to try a fallback source).
 
   Raises:
-    DatasetNotFoundError: nothing found (and no download allowed, possible, or
-      successful); the message names the expected files and searched
-      directories.
+    DatasetNotFoundError: nothing found or downloaded; the message names the
+      expected files and searched directories.
     DatasetFormatError (a ValueError): a found file is corrupt, truncated,
       or not in its promised format or schema.
   """

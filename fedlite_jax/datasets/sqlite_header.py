@@ -1,9 +1,7 @@
 """A cheap integrity check of SQLite files (their 100-byte header).
 
-Catches the common bad copies before SQLite reads pages mid-run: an empty or
-random-byte file, another format under an ``.sqlite`` name, and a truncated
-download or copy. Layout: SQLite file format, section 1.3 "The Database
-Header" (https://www.sqlite.org/fileformat.html).
+Source: SQLite file format, section 1.3 "The Database Header"
+(https://www.sqlite.org/fileformat.html).
 """
 
 from __future__ import annotations
@@ -19,14 +17,13 @@ HEADER_BYTES = 100
 def check_sqlite_file(path: str | os.PathLike[str]) -> None:
   """Checks that ``path`` starts like a complete SQLite database.
 
-  Reads the header only: the magic string, the page size (offset 16, 2 bytes
-  big-endian, 1 meaning 65,536) and the page count (offset 28, 4 bytes; valid
-  when the change counter at offset 24 equals the one at offset 92).
+  Reads the magic string, page size (offset 16, 2 bytes big-endian, 1 means
+  65,536) and page count (offset 28, 4 bytes; valid when the change counters
+  at offsets 24 and 92 agree).
 
   Raises:
-    DatasetFormatError (a ValueError): no SQLite header (empty, random bytes
-      or another format), or fewer bytes than the header's pages (truncated).
-      The message names the file.
+    DatasetFormatError (a ValueError): no SQLite header, or fewer bytes than
+      the header's pages (truncated); the message names the file.
     OSError: the file cannot be opened.
   """
   path = os.fspath(path)

@@ -1,27 +1,9 @@
 """Federated StackOverflow: next-word prediction and tag prediction.
 
-Sources (search order in :mod:`fedlite_jax.datasets.locate`): FedJAX SQLite
-``stackoverflow_{train,held_out,test}.sqlite``; TFF SQLite
-``stackoverflow.sqlite`` (splits 'train', 'heldout', 'test'; converted once,
-streaming, into FedJAX-format SQLite in the cache, since the file holds 135.8M
-training examples); TFF legacy HDF5 ``stackoverflow_{train,held_out,test}.h5``.
-
-Raw features (FedJAX ``stackoverflow.load_split``; object arrays of bytes
-unless noted): ``creation_date``, ``score`` (int64), ``tags`` ('|'-separated),
-``title``, ``tokens`` (space-separated), ``type`` (b'question' / b'answer').
-
-Vocabularies come from the TRAINING split (:mod:`fedlite_jax.datasets.vocab`;
-counted once and cached; this pass over the full training split takes a long
-time, logged with absl): words from ``tokens`` split on ' ', tags from
-``tags`` split on '|'. FedJAX's default vocabulary file
-(``gs://gresearch/fedjax/stackoverflow/stackoverflow.word_count``) needs
-TensorFlow's GCS reader, so it is not used; with ``vocab_ranking='clients'``
-the ranking follows TFF's published word counts (users per word).
-
-Next-word prediction (:data:`load_word_prediction`): client preprocessing is
-FedJAX's ``stackoverflow.preprocess_client`` (keeps ``tokens``, adds
-``domain_id`` = 1 for answers); batch preprocessing is
-:class:`~fedlite_jax.datasets.word_pipeline.WordTokenizer`.
+Files: FedJAX ``stackoverflow_{train,held_out,test}.sqlite``, TFF
+``stackoverflow.sqlite`` (splits 'train', 'heldout', 'test') or TFF
+``stackoverflow_{train,held_out,test}.h5``. Vocabularies are counted once on
+the training split and cached (:mod:`fedlite_jax.datasets.vocab`).
 """
 
 from __future__ import annotations
@@ -67,16 +49,11 @@ def load_raw(splits: Sequence[str] = ('train', 'test'),
              allow_download: bool = False,
              cache_dir: str | os.PathLike[str] | None = None
              ) -> sources.Opened:
-  """Opens raw StackOverflow splits (all six features).
+  """Opens raw StackOverflow ``splits`` (a subset of SPLITS).
 
-  Args:
-    splits: a subset of ('train', 'held_out', 'test').
-    data_dir: explicit data directory.
-    allow_download: let FedJAX download its copy if nothing is found locally.
-    cache_dir: cache for TFF-format conversions.
-
-  Returns:
-    The opened splits (``.splits[name]`` is a raw ``fedjax.FederatedData``).
+  Features (object arrays of bytes unless noted): ``creation_date``,
+  ``score`` (int64), ``tags`` ('|'-separated), ``title``, ``tokens``
+  (space-separated), ``type`` (b'question' / b'answer').
 
   Raises:
     ValueError: an unknown split.
@@ -100,7 +77,8 @@ def _train_counts(opened: sources.Opened, feature: str, sep: bytes,
       derivation, cache_dir)
 
 
-# Next-word prediction, as FedJAX's ``as_preprocess_batch``.
+# Next-word prediction, as FedJAX's ``as_preprocess_batch`` (``domain_id`` = 1
+# for answers, from FedJAX's ``preprocess_client``).
 load_word_prediction = word_pipeline.NextWordTask(
     'stackoverflow_nwp', STACKOVERFLOW, fedjax_stackoverflow.preprocess_client,
     'stackoverflow_train_tokens', _WORDS_DERIVATION,
@@ -129,18 +107,16 @@ def load_tag_prediction(
   """StackOverflow tag prediction (TFF's logistic-regression task).
 
   Args:
-    data_dir: explicit data directory.
     word_vocab_size: length of x: the top training words of ``tokens``.
     tag_vocab_size: length of y: the top training tags.
     vocab_ranking: 'occurrences' (default) or 'clients' (TFF's ranking).
-    allow_download: let FedJAX download its copy if nothing is found locally.
-    cache_dir: cache for conversions and token counts.
+    data_dir, allow_download, cache_dir: as for
+      :func:`fedlite_jax.datasets.load_federated_data`.
 
   Returns:
     (train, test, info). Batches: ``x`` float32 [B, word_vocab_size] (word
-    frequencies of tokens + title, summing to <= 1), ``y`` float32
-    [B, tag_vocab_size] (multi-hot tags); see
-    :class:`~fedlite_jax.datasets.word_pipeline.TagPredictionEncoder`.
+    frequencies of tokens + title, sum <= 1), ``y`` float32
+    [B, tag_vocab_size] (multi-hot tags).
 
   Raises:
     DatasetNotFoundError: no files found.

@@ -1,31 +1,9 @@
 """Parses serialized ``tf.train.Example`` protos without TensorFlow.
 
-TFF's SQLite datasets store one serialized ``tf.train.Example`` per row. The
-message is tiny (``tensorflow/core/example/{example,feature}.proto``)::
-
-  message Example  { Features features = 1; }
-  message Features { map<string, Feature> feature = 1; }
-  message Feature  { oneof kind { BytesList bytes_list = 1;
-                                  FloatList float_list = 2;
-                                  Int64List int64_list = 3; } }
-  message BytesList { repeated bytes value = 1; }
-  message FloatList { repeated float value = 1 [packed = true]; }
-  message Int64List { repeated int64 value = 1 [packed = true]; }
-
-This module decodes it straight from the protobuf wire format
-(https://protobuf.dev/programming-guides/encoding/). Why hand-written rather
-than the ``protobuf`` runtime: the runtime needs the message classes, i.e.
-either TensorFlow's generated ``example_pb2`` (TensorFlow must not be needed)
-or a descriptor built at import time; the decoder below is ~150 lines, needs
-no set-up, reads float lists with one ``np.frombuffer`` per batch (~20 us per
-StackOverflow example on one core), and is tested against bytes that
-``protobuf`` itself serialized (``tests/test_datasets_tf_example.py``).
-
-Protobuf semantics followed: packed and unpacked encodings of repeated scalars
-are both accepted; unknown fields (and known fields with an unexpected wire
-type) are skipped; for a repeated ``map`` key the last entry wins; a list
-that occurs twice in one Feature is concatenated (protobuf's merge), a
-different list replaces it (``oneof``); int64 varints are two's complement.
+Source: ``tensorflow/core/example/{example,feature}.proto``, decoded from the
+protobuf wire format (https://protobuf.dev/programming-guides/encoding/) with
+protobuf's merge semantics (packed or unpacked lists, unknown fields skipped,
+last map entry wins).
 """
 
 from __future__ import annotations
@@ -49,8 +27,7 @@ class DecodeError(ValueError):
 
 def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
   """Reads a base-128 varint at ``pos``; returns (value, next position)."""
-  result = 0
-  shift = 0
+  result = shift = 0
   while True:
     if pos >= end:
       raise DecodeError('truncated varint')
@@ -64,10 +41,9 @@ def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
       raise DecodeError('varint longer than 10 bytes')
 
 
-# The decoder below is written for speed in pure Python (converting TFF's
-# StackOverflow means ~150M Examples): single-byte varints, by far the most
-# common, are read inline, and the expected tags of tf.train.Example are
-# compared as whole bytes (field number << 3 | wire type).
+# Written for speed in pure Python (TFF's StackOverflow is ~150M Examples):
+# single-byte varints are read inline, and expected tags are compared as whole
+# keys (field number << 3 | wire type).
 def _key(buf: bytes, pos: int, end: int) -> tuple[int, int]:
   """Reads a field key (tag); returns (key, next position)."""
   byte = buf[pos]
@@ -119,11 +95,7 @@ def _signed64(v: int) -> int:
 
 def _decode_list(buf: bytes, pos: int, end: int, kind: int,
                  values: list) -> None:
-  """Appends the values of a BytesList / FloatList / Int64List to values.
-
-  Raw values: bytes_list -> bytes; float_list -> little-endian float32 byte
-  strings (concatenate, then ``np.frombuffer``); int64_list -> Python ints.
-  """
+  """Appends a Bytes/Float/Int64List's raw values (bytes, '<f4' bytes, int)."""
   while pos < end:
     key, pos = _key(buf, pos, end)
     if key == 0x0A:  # value = 1, length-delimited (bytes, or packed).
@@ -209,13 +181,9 @@ def _decode_raw(buf: bytes) -> dict[str, tuple[int, list]]:
 
 
 class Feature(NamedTuple):
-  """One decoded ``tf.train.Feature``.
-
-  Attributes:
-    kind: 'bytes', 'float', 'int64', or '' when no list is set.
-    values: 1-D array: object array of ``bytes`` for 'bytes', float32 for
-      'float', int64 for 'int64'; empty float32 for ''.
-  """
+  """One decoded ``tf.train.Feature``: ``kind`` ('bytes', 'float', 'int64';
+  '' if no list is set) and 1-D ``values`` (object array of ``bytes``,
+  float32, int64; empty float32 for '')."""
   kind: str
   values: np.ndarray
 
@@ -233,13 +201,7 @@ def _to_array(kind: int, raw: list) -> np.ndarray:
 
 
 def decode_example(serialized: bytes) -> dict[str, Feature]:
-  """Decodes one serialized ``tf.train.Example``.
-
-  Args:
-    serialized: the proto's wire-format bytes.
-
-  Returns:
-    Feature name -> :class:`Feature` (kind and 1-D values array).
+  """Decodes one serialized ``tf.train.Example`` into name -> :class:`Feature`.
 
   Raises:
     DecodeError: the bytes are not a valid wire-format message.
@@ -254,17 +216,10 @@ def parse_examples(
     specs: Mapping[str, schema.FeatureSpec]) -> dict[str, np.ndarray]:
   """Parses serialized Examples into stacked arrays (``tf.io.parse_example``).
 
-  Mirrors ``tf.io.parse_example`` with a ``tf.io.FixedLenFeature(shape,
-  dtype)`` (no default) per feature, followed by the cast TFF's loaders apply
-  (e.g. EMNIST's int64 label -> int32).
-
-  Args:
-    serialized: N serialized ``tf.train.Example`` protos.
-    specs: feature name -> spec; features not named here are ignored.
-
-  Returns:
-    Feature name -> array of shape ``[N, *spec.shape]`` and dtype
-    ``spec.dtype`` (bytes features: object arrays of ``bytes``).
+  As ``tf.io.parse_example`` with a ``FixedLenFeature`` (no default) per
+  feature of ``specs`` (others ignored), then the cast TFF's loaders apply
+  (e.g. int64 label -> int32): returns name -> ``[N, *spec.shape]`` array of
+  ``spec.dtype`` for N ``serialized`` protos.
 
   Raises:
     DecodeError: malformed bytes.
@@ -293,22 +248,12 @@ def parse_examples(
                          f'values, expected {size} (shape '
                          f'{specs[name].shape}).')
       column.extend(raw)
-  num = len(serialized)
   out = {}
   for name, kind, _, column in plan:
     spec = specs[name]
-    shape = (num,) + spec.shape
-    if kind == _BYTES_LIST:
-      flat = np.empty(len(column), dtype=object)
-      flat[:] = column
-      out[name] = flat.reshape(shape)
-    elif kind == _FLOAT_LIST:
-      flat = np.frombuffer(b''.join(column), dtype='<f4')
-      out[name] = flat.astype(spec.dtype).reshape(shape)
-    else:
-      flat = np.array(column, dtype=np.int64)
-      converted = flat.astype(spec.dtype)
-      if not np.array_equal(converted, flat):
-        raise ValueError(f'Feature {name!r} has values outside {spec.dtype}.')
-      out[name] = converted.reshape(shape)
+    flat = _to_array(kind, column)
+    converted = flat.astype(spec.dtype, copy=False)
+    if kind == _INT64_LIST and not np.array_equal(converted, flat):
+      raise ValueError(f'Feature {name!r} has values outside {spec.dtype}.')
+    out[name] = converted.reshape((len(serialized),) + spec.shape)
   return out

@@ -1,9 +1,7 @@
 """Reads TFF's legacy HDF5 federated datasets with h5py.
 
-Before its SQLite files, TFF distributed each split as one HDF5 file (e.g.
-``fed_emnist_train.h5``, ``shakespeare_train.h5``, ``stackoverflow_train.h5``)
-laid out as ``/examples/<client_id>/<feature>``, one dataset per feature with
-the examples along the first axis (``tff.simulation.HDF5ClientData``).
+Layout (``tff.simulation.HDF5ClientData``): ``/examples/<client_id>/<feature>``,
+examples along the first axis, one file per split.
 """
 
 from __future__ import annotations
@@ -22,15 +20,8 @@ def iter_clients(
 ) -> Iterator[tuple[bytes, dict[str, np.ndarray]]]:
   """Streams the clients of a TFF HDF5 file, one at a time.
 
-  Args:
-    path: the ``.h5`` file.
-    specs: the features to read; each is checked and converted with
-      :func:`fedlite_jax.datasets.schema.conform` (fixed-length 'S' strings
-      become object arrays of bytes, like FedJAX's files).
-
   Yields:
-    (client id as UTF-8 bytes, examples dict), in the order h5py lists the
-    group's members (sorted by name, as ``HDF5ClientData.client_ids``).
+    (client id as UTF-8 bytes, examples of ``specs``), sorted by client id.
 
   Raises:
     DatasetFormatError (a ValueError): not an HDF5 file, no ``/examples``

@@ -1,19 +1,9 @@
 """Reads TFF's SQLite federated datasets without TensorFlow.
 
-TFF (``tff.simulation.datasets.sql_client_data``) stores a dataset as::
-
-  examples(split_name TEXT, client_id TEXT, serialized_example_proto BLOB)
-  client_metadata(client_id TEXT, split_name TEXT, num_examples INTEGER)
-
-with one serialized ``tf.train.Example`` per row, e.g.
-``~/.tff/emnist_all.sqlite`` (splits 'all_train', 'all_test',
-'digits_only_train', 'digits_only_test'), ``~/.tff/stackoverflow.sqlite`` ('train', 'heldout', 'test') and
-``~/.tff/shakespeare.sqlite`` ('train', 'test').
-
-Clients are read one at a time with FedJAX's own
-``fedjax.core.sqlite_federated_data.TFFSQLiteClientsIterator`` (client ids in
-sorted order, examples in rowid order), and each client's protos are parsed
-with :func:`fedlite_jax.datasets.tf_example.parse_examples`.
+Layout (``tff.simulation.datasets.sql_client_data``): tables
+``examples(split_name, client_id, serialized_example_proto)`` (one
+``tf.train.Example`` per row) and ``client_metadata(client_id, split_name,
+num_examples)``.
 """
 
 from __future__ import annotations
@@ -31,11 +21,10 @@ from fedlite_jax.datasets import tf_example
 
 
 def split_names(path: str) -> list[str]:
-  """The ``split_name`` values present in a TFF SQLite file, sorted.
+  """The sorted ``split_name`` values of a TFF SQLite file.
 
   Raises:
-    DatasetFormatError (a ValueError): the file is not a TFF SQLite dataset
-      (not an SQLite database, truncated, or no ``client_metadata`` table).
+    DatasetFormatError (a ValueError): not a TFF SQLite dataset.
   """
   sqlite_header.check_sqlite_file(path)
   try:
@@ -55,16 +44,11 @@ def split_names(path: str) -> list[str]:
 def iter_clients(
     path: str, split_name: str, specs: Mapping[str, schema.FeatureSpec]
 ) -> Iterator[tuple[bytes, dict[str, np.ndarray]]]:
-  """Streams one split of a TFF SQLite file, one client at a time.
-
-  Args:
-    path: the TFF SQLite file.
-    split_name: TFF's split name inside the file (e.g. 'all_train').
-    specs: the features to parse (see :mod:`fedlite_jax.datasets.schema`).
+  """Streams TFF split ``split_name`` (e.g. 'all_train') of ``path``.
 
   Yields:
-    (client id as UTF-8 bytes, FedJAX's convention; examples dict with the
-    features of ``specs``, arrays ``[N, *shape]``).
+    (client id as UTF-8 bytes, examples of ``specs``), one client at a time,
+    sorted by id, examples in rowid order (``TFFSQLiteClientsIterator``).
 
   Raises:
     DatasetNotFoundError: the file has no split ``split_name``.

@@ -1,17 +1,8 @@
 """Token counts of a training split, and vocabularies taken from them.
 
-The word vocabulary of a task is the ``vocab_size`` most frequent tokens of
-the TRAINING split, ties broken by the token's bytes in ascending order (so
-the vocabulary is a deterministic function of the data). Counts are computed
-once by streaming the split client by client, and cached as msgpack in the
-cache directory (:mod:`fedlite_jax.datasets.cache`) under a name that
-fingerprints the source files and the tokenization.
-
-Two counts are kept per token: occurrences (the default ranking, "token
-counts") and the number of clients using the token at least once, which is
-how TFF's published ``stackoverflow.word_count`` / ``tag_count`` files rank
-(``tff.simulation.datasets.stackoverflow.load_word_counts``: "counts of unique
-users"). Pass ``by='clients'`` to rank like TFF.
+A vocabulary is the top tokens of the TRAINING split by occurrences or by
+clients using them (TFF's ``stackoverflow.load_word_counts`` ranking), ties
+by bytes ascending; counts are cached as msgpack.
 """
 
 from __future__ import annotations
@@ -41,8 +32,8 @@ def check_ranking(by: str) -> None:
 
 
 def check_options(vocab_ranking: str, **sizes: int) -> None:
-  """Raises ValueError unless every one of ``sizes`` (name=value) is >= 1
-  and ``vocab_ranking`` is one of RANKINGS."""
+  """Raises ValueError unless all ``sizes`` (name=value) are >= 1 and
+  ``vocab_ranking`` is one of RANKINGS."""
   if min(sizes.values()) < 1:
     raise ValueError(f'{" and ".join(sizes)} must be >= 1, got '
                      f'{", ".join(str(v) for v in sizes.values())}.')
@@ -67,11 +58,7 @@ class TokenCounts:
   num_examples: int
 
   def top(self, k: int, by: str = 'occurrences') -> list[bytes]:
-    """The ``k`` highest-ranked tokens (fewer if there are fewer).
-
-    Args:
-      k: >= 1.
-      by: 'occurrences' or 'clients'; ties broken by token bytes, ascending.
+    """The ``k`` >= 1 highest-ranked tokens ``by`` one of RANKINGS.
 
     Raises:
       ValueError: k < 1 or an unknown ranking.
@@ -88,22 +75,11 @@ class TokenCounts:
 
 def count_tokens(fd: fedjax.FederatedData, feature: str,
                  sep: bytes | None) -> TokenCounts:
-  """Counts the tokens of one bytes feature over every client of ``fd``.
+  """Counts the tokens of bytes ``feature`` over every client of ``fd``.
 
-  Args:
-    fd: federated data; its client preprocessing is applied (batch
-      preprocessing is not), so ``feature`` may be made by a
-      ``preprocess_client`` step.
-    feature: an object array of bytes per client, e.g. 'tokens' or 'tags'.
-    sep: separator, as ``bytes.split(sep)`` (which is what
-      ``tf.strings.split(sep=...)`` does: ``sep`` given -> empty tokens kept;
-      None -> runs of whitespace, no empty tokens).
-
-  Returns:
-    The counts.
-
-  Raises:
-    KeyError: a client lacks ``feature``.
+  Client preprocessing is applied, batch preprocessing is not. ``sep``: as
+  ``bytes.split`` (= ``tf.strings.split``; None: runs of whitespace).
+  Raises KeyError if a client lacks ``feature``.
   """
   occurrences = collections.Counter()
   clients = collections.Counter()
@@ -134,16 +110,12 @@ def count_tokens(fd: fedjax.FederatedData, feature: str,
 
 
 def save(counts: TokenCounts, path: str) -> None:
-  """Writes counts as msgpack, atomically (bytes tokens stored exactly)."""
-  payload = {
-      'format': _FORMAT,
-      'version': _VERSION,
-      'tokens': list(counts.tokens),
-      'occurrences': counts.occurrences.tolist(),
-      'clients': counts.clients.tolist(),
-      'num_clients': counts.num_clients,
-      'num_examples': counts.num_examples,
-  }
+  """Writes counts as msgpack, atomically."""
+  payload = dict(format=_FORMAT, version=_VERSION, tokens=list(counts.tokens),
+                 occurrences=counts.occurrences.tolist(),
+                 clients=counts.clients.tolist(),
+                 num_clients=counts.num_clients,
+                 num_examples=counts.num_examples)
   tmp = cache.atomic_path(path)
   with open(tmp, 'wb') as f:
     f.write(msgpack.packb(payload, use_bin_type=True))
@@ -177,18 +149,14 @@ def cached_token_counts(fd: fedjax.FederatedData,
                         derivation: str,
                         cache_directory: str | os.PathLike[str] | None = None
                         ) -> tuple[TokenCounts, str]:
-  """:func:`count_tokens`, cached on disk.
+  """:func:`count_tokens`, cached on disk; returns (counts, cache file path).
 
   Args:
     fd, feature, sep: as for :func:`count_tokens`.
     name: prefix of the cache file name, e.g. 'stackoverflow_train_tokens'.
-    source_paths: the files ``fd`` reads; their identity keys the cache.
-    derivation: names how ``feature`` is made (tokenizer version), also part
-      of the key.
+    source_paths: the files ``fd`` reads (key the cache).
+    derivation: how ``feature`` is made (part of the key).
     cache_directory: see :func:`cache.cache_dir`.
-
-  Returns:
-    (counts, path of the cache file).
   """
   key = cache.fingerprint(list(source_paths), feature, repr(sep), derivation,
                           f'v{_VERSION}')

@@ -1,25 +1,8 @@
 """Word-level preprocessing in numpy (no TensorFlow).
 
-Next-word prediction mirrors FedJAX's TensorFlow tokenizer
-(``fedjax.datasets.stackoverflow.DefaultWordTokenizer.as_preprocess_batch``)
-with one OOV bucket:
-
-* ids: PAD 0, BOS 1, EOS 2, vocabulary word ``i`` -> ``i + 3``, every other
-  word -> OOV ``vocab_size + 3``; the output space has ``vocab_size + 4`` ids;
-* a post's ``tokens`` are split on single spaces (``tf.strings.split(sep=' ')``
-  semantics, which are Python's ``bytes.split(b' ')``: consecutive spaces make
-  empty words, which are OOV unless in the vocabulary);
-* ``ids = [BOS] + words + [EOS]``, ``x = ids[:-1]``, ``y = ids[1:]``, each cut
-  to ``max_length`` and right-padded with PAD.
-
-:class:`NextWordTask` loads a dataset's next-word prediction this way
-(Shakespeare's and StackOverflow's loaders are instances).
-
-Tag prediction mirrors TFF's ``tag_prediction_preprocessing.build_to_ids_fn``
-(the StackOverflow logistic-regression baseline): words of ``tokens + ' ' +
-title`` split on whitespace; ``x[j]`` = (occurrences of vocabulary word j) /
-(number of words, OOV included); tags split on '|'; ``y[j]`` = occurrences of
-vocabulary tag j (a multi-hot vector for the usual distinct tags).
+Next-word prediction as FedJAX's ``stackoverflow.DefaultWordTokenizer`` (one
+OOV bucket); tag prediction as TFF's ``tag_prediction_preprocessing``
+(StackOverflow logistic regression).
 """
 
 from __future__ import annotations
@@ -58,27 +41,22 @@ def _lookup_table(vocab: Sequence[bytes | str],
 class WordTokenizer:
   """Maps space-separated ``tokens`` to FedJAX's next-word-prediction ids.
 
+  Ids: PAD 0, BOS 1, EOS 2, ``vocab[i]`` -> ``i + 3``, other words (empty
+  ones too: split on single spaces, as ``tf.strings.split(sep=' ')``) OOV.
+
   Attributes:
-    vocab_size: number of vocabulary slots (ids 3 .. vocab_size + 2).
+    vocab_size: vocabulary slots (ids 3 .. vocab_size + 2), >= len(vocab)
+      (default len(vocab)); more keep the OOV id for a small corpus.
     oov_id: ``vocab_size + 3``.
     num_ids: ``vocab_size + 4`` (the model's output size).
+
+  Raises:
+    ValueError: duplicate words, or vocab_size < len(vocab).
   """
 
   def __init__(self, vocab: Sequence[bytes | str],
                vocab_size: int | None = None):
-    """Initializes the tokenizer.
-
-    Args:
-      vocab: in-vocabulary words, most frequent first, WITHOUT special tokens;
-        word ``vocab[i]`` gets id ``i + 3``. ``str`` entries are UTF-8 encoded.
-      vocab_size: number of vocabulary slots, >= len(vocab) (default
-        len(vocab)). Larger keeps FedJAX's id layout for a requested size when
-        the corpus has fewer distinct words: the OOV id stays
-        ``vocab_size + 3`` and the unused word ids never occur.
-
-    Raises:
-      ValueError: duplicate words, or vocab_size < len(vocab).
-    """
+    """``vocab``: words (``str`` UTF-8 encoded), without special tokens."""
     self._table = _lookup_table(vocab, info_lib.NUM_RESERVED)
     self.vocab_size = len(vocab) if vocab_size is None else int(vocab_size)
     if self.vocab_size < len(vocab):
@@ -89,26 +67,17 @@ class WordTokenizer:
 
   def word_ids(self, tokens: bytes, max_words: int | None = None) -> list[int]:
     """Ids of the first ``max_words`` space-separated words (all if None)."""
-    if max_words is None:
-      words = tokens.split(b' ')
-    else:
-      words = tokens.split(b' ', max_words)[:max_words]
+    words = (tokens.split(b' ') if max_words is None else
+             tokens.split(b' ', max_words)[:max_words])
     get, oov = self._table.get, self.oov_id
     return [get(w, oov) for w in words]
 
   def encode(self, tokens: np.ndarray,
              max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes a batch of posts.
+    """Encodes [B] posts as (x, y), int32 [B, L] each (L = max_length).
 
-    Args:
-      tokens: [B] array (or sequence) of bytes, space-separated words.
-      max_length: L >= 1, the length of x and y.
-
-    Returns:
-      (x, y), int32 [B, L] each; see the module docstring.
-
-    Raises:
-      ValueError: max_length < 1.
+    ``x = ([BOS] + ids)[:L]``, ``y = (ids + [EOS])[:L]``, padded with PAD 0.
+    Raises ValueError if max_length < 1.
     """
     if max_length < 1:
       raise ValueError(f'max_length must be >= 1, got {max_length}.')
@@ -124,11 +93,7 @@ class WordTokenizer:
     return x, y
 
   def as_preprocess_batch(self, max_length: int) -> BatchPreprocessor:
-    """A ``FederatedData.preprocess_batch`` function, as FedJAX's.
-
-    The returned function maps {'tokens': [B] bytes, optional 'domain_id'}
-    to {'x': int32 [B, L], 'y': int32 [B, L]} plus 'domain_id' if present.
-    """
+    """``preprocess_batch``: {'tokens', 'domain_id'?} -> {'x', 'y', ...}."""
     if max_length < 1:
       raise ValueError(f'max_length must be >= 1, got {max_length}.')
 
@@ -145,25 +110,20 @@ class WordTokenizer:
 class TagPredictionEncoder:
   """Bag-of-words inputs and tag targets (TFF's StackOverflow LR task).
 
+  Word ``i`` of ``word_vocab`` is ``x[..., i]``, tag ``j`` of ``tag_vocab``
+  is ``y[..., j]``.
+
   Attributes:
-    num_words: length of ``x`` (word vocabulary slots).
-    num_tags: length of ``y`` (tag vocabulary slots).
+    num_words: length of ``x``, >= len(word_vocab) (default: equal).
+    num_tags: length of ``y``, >= len(tag_vocab) (default: equal).
+
+  Raises:
+    ValueError: duplicates, or a size smaller than its vocabulary.
   """
 
   def __init__(self, word_vocab: Sequence[bytes | str],
                tag_vocab: Sequence[bytes | str],
                num_words: int | None = None, num_tags: int | None = None):
-    """Initializes the encoder.
-
-    Args:
-      word_vocab: vocabulary words; word ``i`` is ``x[..., i]``.
-      tag_vocab: vocabulary tags; tag ``j`` is ``y[..., j]``.
-      num_words: x length, >= len(word_vocab) (default len(word_vocab)).
-      num_tags: y length, >= len(tag_vocab) (default len(tag_vocab)).
-
-    Raises:
-      ValueError: duplicates, or a size smaller than its vocabulary.
-    """
     self._words = _lookup_table(word_vocab, 0)
     self._tags = _lookup_table(tag_vocab, 0)
     self.num_words = len(word_vocab) if num_words is None else int(num_words)
@@ -175,18 +135,12 @@ class TagPredictionEncoder:
 
   def encode(self, tokens: np.ndarray, titles: np.ndarray,
              tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes a batch.
-
-    Args:
-      tokens: [B] bytes, the post body's space-separated tokens.
-      titles: [B] bytes, the question titles.
-      tags: [B] bytes, '|'-separated tags.
+    """Encodes a batch of [B] bytes: tokens, titles, '|'-separated tags.
 
     Returns:
-      x float32 [B, num_words]: word counts / number of words in
-        ``tokens + b' ' + title`` split on whitespace (OOV words count in the
-        denominator only; a post with no words gives zeros, where TF's
-        ``reduce_mean`` would give NaN);
+      x float32 [B, num_words]: word counts / number of words (OOV
+        included) of ``tokens + b' ' + title`` split on whitespace; zeros
+        for no words (TF's ``reduce_mean`` would give NaN);
       y float32 [B, num_tags]: vocabulary tag counts (OOV tags dropped).
     """
     num = len(tokens)
@@ -220,18 +174,14 @@ class TagPredictionEncoder:
 class NextWordTask:
   """Word-level next-word prediction on one dataset; call it to load the data.
 
-  A call opens the dataset's train and test splits, gives every client a
-  ``tokens`` feature with ``to_tokens``, takes the top training words (counted
-  once over ``tokens`` split on b' ' and cached,
-  :func:`fedlite_jax.datasets.vocab.cached_token_counts`) and encodes both
-  splits with :class:`WordTokenizer`.
+  The vocabulary is the top training words (counted once, cached) of the
+  ``tokens`` made by ``to_tokens``.
 
   Attributes:
     task: the ``DatasetInfo.task`` name.
-    source: the dataset (:class:`fedlite_jax.datasets.sources.DatasetSource`).
-    to_tokens: ``preprocess_client`` function giving clients ``tokens`` ([N]
-      space-separated bytes), e.g. FedJAX's ``stackoverflow.preprocess_client``
-      (which also adds ``domain_id``).
+    source: the dataset.
+    to_tokens: ``preprocess_client`` giving clients ``tokens`` ([N]
+      space-separated bytes).
     counts_name: file-name prefix of the cached word counts.
     derivation: how ``tokens`` is made (part of the counts' cache key).
     describe: (vocab_size, vocab_ranking) -> ``DatasetInfo.derived``.
@@ -253,23 +203,14 @@ class NextWordTask:
       allow_download: bool = False,
       cache_dir: str | os.PathLike[str] | None = None
   ) -> tuple[fedjax.FederatedData, fedjax.FederatedData, info_lib.DatasetInfo]:
-    """Loads the task.
+    """Loads the task (arguments as for ``datasets.load_federated_data``).
 
-    Args:
-      sequence_length: L, length of x and y (default 20, FedJAX's
-        StackOverflow training length; FedJAX evaluates with 30).
-      vocab_size: vocabulary slots (default 10,000): the most frequent
-        training words (ties by bytes) get ids 3 .. vocab_size + 2; OOV =
-        vocab_size + 3; output size vocab_size + 4.
-      vocab_ranking: 'occurrences' (default) or 'clients' (TFF's ranking; see
-        :mod:`fedlite_jax.datasets.vocab`).
-      data_dir, allow_download, cache_dir: as for
-        :func:`fedlite_jax.datasets.load_federated_data`.
+    ``sequence_length`` L defaults to 20, FedJAX's StackOverflow training
+    length (FedJAX evaluates with 30).
 
     Returns:
       (train, test, info). Batches: ``x``, ``y`` int32 [B, L] in
-      [0, vocab_size + 4), plus what ``to_tokens`` adds (``domain_id`` int32
-      [B] for StackOverflow).
+      [0, vocab_size + 4), plus ``domain_id`` int32 [B] for StackOverflow.
 
     Raises:
       DatasetNotFoundError: no files found.
