@@ -147,13 +147,13 @@ def test_result_reports_message_size():
 
 @pytest.mark.parametrize('kwargs, match', [
     (dict(q=5, R=1, L=2), 'q .*must divide d=12, got q=5'),
-    (dict(q=0, R=1, L=2), r'q .*>= 1, got 0'),
+    (dict(q=0, R=1, L=2), r'q .*>= 1; got 0'),
     (dict(q=4, R=3, L=2), 'R .*must divide q=4, got R=3'),
-    (dict(q=4, R=0, L=2), r'R .*>= 1, got 0'),
+    (dict(q=4, R=0, L=2), r'R .*>= 1; got 0'),
     (dict(q=4, R=4, L=5), r'at most .* B\*q/R = 4\*4/4 = 4; got L=5'),
-    (dict(q=4, R=1, L=0), r'L .*>= 1, got 0'),
-    (dict(q=4.0, R=1, L=2), r'q .*integer .*got 4.0'),
-    (dict(q=True, R=1, L=2), r'q .*integer .*got True'),
+    (dict(q=4, R=1, L=0), r'L .*>= 1; got 0'),
+    (dict(q=4.0, R=1, L=2), r'q .*integer; got 4.0'),
+    (dict(q=True, R=1, L=2), r'q .*integer; got True'),
 ])
 def test_invalid_configuration(kwargs, match):
   z = jnp.zeros((4, 12), jnp.float32)
@@ -169,7 +169,7 @@ def test_invalid_inputs():
     pq.grouped_pq(jnp.zeros((12,)), key, 2, 1, 2)
   with pytest.raises(ValueError, match='floating dtype.*int32'):
     pq.grouped_pq(jnp.zeros((4, 12), jnp.int32), key, 2, 1, 2)
-  with pytest.raises(ValueError, match=r'num_iters .*>= 0, got -1'):
+  with pytest.raises(ValueError, match=r'num_iters .*>= 0; got -1'):
     pq.grouped_pq(jnp.zeros((4, 12)), key, 2, 1, 2, num_iters=-1)
   with pytest.raises(ValueError, match="empty_cluster .*'drop'"):
     pq.grouped_pq(jnp.zeros((4, 12)), key, 2, 1, 2, empty_cluster='drop')

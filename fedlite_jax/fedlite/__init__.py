@@ -1,13 +1,4 @@
-"""FedLite (Wang et al.): grouped product quantization of activations and the
-gradient-corrected quantization layer, as pure JAX functions.
-
-* :mod:`fedlite_jax.fedlite.pq`: the quantizer of Section 4.1 and its message
-  size in bits; its batched Lloyd k-means in :mod:`fedlite_jax.fedlite.kmeans`.
-* :mod:`fedlite_jax.fedlite.vq_layer`: the ``custom_vjp`` layer of Section
-  4.2 (equation 5) and a Flax module.
-
-No FedJAX dependency.
-"""
+"""FedLite (Wang et al.): grouped PQ (Section 4.1), corrected layer (4.2)."""
 
 from fedlite_jax.fedlite.pq import DEFAULT_NUM_ITERS
 from fedlite_jax.fedlite.pq import DEFAULT_PHI

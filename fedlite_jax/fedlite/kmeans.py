@@ -1,22 +1,7 @@
 """Batched Lloyd k-means of FedLite's grouped product quantizer (Section 4.1).
 
-The k-means of :func:`fedlite_jax.fedlite.pq.grouped_pq`, batched over
-independent groups ``[G, N, m]`` (``G`` = groups, or clients x groups under
-``jax.vmap``), in pure JAX. The paper leaves the details open; here:
-
-* **Lloyd iterations**: exactly ``num_iters`` (assign, update) steps, then one
-  final assignment, so the codewords are always the nearest centroids of the
-  returned codebook (``num_iters = 0`` returns the initial points as the
-  codebook). Ties go to the lowest centroid index. The mean squared error is
-  non-increasing in ``num_iters`` (for fixed initial centroids).
-* **Empty clusters** are handled deterministically, per group and iteration:
-  ``'keep'`` keeps an empty cluster's previous centroid (as
-  ``scipy.cluster.vq.kmeans2``); ``'farthest'`` moves the lowest-indexed empty
-  cluster onto the point farthest from its centroid (lowest point index on
-  ties), like scikit-learn's relocation, unless every point already
-  coincides with its centroid; further empty clusters wait for later
-  iterations. With ``'farthest'`` and ``L >=`` the number of distinct points
-  in every group, enough iterations give an exact reconstruction.
+Pure JAX over independent groups ``[G, N, m]`` (clients x groups under
+``jax.vmap``). Details (ties, empty clusters): docs/notes/rounds.md.
 """
 
 from __future__ import annotations
@@ -28,10 +13,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-# Centroids are scanned in blocks of this many when assigning points: inside a
-# block an unrolled running minimum (jnp.argmin over a long axis hits a slow
-# XLA:CPU path), across blocks a fori_loop (fully unrolled code for large L
-# compiles and runs far slower). See benchmarks/bench_pq.py.
+# Centroids per block of the assignment's unrolled running minimum.
 _ASSIGN_BLOCK = 32
 # Subvectors up to this dimension get exact, unrolled distance computations.
 _DIRECT_MAX_DIM = 8
@@ -39,23 +21,9 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def nearest(c: jax.Array, xt: jax.Array) -> jax.Array:
-  """Index of the nearest centroid of every point, batched over groups.
+  """int32 ``[G, N]``: each point's nearest centroid (lowest index on ties).
 
-  Squared distances are formed in blocks of ``_ASSIGN_BLOCK`` centroids and
-  reduced with an unrolled running minimum (strict ``<``: the lowest index
-  wins ties). For subvectors of dimension ``m <= _DIRECT_MAX_DIM`` they are
-  exact sums of squared differences, unrolled over the ``m`` coordinates
-  (faster than a matmul with a tiny inner dimension on XLA:CPU); for larger
-  ``m``, ``||c||^2 - 2 x.c`` (one matmul per block; ``||x||^2`` is constant
-  per point and dropped).
-
-  Args:
-    c: ``[G, L, m]`` centroids.
-    xt: ``[G, m, N]`` points, transposed (points on the minor axis, so that
-      the per-centroid rows of the distance matrix are contiguous).
-
-  Returns:
-    int32 ``[G, N]``.
+  ``c``: ``[G, L, m]`` centroids; ``xt``: ``[G, m, N]`` points, transposed.
   """
   g, num_centroids, m = c.shape
   n = xt.shape[-1]
@@ -105,9 +73,8 @@ def cluster_sums(x: jax.Array, assign: jax.Array, num_centroids: int,
                   method: str) -> tuple[jax.Array, jax.Array]:
   """Per-cluster sums ``[G, L, m]`` and int32 counts ``[G, L]``.
 
-  ``method='segment_sum'`` scatters (fastest on XLA:CPU);
-  ``'onehot'`` contracts a ``[G, L, N]`` one-hot with the points
-  (deterministic where scatter-adds are atomic, e.g. GPUs).
+  ``method``: ``'segment_sum'`` (a scatter) or ``'onehot'`` (a ``[G, L, N]``
+  one-hot contraction, deterministic on GPU).
   """
   g, n, m = x.shape
   if method == 'segment_sum':
@@ -130,17 +97,10 @@ def relocate_empty(x: jax.Array, c: jax.Array, assign: jax.Array,
                     counts: jax.Array, new: jax.Array) -> jax.Array:
   """The ``'farthest'`` empty-cluster rule for one Lloyd step.
 
-  Args:
-    x: ``[G, N, m]`` points.
-    c: ``[G, L, m]`` centroids the points were assigned to.
-    assign: int32 ``[G, N]`` nearest centroid of each point under ``c``.
-    counts: int32 ``[G, L]`` points per cluster.
-    new: ``[G, L, m]`` updated centroids (means; ``c`` where empty).
-
-  Returns:
-    ``new`` with, in every group that has an empty cluster and a point not
-    equal to its centroid, the lowest-indexed empty cluster moved onto the
-    point farthest from its centroid (lowest point index on ties).
+  Returns ``new`` (``[G, L, m]``) with, per group, the lowest-indexed empty
+  cluster moved onto the point of ``x`` (``[G, N, m]``) farthest from its
+  centroid in ``c`` (lowest index on ties), unless every point equals its
+  centroid; ``assign`` and ``counts`` are the step's.
   """
   g, n, _ = x.shape
   num_centroids = c.shape[1]
@@ -160,20 +120,12 @@ def relocate_empty(x: jax.Array, c: jax.Array, assign: jax.Array,
   return jnp.where(move[..., None], point, new)
 
 
-def lloyd(x: jax.Array, c0: jax.Array, num_iters: int,
-           empty_cluster: str,
-           method: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+def lloyd(x: jax.Array, c0: jax.Array, num_iters: int, empty_cluster: str,
+          method: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``num_iters`` Lloyd steps and a final assignment, batched over groups.
 
-  Args:
-    x: ``[G, N, m]`` points.
-    c0: ``[G, L, m]`` initial centroids.
-    num_iters: Lloyd steps.
-    empty_cluster: ``'farthest'`` or ``'keep'``.
-    method: ``'segment_sum'`` or ``'onehot'`` (see :func:`cluster_sums`).
-
-  Returns:
-    ``(codebook [G, L, m], assignment int32 [G, N], reconstruction [G, N, m])``.
+  Returns ``(codebook [G, L, m], assignment int32 [G, N], reconstruction
+  [G, N, m])`` for points ``x`` ``[G, N, m]`` and initial centroids ``c0``.
   """
   num_centroids = c0.shape[1]
   xt = jnp.swapaxes(x, 1, 2)
@@ -192,12 +144,8 @@ def lloyd(x: jax.Array, c0: jax.Array, num_iters: int,
     return jnp.where(i < num_iters, new, c), assign
 
   # Trip i assigns the points to the centroids of trip i and updates them
-  # (except on the last trip), so the loop yields the final codebook and the
-  # assignment to it. The assignment must come out of a loop: computed after
-  # it, XLA:CPU fuses its unrolled select chain into the gather c[assign] and
-  # into every consumer of that and compilation blows up for large L (a
-  # one-hot matmul or tracking the nearest centroid's value instead cost more
-  # at run time). At least 2 trips, since XLA inlines single-trip loops.
+  # (except on the last trip): the final assignment comes out of the loop,
+  # which has at least 2 trips (docs/notes/rounds.md).
   c, assign = lax.fori_loop(
       0, max(num_iters, 1) + 1, trip,
       (c0, jnp.zeros(x.shape[:2], jnp.int32)))
@@ -213,10 +161,8 @@ def batched_lloyd(num_iters: int, empty_cluster: str,
                    method: str) -> LloydFn:
   """:func:`lloyd` whose ``vmap`` folds the mapped axis into the group axis.
 
-  Groups are independent k-means problems, so ``C`` clients of ``R`` groups
-  are one problem with ``C R`` groups. ``jax.vmap`` of the plain code instead
-  batched every scatter, loop and unrolled slice and ran slower than a Python
-  loop over clients on XLA:CPU; folded, it is one program of ``C R`` groups.
+  ``C`` clients of ``R`` independent groups run as one problem of ``C R``
+  groups.
   """
 
   @jax.custom_batching.custom_vmap

@@ -1,46 +1,7 @@
-"""Grouped product quantization of activation batches (FedLite, Section 4.1).
+"""Grouped product quantization of activation batches.
 
-FedLite (Wang et al., "FedLite: A Scalable Approach for Federated Learning on
-Resource-constrained Clients", Section 4.1, Figure 2) compresses a client's
-batch of activations ``Z`` (``B`` vectors of dimension ``d``) as follows:
-
-1. split every vector ``z^(j)`` into ``q`` subvectors ``z^(j,s)`` of dimension
-   ``d / q``;
-2. stack the subvectors into ``R`` groups **by subvector index**: group ``r``
-   (0-based) holds ``z^(j,s)`` for every ``j`` in the batch and every ``s`` in
-   the ``r``-th block of ``q / R`` consecutive indices,
-   ``s in [r q/R, (r+1) q/R)``. (Grouping by *batch* index instead, as some
-   public re-implementations do, is a different and wrong quantizer; with
-   ``R = 1`` the two coincide.)
-3. run k-means with ``L`` centroids in every group; the ``R x L`` centroids are
-   the *codebook*, the index of each subvector's nearest centroid in its group
-   (equation 4) is its *codeword*, and the quantized batch ``Z~`` replaces
-   every subvector by its centroid (equation 3).
-
-The message holds the codebook and the codewords: ``phi d R L / q + B q log2 L``
-bits instead of ``phi d B`` (``phi`` bits per float, 64 in all of the paper's
-ratios; ``log2 L`` is not rounded up). ``q = 1`` is plain k-means on whole
-vectors and ``R = q`` is vanilla product quantization.
-
-Everything here is pure JAX: :func:`grouped_pq` jit-compiles with static
-``q, R, L, num_iters`` and options, works inside an outer ``jax.jit``, and can
-be ``jax.vmap``-ed over a leading client axis (one key per client; the vmap
-folds clients into the group axis,
-:func:`fedlite_jax.fedlite.kmeans.batched_lloyd`). Algorithms reach it
-through the communication transform
-:func:`fedlite_jax.transforms.product_quantization`.
-
-k-means details, which the paper leaves open: Lloyd iterations and empty
-clusters as in :mod:`fedlite_jax.fedlite.kmeans` (``'farthest'`` by
-default); the initialization (:func:`kmeans_init_indices`) is stratified
-sampling of distinct points. The ``N = B q / R`` points of a group are split
-into ``L`` contiguous strata ``[floor(l N / L), floor((l + 1) N / L))`` and
-centroid ``l`` starts at a uniformly random point of stratum ``l`` (one
-uniform draw per centroid, independent per group). The indices are distinct
-because ``L <= N``; unlike ``jax.random.choice(replace=False)`` (a full sort
-of ``N`` keys) it costs ``O(R L)``. Points of a group are ordered
-batch-major (point ``n`` is vector ``n // (q/R)``, subvector ``r q/R + n %
-(q/R)``), so the strata are runs of consecutive examples of the batch.
+Source: Wang et al., "FedLite: A Scalable Approach for Federated Learning on
+Resource-constrained Clients", Section 4.1, Figure 2, equations 3-4.
 """
 
 from __future__ import annotations
@@ -55,6 +16,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlite_jax.checks import check_int
 from fedlite_jax.fedlite import kmeans
 
 EmptyClusterRule = Literal['farthest', 'keep']
@@ -70,23 +32,19 @@ DEFAULT_NUM_ITERS = 20
 class PQResult:
   """Output of :func:`grouped_pq` for one batch (one client).
 
-  Array fields get a leading client axis under ``jax.vmap``; the three size
-  fields are static Python floats (pytree metadata), identical for every
-  client of a vmapped call.
+  Under ``jax.vmap`` the arrays get a leading client axis; the three sizes
+  are static Python floats (pytree metadata).
 
   Attributes:
-    codebook: float32 ``[R, L, d // q]``; ``codebook[r, l]`` is centroid ``l``
-      of group ``r`` (subvector indices ``s`` with ``s // (q // R) == r``).
-    codewords: int32 ``[B, q]``; ``codewords[j, s]`` is the centroid index in
-      ``[0, L)`` of subvector ``s`` of vector ``j`` (equation 4).
-    reconstruction: ``[B, d]`` with ``z``'s dtype; the quantized batch
-      ``Z~`` (equation 3): subvector ``s`` of row ``j`` is
-      ``codebook[s // (q // R), codewords[j, s]]``.
-    quantization_error: float32 scalar; mean over the ``B`` vectors of the
-      squared Euclidean error, ``sum_j ||z_j - z~_j||^2 / B`` (units of
-      ``z`` squared).
-    relative_error: float32 scalar; ``||Z - Z~||_F^2 / ||Z||_F^2`` (0 when
-      ``Z`` is all zeros).
+    codebook: float32 ``[R, L, d // q]``; centroid ``l`` of group ``r``
+      (subvectors ``s`` with ``s // (q // R) == r``).
+    codewords: int32 ``[B, q]`` in ``[0, L)``; centroid of subvector ``s``
+      of vector ``j`` (equation 4).
+    reconstruction: ``[B, d]``, ``z``'s dtype; ``Z~`` (equation 3), row
+      ``j``'s subvector ``s`` is ``codebook[s // (q // R), codewords[j, s]]``.
+    quantization_error: float32 scalar ``sum_j ||z_j - z~_j||^2 / B`` (units
+      of ``z`` squared).
+    relative_error: float32 scalar ``||Z - Z~||_F^2 / ||Z||_F^2`` (0 if Z=0).
     message_bits: codebook + codewords, ``phi d R L / q + B q log2(L)``.
     uncompressed_bits: ``phi d B``.
     compression_ratio: ``uncompressed_bits / message_bits``.
@@ -109,14 +67,6 @@ jax.tree_util.register_dataclass(
     meta_fields=['message_bits', 'uncompressed_bits', 'compression_ratio'])
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-  if (isinstance(value, bool) or
-      not isinstance(value, (int, np.integer)) or value < minimum):
-    raise ValueError(
-        f'{name} must be an integer >= {minimum}, got {value!r}.')
-  return int(value)
-
-
 def _check_phi(phi: object) -> float:
   if (isinstance(phi, bool) or
       not isinstance(phi, (int, float, np.integer, np.floating)) or
@@ -132,19 +82,18 @@ def validate_pq_config(d: int, B: int, q: int, R: int, L: int) -> None:
   Args:
     d: activation dimension (``>= 1``).
     B: vectors in the batch (``>= 1``).
-    q: subvectors per vector; must divide ``d``.
-    R: number of groups; must divide ``q``.
-    L: centroids per group; ``1 <= L <= B q / R`` (k-means cannot have more
-      centroids than its group has subvectors).
+    q: subvectors per vector; divides ``d``.
+    R: groups; divides ``q``.
+    L: centroids per group, ``1 <= L <= B q / R`` (subvectors per group).
 
   Raises:
-    ValueError: naming the offending value and what is allowed.
+    ValueError: naming the bad value and what is allowed.
   """
-  d = _check_int('d (activation dimension)', d, 1)
-  B = _check_int('B (number of vectors)', B, 1)
-  q = _check_int('q (subvectors per vector)', q, 1)
-  R = _check_int('R (number of groups)', R, 1)
-  L = _check_int('L (centroids per group)', L, 1)
+  d = check_int(d, 'd (activation dimension)')
+  B = check_int(B, 'B (number of vectors)')
+  q = check_int(q, 'q (subvectors per vector)')
+  R = check_int(R, 'R (number of groups)')
+  L = check_int(L, 'L (centroids per group)')
   if d % q:
     raise ValueError(
         f'q (subvectors per vector) must divide d={d}, got q={q}.')
@@ -159,33 +108,25 @@ def validate_pq_config(d: int, B: int, q: int, R: int, L: int) -> None:
 
 def uncompressed_bits(d: int, B: int, phi: float = DEFAULT_PHI) -> float:
   """Size of an uncompressed batch of ``B`` activations, ``phi d B`` bits."""
-  d = _check_int('d (activation dimension)', d, 1)
-  B = _check_int('B (number of vectors)', B, 1)
+  d = check_int(d, 'd (activation dimension)')
+  B = check_int(B, 'B (number of vectors)')
   return _check_phi(phi) * d * B
 
 
 def pq_message_bits(d: int, B: int, q: int, R: int, L: int,
                     phi: float = DEFAULT_PHI) -> float:
-  """Grouped-PQ message size in bits, ``phi d R L / q + B q log2(L)``.
+  """Grouped-PQ message size in bits (a float), ``phi d R L / q + B q log2 L``.
 
-  Section 4.1: the codebook is ``R L`` centroids of ``d / q`` floats of ``phi``
-  bits each; the codewords are ``B q`` indices of ``log2 L`` bits each (not
-  rounded up, as in the paper's ratios). Needs no data.
+  Section 4.1: ``R L`` centroids of ``d / q`` floats of ``phi`` bits, and
+  ``B q`` codewords of ``log2 L`` bits (not rounded up, as in the paper).
 
   Args:
-    d: activation dimension.
-    B: number of activation vectors in the batch.
-    q: subvectors per vector (divides ``d``).
-    R: groups (divides ``q``).
-    L: centroids per group (``1 <= L <= B q / R``).
+    d, B, q, R, L: as :func:`validate_pq_config`.
     phi: bits per float (the paper uses 64).
 
-  Returns:
-    The message size in bits (a Python float).
-
   Raises:
-    ValueError: for an invalid configuration (see :func:`validate_pq_config`)
-      or a non-positive ``phi``.
+    ValueError: an invalid configuration (:func:`validate_pq_config`) or a
+      non-positive ``phi``.
   """
   validate_pq_config(d, B, q, R, L)
   return _check_phi(phi) * d * R * L / q + B * q * math.log2(L)
@@ -203,14 +144,11 @@ def pq_compression_ratio(d: int, B: int, q: int, R: int, L: int,
 
 def kmeans_init_indices(key: jax.Array, num_groups: int, num_points: int,
                         num_centroids: int) -> jax.Array:
-  """Stratified random initial-centroid indices, distinct within each group.
+  """int32 ``[R, L]`` stratified initial-centroid indices, increasing per group.
 
-  Centroid ``l`` of group ``r`` starts at a uniformly random point of stratum
-  ``[floor(l N / L), floor((l + 1) N / L))``, where ``N = num_points`` and
-  ``L = num_centroids``: ``lo + min(floor(u size), size - 1)`` with
-  ``u = jax.random.uniform(key, (R, L))`` (float32, so uniform up to a relative
-  bias below ``size * 2**-23``; ``jax.random.randint`` compiles slower). No
-  sort and no permutation; see the module docstring.
+  Centroid ``l`` of group ``r`` is a uniformly random point of stratum
+  ``[floor(l N / L), floor((l + 1) N / L))``, from one float32
+  ``jax.random.uniform(key, (R, L))`` draw.
 
   Args:
     key: a JAX PRNG key (typed or raw uint32).
@@ -218,15 +156,12 @@ def kmeans_init_indices(key: jax.Array, num_groups: int, num_points: int,
     num_points: ``N``, points per group (``B q / R`` in grouped PQ).
     num_centroids: ``L``, with ``1 <= L <= N``.
 
-  Returns:
-    int32 ``[R, L]``, strictly increasing along the last axis.
-
   Raises:
     ValueError: if ``L > N`` or a size is not a positive integer.
   """
-  num_groups = _check_int('R (number of groups)', num_groups, 1)
-  num_points = _check_int('N (points per group)', num_points, 1)
-  num_centroids = _check_int('L (centroids per group)', num_centroids, 1)
+  num_groups = check_int(num_groups, 'R (number of groups)')
+  num_points = check_int(num_points, 'N (points per group)')
+  num_centroids = check_int(num_centroids, 'L (centroids per group)')
   if num_centroids > num_points:
     raise ValueError(f'L (centroids per group) must be at most the number of '
                      f'points per group N={num_points}, got L={num_centroids}.')
@@ -242,8 +177,8 @@ def kmeans_init_indices(key: jax.Array, num_groups: int, num_points: int,
 def group_subvectors(z: jax.Array, q: int, R: int) -> jax.Array:
   """``[B, d] -> [R, B q / R, d / q]``: the groups of Section 4.1.
 
-  Point ``n`` of group ``r`` is subvector ``s = r q/R + n % (q/R)`` of vector
-  ``j = n // (q/R)``.
+  Point ``n`` of group ``r`` is subvector ``r q/R + n % (q/R)`` of vector
+  ``n // (q/R)``.
   """
   num_vectors, d = z.shape
   g = q // R
@@ -259,47 +194,36 @@ def ungroup_subvectors(x: jax.Array, num_vectors: int) -> jax.Array:
       num_vectors, r * g * m)
 
 
-def grouped_pq(z: jax.Array,
-               key: jax.Array,
-               q: int,
-               R: int,
-               L: int,
-               num_iters: int = DEFAULT_NUM_ITERS,
-               *,
+def grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
+               num_iters: int = DEFAULT_NUM_ITERS, *,
                phi: float = DEFAULT_PHI,
                empty_cluster: EmptyClusterRule = 'farthest',
                update_method: UpdateMethod = 'auto') -> PQResult:
   """FedLite's grouped product quantizer (Section 4.1, equations 3-4).
 
   Args:
-    z: ``[B, d]`` floating activations of one client's batch. k-means runs in
-      float32 (float64 if ``z`` is float64).
-    key: PRNG key for the k-means initialization (:func:`kmeans_init_indices`,
-      one ``[R, L]`` draw); the result is a deterministic function of
-      ``(z, key)`` and the options on a given backend.
-    q: subvectors per vector, dividing ``d``. ``q = 1``: plain k-means.
-    R: groups, dividing ``q``. ``R = q``: vanilla product quantization;
-      ``R = 1`` (one shared codebook) is the paper's default.
+    z: ``[B, d]`` floating activations of one client's batch; k-means runs
+      in float32 (float64 for float64 ``z``).
+    key: PRNG key of the k-means initialization (:func:`kmeans_init_indices`).
+    q: subvectors per vector, dividing ``d``; ``q = 1`` is plain k-means.
+    R: groups, dividing ``q``; ``R = q`` is vanilla product quantization,
+      ``R = 1`` (one shared codebook) the paper's default.
     L: centroids per group, ``1 <= L <= B q / R``.
-    num_iters: Lloyd iterations (``>= 0``), followed by a final assignment.
-    phi: bits per float for the message size (paper: 64).
+    num_iters: Lloyd iterations (``>= 0``), then a final assignment.
+    phi: bits per float in the message size (paper: 64).
     empty_cluster: ``'farthest'`` or ``'keep'``
       (:mod:`fedlite_jax.fedlite.kmeans`).
-    update_method: how cluster sums are formed: ``'segment_sum'`` (a scatter;
-      fastest on CPU), ``'onehot'`` (a one-hot matmul; deterministic on GPU,
-      where scatter-adds are atomic), or ``'auto'`` (``'segment_sum'`` when
-      the default backend is CPU, else ``'onehot'``).
+    update_method: ``'segment_sum'`` (a scatter; fastest on CPU), ``'onehot'``
+      (a matmul; deterministic on GPU) or ``'auto'`` (the former on CPU).
 
   Returns:
-    A :class:`PQResult`. Under differentiation the quantizer is a constant:
-    ``codebook`` and ``reconstruction`` have zero derivative and the errors
-    differentiate as functions of ``z`` with ``Z~`` fixed. (FedLite's
-    gradient through the quantizer is :mod:`fedlite_jax.fedlite.vq_layer`.)
+    A :class:`PQResult`; under differentiation only its errors depend on
+    ``z`` (FedLite's gradient: :mod:`fedlite_jax.fedlite.vq_layer`).
 
   Raises:
-    ValueError: if ``z`` is not a 2-D floating array, for an invalid
-      ``q, R, L`` (:func:`validate_pq_config`), ``num_iters < 0``, a
-      non-positive ``phi``, or an unknown ``empty_cluster``/``update_method``.
+    ValueError: ``z`` not a 2-D floating array, an invalid ``q, R, L``
+      (:func:`validate_pq_config`), ``num_iters < 0``, a non-positive
+      ``phi``, or an unknown ``empty_cluster``/``update_method``.
   """
   if z.ndim != 2:
     raise ValueError(f'z must be a [B, d] batch of activations, got shape '
@@ -307,7 +231,7 @@ def grouped_pq(z: jax.Array,
   if not jnp.issubdtype(z.dtype, jnp.floating):
     raise ValueError(f'z must have a floating dtype, got {z.dtype}.')
   validate_pq_config(z.shape[1], z.shape[0], q, R, L)
-  num_iters = _check_int('num_iters', num_iters, 0)
+  num_iters = check_int(num_iters, 'num_iters', minimum=0)
   phi = _check_phi(phi)
   if empty_cluster not in ('farthest', 'keep'):
     raise ValueError(f"empty_cluster must be 'farthest' or 'keep', got "
@@ -324,13 +248,10 @@ def grouped_pq(z: jax.Array,
 
 def quantization_errors(z: jax.Array,
                         z_tilde: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The errors of :class:`PQResult` for a ``[B, d]`` batch and its ``Z~``.
+  """The float32 errors of :class:`PQResult` for ``[B, d]`` ``z`` and ``Z~``.
 
-  Computed in float32 (float64 for float64 ``z``); differentiable in ``z``.
-
-  Returns:
-    float32 scalars ``(sum_j ||z_j - z~_j||^2 / B, ||Z - Z~||_F^2 /
-    ||Z||_F^2)`` (the latter 0 when ``Z`` is all zeros).
+  ``(sum_j ||z_j - z~_j||^2 / B, ||Z - Z~||_F^2 / ||Z||_F^2)`` (0 for
+  ``Z = 0``), differentiable in ``z``.
   """
   zc = z.astype(jnp.promote_types(z.dtype, jnp.float32))
   sq_err = jnp.sum(jnp.square(zc - z_tilde.astype(zc.dtype)),
@@ -349,8 +270,7 @@ def _grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
   num_vectors, d = z.shape
   compute_dtype = jnp.promote_types(z.dtype, jnp.float32)
   zc = z.astype(compute_dtype)
-  # k-means is a constant for autodiff (custom_vmap has no JVP rule); only
-  # the error terms below see z.
+  # k-means is a constant for autodiff; only the errors below see z.
   x = group_subvectors(lax.stop_gradient(zc), q, R)  # [R, N, m]
   init = kmeans_init_indices(key, R, x.shape[1], L)
   c0 = jnp.take_along_axis(x, init[:, :, None], axis=1)
@@ -362,11 +282,7 @@ def _grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
   message = pq_message_bits(d, num_vectors, q, R, L, phi)
   uncompressed = uncompressed_bits(d, num_vectors, phi)
   return PQResult(
-      codebook=codebook,
-      codewords=codewords,
-      reconstruction=recon.astype(z.dtype),
-      quantization_error=error,
-      relative_error=relative,
-      message_bits=message,
-      uncompressed_bits=uncompressed,
-      compression_ratio=uncompressed / message)
+      codebook=codebook, codewords=codewords,
+      reconstruction=recon.astype(z.dtype), quantization_error=error,
+      relative_error=relative, message_bits=message,
+      uncompressed_bits=uncompressed, compression_ratio=uncompressed / message)

@@ -1,33 +1,10 @@
-"""Quantization layer with FedLite's gradient correction (Section 4.2).
+"""Quantization layer with FedLite's gradient correction.
 
-The server only sees the quantized activations ``z~`` and returns
-``dh/dz~``; the client needs ``dh/dz``. FedLite approximates it to first order,
-``dh/dz ~ dh/dz~ + H (z - z~)``, replaces the Hessian ``H`` by ``lambda I``
-and updates the client model with (equation 5)
-
-    g~ = [dh(w_s; z~)/dz~ + lambda (z - z~)] du(w_c; xi)/dw_c.
-
-:func:`vq_with_correction` is that rule as a ``jax.custom_vjp``: its forward
-pass returns ``z~`` (so the server-side model and the loss see the quantized
-activations) and its backward pass returns ``cotangent + coef (z - z~)`` for
-``z`` and nothing for ``z~`` (no gradient reaches the codebook, which is
-rebuilt from scratch on every batch). ``lambda = 0`` is the straight-through
-estimator ``z + stop_gradient(z~ - z)``.
-
-**Scaling of lambda.** Equation 5 is per example, and the paper's analysis
-(Appendix B, equation 36) averages the corrected per-example gradients over
-the batch, ``(1/|B|) sum_xi [dh/dz~ + lambda (z - z~)] du/dw_c``. With a loss
-that is a batch *mean* the incoming cotangent is already ``(1/B) dh/dz~``, so
-the correction must be ``(lambda / B)(z - z~)`` to reproduce it:
-``loss_reduction='mean'`` (default) uses ``coef = lambda / num_vectors``, where
-``num_vectors`` defaults to the number of activation vectors in ``z`` (pass the
-loss's actual denominator, e.g. the count of non-padding tokens, when it
-differs). ``loss_reduction='sum'`` uses ``coef = lambda`` for summed losses.
-Either way the client gradient equals the gradient of the paper's surrogate
-loss (Section 4.2, equation 6; Appendix A, equations 8-10) with the loss's own
-reduction, ``sum_i w ||z_i - z^_i||^2 + w lambda/2 ||z_i - z~_i||^2`` with
-``z^_i = z_i - dh/dz~_i / 2`` and ``z^, z~`` held fixed (``w = 1/B`` for a
-mean).
+Source: Wang et al., "FedLite", Section 4.2, equation 5: the client updates
+with ``g~ = [dh/dz~ + lambda (z - z~)] du/dw_c``. ``lambda`` is per example;
+for a batch-mean loss the correction is ``(lambda / B)(z - z~)`` (Appendix B,
+equation 36). ``lambda = 0`` is the straight-through estimator. Derivation:
+docs/notes/rounds.md.
 """
 
 from __future__ import annotations
@@ -78,11 +55,8 @@ def correction_coefficient(lam: float | jax.Array,
     num_vectors: the denominator of a batch-mean loss.
     loss_reduction: ``'mean'`` (``lam / num_vectors``) or ``'sum'`` (``lam``).
 
-  Returns:
-    ``coef``; a Python float when the inputs are.
-
   Raises:
-    ValueError: for an unknown ``loss_reduction``, a concrete negative ``lam``
+    ValueError: an unknown ``loss_reduction``, a concrete negative ``lam``
       or a concrete non-positive ``num_vectors``.
   """
   if loss_reduction not in ('mean', 'sum'):
@@ -99,49 +73,31 @@ def correction_coefficient(lam: float | jax.Array,
   return lam / num_vectors
 
 
-def vq_with_correction(z: jax.Array,
-                       z_tilde: jax.Array,
-                       lam: float | jax.Array,
-                       *,
+def vq_with_correction(z: jax.Array, z_tilde: jax.Array,
+                       lam: float | jax.Array, *,
                        loss_reduction: LossReduction = 'mean',
                        num_vectors: int | float | jax.Array | None = None,
-                       vector_weights: jax.Array | None = None
-                      ) -> jax.Array:
+                       vector_weights: jax.Array | None = None) -> jax.Array:
   """Returns ``z~`` with FedLite's corrected gradient for ``z`` (equation 5).
 
-  Forward: ``z_tilde``. Backward: the cotangent ``g`` of the output becomes
-  ``g + coef w (z - z_tilde)`` for ``z`` and zero for ``z_tilde``, ``lam``
-  and ``w``, with ``coef`` from :func:`correction_coefficient` (module
-  docstring) and ``w`` the per-vector ``vector_weights`` (default 1). This is
-  the one implementation of equation 5 in the library; split learning
-  (:mod:`fedlite_jax.algorithms.splitfed`) and :class:`FedLiteQuantizer` use
-  it.
+  Backward: the output's cotangent ``g`` becomes ``g + coef w (z - z_tilde)``
+  for ``z`` and zero for the other inputs, with ``coef`` from
+  :func:`correction_coefficient` and ``w`` the ``vector_weights``.
 
   Args:
-    z: ``[..., d]`` activations of the client-side model (differentiable).
-    z_tilde: their quantization, same shape and dtype as ``z`` (e.g.
-      ``grouped_pq(stop_gradient(z), ...).reconstruction``); treated as a
-      constant.
-    lam: ``lambda >= 0``; 0 gives the straight-through estimator. May be a
-      traced scalar.
-    loss_reduction: ``'mean'`` if the loss averages over activation vectors
-      (then ``coef = lam / num_vectors``), ``'sum'`` if it sums them
-      (``coef = lam``).
-    num_vectors: the mean's denominator; defaults to the number of vectors in
-      ``z``, ``prod(z.shape[:-1])``.
-    vector_weights: optional float weights of the vectors in the loss,
-      broadcastable to ``z.shape[:-1]``: a weighted loss ``sum_i p_i l_i``
-      over several clients' stacked activations (``w = p_i`` for client
-      ``i``), and 0 for vectors that carry no loss (e.g. PAD positions).
-      May be traced.
-
-  Returns:
-    An array equal to ``z_tilde``.
+    z: ``[..., d]`` activations of the client-side model.
+    z_tilde: their quantization, ``z``'s shape and dtype; a constant.
+    lam: ``lambda >= 0`` (0: straight-through); may be traced.
+    loss_reduction: ``'mean'`` (``coef = lam / num_vectors``) for a loss
+      averaging over activation vectors, ``'sum'`` (``coef = lam``).
+    num_vectors: the mean's denominator (default ``prod(z.shape[:-1])``).
+    vector_weights: optional float weights ``w`` of the vectors in the loss,
+      broadcastable to ``z.shape[:-1]`` (e.g. client weights ``p_i`` of
+      stacked activations, 0 at PAD positions); may be traced.
 
   Raises:
-    ValueError: if shapes or dtypes differ, ``z`` is a scalar,
-      ``vector_weights`` does not broadcast to ``z.shape[:-1]``, or for
-      invalid ``lam``/``loss_reduction``/``num_vectors``.
+    ValueError: shapes or dtypes differ, ``z`` is a scalar, bad
+      ``vector_weights`` shape, or as :func:`correction_coefficient`.
   """
   if z.shape != z_tilde.shape or z.dtype != z_tilde.dtype:
     raise ValueError(
@@ -168,14 +124,8 @@ def vq_with_correction(z: jax.Array,
 
 
 def quantize_with_correction(
-    z: jax.Array,
-    key: jax.Array,
-    q: int,
-    R: int,
-    L: int,
-    lam: float | jax.Array,
-    num_iters: int = pq.DEFAULT_NUM_ITERS,
-    *,
+    z: jax.Array, key: jax.Array, q: int, R: int, L: int,
+    lam: float | jax.Array, num_iters: int = pq.DEFAULT_NUM_ITERS, *,
     phi: float = pq.DEFAULT_PHI,
     empty_cluster: pq.EmptyClusterRule = 'farthest',
     update_method: pq.UpdateMethod = 'auto',
@@ -184,30 +134,20 @@ def quantize_with_correction(
 ) -> tuple[jax.Array, pq.PQResult]:
   """Grouped PQ of ``z`` (Section 4.1) + the corrected layer (Section 4.2).
 
-  The ``prod(z.shape[:-1])`` vectors of ``z`` form one batch (e.g. the
-  ``128 x 30`` token activations of an SO NWP client batch) that is quantized
-  with :func:`fedlite_jax.fedlite.pq.grouped_pq` on ``stop_gradient(z)``;
-  the result goes through :func:`vq_with_correction`. Jittable (static
-  ``q, R, L, num_iters`` and keyword options), vmappable over clients.
+  All ``prod(z.shape[:-1])`` vectors of ``z`` form one batch. Jittable
+  (static ``q, R, L, num_iters`` and keyword options), vmappable.
 
   Args:
     z: ``[..., d]`` floating activations with at least one leading axis.
-    key: PRNG key for the k-means initialization.
-    q: subvectors per vector.
-    R: groups.
-    L: centroids per group.
-    lam: gradient-correction ``lambda`` (>= 0).
-    num_iters: Lloyd iterations.
-    phi: bits per float in the message size.
-    empty_cluster: see :func:`fedlite_jax.fedlite.pq.grouped_pq`.
-    update_method: see :func:`fedlite_jax.fedlite.pq.grouped_pq`.
-    loss_reduction: see :func:`vq_with_correction`.
-    num_vectors: see :func:`vq_with_correction`.
+    key: PRNG key of the k-means initialization.
+    q, R, L, num_iters, phi, empty_cluster, update_method: as
+      :func:`fedlite_jax.fedlite.pq.grouped_pq`.
+    lam, loss_reduction, num_vectors: as :func:`vq_with_correction`.
 
   Returns:
-    ``(z_tilde, result)``: ``z_tilde`` has ``z``'s shape and dtype; ``result``
-    is the :class:`~fedlite_jax.fedlite.pq.PQResult` of the flattened
-    ``[prod(z.shape[:-1]), d]`` batch (message size, error, codebook, ...).
+    ``(z_tilde, result)``: ``z_tilde`` like ``z``; ``result`` the
+    :class:`~fedlite_jax.fedlite.pq.PQResult` of the flattened
+    ``[prod(z.shape[:-1]), d]`` batch.
 
   Raises:
     ValueError: as :func:`~fedlite_jax.fedlite.pq.grouped_pq` and
@@ -227,18 +167,9 @@ def quantize_with_correction(
 
 
 def input_derived_key(z: jax.Array, seed: int = 0) -> jax.Array:
-  """A PRNG key determined by the values of ``z`` (no rng stream needed).
+  """A ``uint32[2]`` PRNG key from the values of ``z`` (no rng stream needed).
 
-  ``fold_in(PRNGKey(seed), bits)`` with ``bits`` the uint32 bit pattern of the
-  float32 sum of ``stop_gradient(z)``: the same input gives the same key,
-  different inputs almost always different keys. Jittable and vmappable.
-
-  Args:
-    z: a floating array of any shape.
-    seed: the base seed.
-
-  Returns:
-    A ``uint32[2]`` PRNG key.
+  ``fold_in(PRNGKey(seed), bits)``, ``bits`` those of ``z``'s float32 sum.
   """
   total = jnp.sum(jax.lax.stop_gradient(z).astype(jnp.float32))
   bits = jax.lax.bitcast_convert_type(total, jnp.uint32)
@@ -248,30 +179,20 @@ def input_derived_key(z: jax.Array, seed: int = 0) -> jax.Array:
 class FedLiteQuantizer(nn.Module):
   """Flax layer: grouped PQ + gradient correction (Sections 4.1-4.2).
 
-  Place it at the cut between the client-side and server-side model (e.g. as
-  the last layer of the client module of
-  :func:`fedlite_jax.models.build_split_model`). Each call quantizes all
-  vectors of its input as one batch and returns ``z~`` with the corrected
-  gradient. Its k-means key is, in this order: the ``key`` argument; a key
-  from the ``rng_collection`` stream when ``apply`` provides one
-  (``rngs={'quantize': key}``; ``build_split_model`` passes one whenever it
-  is given a training key); otherwise :func:`input_derived_key` of the input
-  (deterministic, different for different inputs), so the layer needs no rng
-  (e.g. in ``apply_for_eval``). It has no parameters. It sows
-  ``quantization_error``, ``relative_error`` and ``compression_ratio``
-  (float32 scalars) into the ``'intermediates'`` collection.
+  Placed at the cut between client and server model (e.g. last layer of the
+  client module of :func:`fedlite_jax.models.build_split_model`); no
+  parameters. The k-means key is the ``key`` argument, else one from the
+  ``rng_collection`` stream if ``apply`` gives it, else
+  :func:`input_derived_key` of the input. Sows float32 scalars
+  ``quantization_error``, ``relative_error`` and ``compression_ratio`` into
+  ``'intermediates'``.
 
   Attributes:
-    q: subvectors per vector.
-    R: groups.
-    L: centroids per group.
-    lam: gradient-correction ``lambda`` (per example; see the module
-      docstring for the ``1/B`` of a batch-mean loss).
-    num_iters: Lloyd iterations.
-    phi: bits per float in the message size.
-    empty_cluster: ``'farthest'`` or ``'keep'``.
+    q, R, L, num_iters, phi, empty_cluster: as
+      :func:`fedlite_jax.fedlite.pq.grouped_pq`.
+    lam: gradient-correction ``lambda``, per example (module docstring).
     loss_reduction: ``'mean'`` or ``'sum'``.
-    rng_collection: name of the PRNG stream for the k-means initialization.
+    rng_collection: the PRNG stream of the k-means initialization.
   """
 
   q: int
@@ -285,26 +206,17 @@ class FedLiteQuantizer(nn.Module):
   rng_collection: str = RNG_COLLECTION
 
   @nn.compact
-  def __call__(self,
-               z: jax.Array,
-               *,
-               enabled: bool = True,
+  def __call__(self, z: jax.Array, *, enabled: bool = True,
                num_vectors: int | float | jax.Array | None = None,
-               key: jax.Array | None = None
-              ) -> jax.Array:
-    """Quantizes ``z`` (``[..., d]``); returns ``z`` unchanged if disabled.
-
-    ``key`` (optional) is the k-means PRNG key; see the class docstring for
-    the fallbacks.
-    """
+               key: jax.Array | None = None) -> jax.Array:
+    """Quantizes ``z`` (``[..., d]``); returns ``z`` unchanged if disabled."""
     if not enabled:
       return z
     if key is None:
       key = (self.make_rng(self.rng_collection)
              if self.has_rng(self.rng_collection) else input_derived_key(z))
     z_tilde, result = quantize_with_correction(
-        z, key, self.q, self.R, self.L,
-        self.lam, self.num_iters, phi=self.phi,
+        z, key, self.q, self.R, self.L, self.lam, self.num_iters, phi=self.phi,
         empty_cluster=self.empty_cluster, loss_reduction=self.loss_reduction,
         num_vectors=num_vectors)
     self.sow('intermediates', 'quantization_error', result.quantization_error)

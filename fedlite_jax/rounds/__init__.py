@@ -1,16 +1,4 @@
-"""Round engines: run the client updates of a round and reduce them.
-
-The algorithm code (``fedlite_jax.algorithms``) describes a client update as a
-:class:`ClientProgram` (FedJAX's ``client_init`` / ``client_step`` /
-``client_final`` shape); an engine runs the sampled clients of a round and
-returns the weighted sum of their outputs. The engines give the same result
-to float tolerance; which is fastest depends on the platform (see
-``benchmarks/bench_fedavg.py``). ``sharding`` splits a round's clients over
-the devices (and hosts) of a ``jax.sharding.Mesh``. For FedJAX's own
-``for_each_client`` algorithms, :class:`VmapBackend` runs clients as
-vmapped programs in chunks and :class:`CompressedBackend` adds download/upload
-compression with a communication ledger.
-"""
+"""Round engines (:func:`make_engine`) and ``for_each_client`` backends."""
 
 from fedlite_jax.rounds.chunking import Chunk
 from fedlite_jax.rounds.chunking import bucket_steps

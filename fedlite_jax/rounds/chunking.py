@@ -1,13 +1,6 @@
-"""Chunk planning of the vmap engines and the engine statistics.
+"""Chunk planning of the vmap engines, and the engines' step counts.
 
-A round's clients run as compiled programs of ``lanes`` clients side by side
-for ``steps`` local steps (:class:`Chunk`). :func:`plan_chunks` groups
-clients of similar step counts so that the steps executed, masked ones
-included, stay close to the useful ones; :func:`bucket_steps` rounds step
-counts so that compiled shapes repeat from round to round;
-:func:`resolve_clients_per_chunk` bounds a chunk by the device's memory.
-Every engine reports its counts (useful and executed steps, chunks) to the
-:func:`recording_stats` contexts that are open.
+Counts go to the open :func:`recording_stats`; notes: docs/notes/rounds.md.
 """
 
 from __future__ import annotations
@@ -23,21 +16,14 @@ import numpy as np
 from fedlite_jax.common import PyTree
 
 
-
 def bucket_steps(num_steps: int, policy: str | int) -> int:
-  """The padded local-step count of a chunk whose longest client has ``num_steps``.
+  """The padded step count of a chunk whose longest client has ``num_steps``.
 
   Args:
-    num_steps: the most local steps (batches) of any client of the chunk.
-    policy: 'grid' (the smallest value >= ``num_steps`` on a grid of four
-      values per octave: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...; at
-      most 1.25x ``num_steps``, at most 4 compiled shapes per doubling),
-      'pow2' (next power of two), 'exact' (``num_steps``) or an int fixed
-      budget.
-
-  Returns:
-    The step count every client of the chunk is padded to with masked no-op
-    steps.
+    num_steps: the most local steps of any client of the chunk.
+    policy: 'grid' (smallest value >= ``num_steps`` of 1, 2, 3, 4, 5, 6, 7,
+      8, 10, 12, 14, 16, 20, ...: four per octave, at most 1.25x), 'pow2'
+      (next power of two), 'exact' or an int fixed budget.
 
   Raises:
     ValueError: an unknown policy, or ``num_steps`` above an int budget.
@@ -68,9 +54,8 @@ class Chunk:
 
   Attributes:
     members: cohort positions of the chunk's clients, in lane order.
-    lanes: client rows of the program (>= ``len(members)``); the extra rows
-      are padding clients (zero weight, every step masked).
-    steps: local steps of the program (>= every member's step count).
+    lanes: client rows (>= ``len(members)``; the rest are padding clients).
+    steps: local steps (>= every member's step count).
   """
   members: tuple[int, ...]
   lanes: int
@@ -78,7 +63,7 @@ class Chunk:
 
 
 def executed_steps(chunks: Sequence[Chunk]) -> int:
-  """Local steps the chunks execute, masked ones included: ``sum lanes * steps``."""
+  """Steps the chunks execute, masked ones included: ``sum lanes * steps``."""
   return sum(c.lanes * c.steps for c in chunks)
 
 
@@ -92,8 +77,7 @@ def _lane_sizes(max_lanes: int, multiple: int) -> np.ndarray:
 
 
 #: :func:`plan_chunks` keeps executed steps within this factor of the useful
-#: ones when it can (on the 'grid' bucket it always can: chunks of one
-#: client are within 1.25x).
+#: ones when it can.
 TARGET_PADDING = 1.25
 
 
@@ -102,19 +86,14 @@ def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
                 chunk_cost: Optional[float] = None) -> list[Chunk]:
   """Groups a cohort into chunks of similar local step counts.
 
-  The clients are sorted by step count (stable) and cut into contiguous
-  groups; each group runs as one chunk of ``lanes`` rows (a power of two
-  times ``lane_multiple``, or the maximum) and ``bucket_steps(longest)``
-  steps. The cut minimises ``sum(lanes * steps) + chunk_cost * chunks`` by
-  dynamic programming. Without ``chunk_cost`` the largest of ``max_lanes /
-  4^k`` (then 0) whose plan executes at most :data:`TARGET_PADDING` times
-  the useful steps is used: few chunks (few dispatches and compiled shapes)
-  with little padding. Deterministic in ``step_counts``.
+  Clients sorted by step count are cut into contiguous chunks minimising
+  ``sum(lanes * steps) + chunk_cost * chunks``; without ``chunk_cost``, at
+  the highest price ``max_lanes / 4^k`` whose plan stays within
+  :data:`TARGET_PADDING` times the useful steps.
 
   Args:
     step_counts: ``[n]`` local steps of each client (>= 0).
-    clients_per_chunk: most clients of a chunk per device (> 0); 0 or None:
-      no limit (one chunk may hold the whole cohort).
+    clients_per_chunk: most clients per chunk per device (0/None: no limit).
     step_bucket: :func:`bucket_steps` policy.
     lane_multiple: lanes are a multiple of this (the device count).
     chunk_cost: the price of one more chunk in lane-steps (>= 0).
@@ -123,7 +102,7 @@ def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
     Chunks covering every client once, in ascending step order.
 
   Raises:
-    ValueError: negative step counts or chunk sizes.
+    ValueError: negative step counts or sizes.
   """
   counts = np.asarray([int(c) for c in step_counts], np.int64)
   if np.any(counts < 0):
@@ -176,27 +155,17 @@ def plan_chunks(step_counts: Sequence[int], clients_per_chunk: Optional[int],
   return solve(0.0)
 
 
-
 def plan_round(step_counts: Sequence[int], clients_per_chunk: Optional[int],
                step_bucket: str | int = 'grid',
                mesh: Any = None) -> list[list[Chunk]]:
-  """Per chunk, per process, the chunk of that process's clients.
+  """Per chunk, one :class:`Chunk` of each process's clients.
 
-  Without a mesh or on one process: :func:`plan_chunks` (lanes a multiple of
-  the mesh's devices). On several processes each process sorts its own
-  clients (``mesh.local_clients``) by step count and chunk ``k`` takes the
-  ``k``-th block of ``clients_per_chunk * local devices`` of them on every
-  process, at the step bucket of the longest of them all, so that every
-  process derives the same plan from the cohort's step counts.
+  One process: :func:`plan_chunks`. Several: chunk ``k`` is the ``k``-th
+  block of every process's clients sorted by step count.
 
   Args:
-    step_counts: ``[n]`` local steps of each client of the cohort.
-    clients_per_chunk: most clients of a chunk per device (0/None: no limit).
-    step_bucket: :func:`bucket_steps` policy.
+    step_counts, clients_per_chunk, step_bucket: as :func:`plan_chunks`.
     mesh: the :class:`~fedlite_jax.rounds.sharding.ClientMesh`, or None.
-
-  Returns:
-    One list per chunk, holding one :class:`Chunk` per process.
   """
   steps, per = step_counts, clients_per_chunk
   if mesh is None or not mesh.multi_process:
@@ -220,10 +189,9 @@ def plan_round(step_counts: Sequence[int], clients_per_chunk: Optional[int],
 
 
 #: ``clients_per_chunk='auto'``: a lane is budgeted this many copies of the
-#: model's parameters (parameters, local optimizer state, gradients, the
-#: delta and its compressed form, scan carries) plus :data:`AUTO_LANE_EXTRA_BYTES`
-#: of activations and batches, within :data:`AUTO_MEMORY_FRACTION` of the
-#: device's memory, and at most :data:`AUTO_MAX_CLIENTS_PER_CHUNK` clients.
+#: parameters (optimizer state, gradients, delta, carries) plus
+#: :data:`AUTO_LANE_EXTRA_BYTES` within :data:`AUTO_MEMORY_FRACTION` of the
+#: device's memory, at most :data:`AUTO_MAX_CLIENTS_PER_CHUNK` clients.
 AUTO_PARAM_COPIES = 16
 AUTO_LANE_EXTRA_BYTES = 64 * 2**20
 AUTO_MEMORY_FRACTION = 0.5
@@ -231,11 +199,8 @@ AUTO_MAX_CLIENTS_PER_CHUNK = 256
 
 
 def device_memory_bytes(device: Optional[jax.Device] = None) -> int:
-  """The memory of ``device`` in bytes: its allocator limit on GPU/TPU, the
-  host's physical memory on CPU (the total, not the momentary free bytes, so
-  that a run's chunking, and so its results, do not depend on other jobs)."""
+  """Bytes of ``device``: its allocator limit, or the host's total memory."""
   device = device or jax.local_devices()[0]
-  stats = None
   try:
     stats = device.memory_stats()
   except Exception:  # pylint: disable=broad-except  # Backends without stats.
@@ -250,11 +215,10 @@ def resolve_clients_per_chunk(value: int | str | None, param_bytes: int,
   """Clients per chunk (per device) for ``value``; 0 means no limit.
 
   Args:
-    value: an int > 0, 0 or None (the whole cohort in one chunk), or 'auto':
-      ``floor(AUTO_MEMORY_FRACTION * memory / (AUTO_PARAM_COPIES *
-      param_bytes + AUTO_LANE_EXTRA_BYTES))`` clamped to [1,
-      AUTO_MAX_CLIENTS_PER_CHUNK].
-    param_bytes: bytes of one copy of the client's model parameters.
+    value: an int > 0, 0 or None (no limit), or 'auto': ``floor(
+      AUTO_MEMORY_FRACTION * memory / (AUTO_PARAM_COPIES * param_bytes +
+      AUTO_LANE_EXTRA_BYTES))`` in [1, AUTO_MAX_CLIENTS_PER_CHUNK].
+    param_bytes: bytes of one copy of the model parameters.
     memory_bytes: the device's memory (default :func:`device_memory_bytes`).
 
   Raises:
@@ -284,13 +248,10 @@ def tree_bytes(tree: PyTree) -> int:
 
 
 class StatsRecorder:
-  """Engine counts accumulated while a :func:`recording_stats` context is open.
+  """Engine counts while a :func:`recording_stats` context is open.
 
-  Counts: ``clients`` (client updates run), ``client_steps`` (useful local
-  steps), ``padded_steps`` (local steps executed, masked steps of shorter
-  clients and of padding clients included), ``chunks`` (compiled-program
-  runs: one per chunk for the vmap engine, one per client for the loop
-  engine); ``name`` and ``clients_per_chunk`` are the last engine's.
+  ``clients``, ``client_steps`` (useful), ``padded_steps`` (executed),
+  ``chunks``; the last engine's ``name`` and ``clients_per_chunk``.
   """
 
   _KEYS = ('clients', 'client_steps', 'padded_steps', 'chunks')
@@ -312,7 +273,7 @@ class StatsRecorder:
             **counts}
 
   def take(self) -> dict[str, Any]:
-    """The counts since the last ``take`` (then reset), with name and chunk size."""
+    """The counts since the last ``take`` (then reset)."""
     out = self._view(dict(self._counts))
     self._counts = dict.fromkeys(self._KEYS, 0)
     return out

@@ -1,80 +1,8 @@
-"""Compression for ANY ``fedjax.for_each_client`` algorithm, as a backend.
+"""Download/upload compression for any ``fedjax.for_each_client`` algorithm.
 
-FedJAX's algorithms (``fedjax.algorithms.fed_avg``, ``fed_prox``,
-``mime_lite``, ...) and a user's own run their clients through
-``fedjax.for_each_client``, which calls the current
-``fedjax.ForEachClientBackend``. :class:`CompressedBackend` is such a
-backend: it runs the algorithm UNMODIFIED on a base backend (FedJAX's
-``jit`` backend or :class:`~fedlite_jax.rounds.VmapBackend`) and puts two
-:class:`~fedlite_jax.transforms.CommTransform` on the wire:
-
-* download: the call's ``shared_input`` (what ``for_each_client``
-  broadcasts to every client: fed_avg / fed_prox pass the server params,
-  MimeLite ``{'params', 'opt_state'}`` and, for its gradient pass, the
-  params) is encoded once per call and every client starts from the
-  decoded copy ``Q(w)`` -- both ``client_init`` and ``client_final`` see
-  it, so fed_avg's delta is ``Q(w) - w_client`` (as in
-  :func:`fedlite_jax.algorithms.fedopt.efficient_federated_averaging`);
-* upload: each client's ``client_final`` output (fed_avg / fed_prox /
-  MimeLite training: the model delta; MimeLite's gradient pass:
-  ``(sum of num * grads, num)``) is encoded by the client and the
-  algorithm receives the decoded output.
-
-Select it BEFORE building the algorithm (FedJAX binds the backend when the
-algorithm calls ``fedjax.for_each_client``, i.e. at construction)::
-
-  backend = fedlite_jax.rounds.CompressedBackend(
-      upload='intrinsic_projection:4096,uniform_quantization:8',
-      download='uniform_quantization:16')
-  with fedjax.for_each_client_backend(backend):
-    algorithm = fedjax.algorithms.fed_avg.federated_averaging(...)
-  ...  # algorithm.init / algorithm.apply as usual (outside the block is fine)
-  backend.ledger.summary()['upload_compression']   # 32 D / (8 * 4096 + 64)
-
-Which leaves are compressed: every floating array leaf with at least one
-dimension (model parameters, deltas, gradients, optimizer statistics) goes
-through the transform as ONE pytree (the other leaves replaced by ``None``,
-so for an all-floating input the pytree is the input itself); integer,
-boolean, PRNG-key and 0-d leaves (counters, MimeLite's example count) pass
-through unchanged and are charged at their width (``8 * itemsize`` bits
-per entry). Without a transform (``None``) everything is charged at its
-width: 32 bits per float32 entry.
-
-Keys (deterministic; the same as the FedOpt round (algorithms/fedopt.py), so that
-``fed_avg`` through this backend EQUALS ``efficient_federated_averaging``
-with the same ``Compression`` and ``seed``; see
-``tests/test_compressed_backend.py``):
-
-* round ``r``: this backend counts rounds itself; a round starts when a
-  ``for_each_client`` function built by this backend is called a second
-  time (fed_avg: every call; MimeLite: its training call, the gradient call
-  of the same ``apply`` belongs to the same round). The ``j``-th call of a
-  round (``j = 0, 1, ...``) is its call index.
-* upload key of a client whose client input is a PRNG key (FedJAX's
-  algorithms pass the client's round key from the sampler, itself derived
-  from the sampler's seed, round and client): ``fold_in(client_key,
-  UPLOAD_STREAM)``, as ``fedopt.py``; otherwise (another client input)
-  ``fold_in(fold_in(fold_in(PRNGKey(seed), UPLOAD_STREAM), r),
-  crc32(client_id))``. Calls with ``j > 0`` fold in ``j`` on top, so
-  MimeLite's delta and gradient get different keys.
-* download key: ``fold_in(fold_in(PRNGKey(seed), DOWNLOAD_STREAM), r)``
-  (``fold_in(., j)`` on top for ``j > 0``), as ``fedopt.py``.
-
-Bits (recorded in :attr:`CompressedBackend.ledger`, a
-:class:`fedlite_jax.comm.CommLedger`; units: bits per client per round):
-upload = the message size of each output (``Encoded.bits``, static) plus the
-pass-through leaves; download = the message size of the call's shared input
-plus its pass-through leaves, charged to every client of the call. An array
-that was already sent in the same round (the very same object, e.g. the
-params MimeLite's gradient pass reuses from its training pass) is not sent
-or charged again; clients get the same decoded copy.
-
-Transforms may be stateless or have a read-only state
-(:func:`fedlite_jax.transforms.init_read_only`): the state is built once per
-input structure by ``init`` (e.g. the intrinsic projection's Fastfood
-matrices, drawn from its seed), which sender and receiver share; a
-transform that updates its state (``top_k(error_feedback=True)``) raises
-``ValueError`` at the first call.
+The algorithm runs unmodified; each call's ``shared_input`` and each client's
+``client_final`` output are encoded and decoded, their bits charged to a
+ledger. Notes (keys, rounds): docs/notes/rounds.md.
 """
 
 from __future__ import annotations
@@ -184,11 +112,7 @@ class _Channel:
     return self._states[spec]
 
   def send(self, tree: PyTree, key_fn) -> tuple[PyTree, float, int]:
-    """Encodes + decodes the compressible leaves of ``tree``.
-
-    Returns:
-      ``(received tree, bits, number of compressed entries)``.
-    """
+    """``(received tree, bits, compressed entries)`` of ``tree``."""
     leaves, treedef = jax.tree.flatten(tree)
     mask = [self.transform is not None and _compressible(x) for x in leaves]
     bits = sum(_raw_bits(x) for x, m in zip(leaves, mask) if not m)
@@ -207,43 +131,36 @@ class _Channel:
 class CompressedBackend(fedjax.ForEachClientBackend):
   """A ``fedjax.ForEachClientBackend`` that compresses download and upload.
 
-  See the module docstring for what is compressed, the keys and the bits.
+  Select it before building the algorithm (FedJAX binds the backend then).
+  Floating array leaves with >= 1 dimension go through the transform; other
+  leaves pass through at ``8 * itemsize`` bits per entry. Bits per client
+  per round: upload = ``Encoded.bits`` of its output plus pass-through;
+  download = the call's shared input, each array once per round. Keys fold
+  ``seed``, the round and the client (or a PRNG-key client input) as
+  :mod:`fedlite_jax.algorithms.fedopt`. Transform state must be read-only.
 
   Args:
     upload: transform of each client's output: a
       :class:`~fedlite_jax.transforms.CommTransform`, a stage string
-      (:func:`fedlite_jax.transforms.parse_chain`, e.g.
-      ``'intrinsic_projection:4096,uniform_quantization:8'``; its
-      intrinsic/sketch seed defaults to ``seed``), or None/'' (uncompressed).
+      (:func:`fedlite_jax.transforms.parse_chain`; its seed defaults to
+      ``seed``), or None/'' (uncompressed).
     download: transform of each call's shared input (same forms).
-    base: per-client execution: None or 'jit' (FedJAX's jit backend),
-      'vmap' (:class:`~fedlite_jax.rounds.VmapBackend`), or any
+    base: None or 'jit' (FedJAX's jit backend), 'vmap'
+      (:class:`~fedlite_jax.rounds.VmapBackend`), or any
       ``fedjax.ForEachClientBackend``.
-    seed: run seed of the download keys (and of upload keys for client
-      inputs that are not PRNG keys).
-    num_params: D of the ledger's uncompressed baseline (``32 D`` bits per
-      client per direction); default: the number of compressible entries of
-      the first client output (fed_avg / fed_prox / mime_lite: the model
-      size).
-    clients_per_chunk: base 'vmap': clients per chunk per device (int > 0,
-      0 or None for no limit, or 'auto'; see
-      :class:`~fedlite_jax.rounds.VmapBackend`); ignored by other bases.
-
-  Attributes:
-    upload, download: the transforms (None = uncompressed).
-    rounds_started: number of rounds seen so far.
+    seed: run seed of the download keys (and of non-key client inputs).
+    num_params: D of the ledger's baseline (``32 D`` bits per client per
+      direction); default: the compressible entries of the first output.
+    clients_per_chunk: for base 'vmap' only (``VmapBackend``).
 
   Raises:
-    ValueError: a bad ``base`` or transform (here); from the functions it
-      builds, a transform whose state is not read-only (one line).
+    ValueError: a bad ``base`` or transform, or (when run) a non-read-only one.
   """
 
-  def __init__(self,
-               upload: Union[None, str, tx.CommTransform] = None,
+  def __init__(self, upload: Union[None, str, tx.CommTransform] = None,
                download: Union[None, str, tx.CommTransform] = None,
                base: Union[None, str, fedjax.ForEachClientBackend] = None,
-               seed: int = 0,
-               num_params: Optional[int] = None,
+               seed: int = 0, num_params: Optional[int] = None,
                clients_per_chunk: Union[int, str, None] = 'auto'):
     self.upload = _as_transform(upload, seed, 'upload')
     self.download = _as_transform(download, seed, 'download')
@@ -263,6 +180,7 @@ class CompressedBackend(fedjax.ForEachClientBackend):
 
   @property
   def rounds_started(self) -> int:
+    """Number of rounds seen so far."""
     return self._round + 1
 
   @property
@@ -274,11 +192,6 @@ class CompressedBackend(fedjax.ForEachClientBackend):
   @property
   def ledger(self) -> ledger_lib.CommLedger:
     """A :class:`~fedlite_jax.comm.CommLedger` of every round so far.
-
-    Built afresh from :attr:`client_bits` on each access (so it is complete
-    whenever it is read); ``.summary()`` gives bytes and compression ratios
-    against uncompressed FedAvg (``32 * num_params`` bits per client each
-    way).
 
     Raises:
       ValueError: before any client output when ``num_params`` was not given.

@@ -1,25 +1,8 @@
-"""Execution of one round's client updates: a Python loop or one vmapped program.
+"""Round engines: a round's client updates as a Python loop or vmapped.
 
-Both engines take a :class:`ClientProgram` (pure ``init`` / ``step`` /
-``final`` functions, the shape of FedJAX's ``for_each_client``) and a cohort
-of :class:`ClientWork` items, and return ``sum_i w_i * output_i``, ``sum_i
-w_i`` and the per-client diagnostics. Weighted sums (not means) let algorithms
-such as PVT divide per variable by the weight of the clients that trained it.
-
-* :class:`VmapEngine`: the clients as compiled programs of ``jax.vmap`` over
-  clients and ``lax.scan`` over local steps (:class:`VmappedClients`, which
-  :class:`~fedlite_jax.rounds.VmapBackend` shares), in chunks of similar step
-  counts (:mod:`fedlite_jax.rounds.chunking`), the weighted sum accumulated
-  on the device, so peak memory follows the chunk, not the cohort. The
-  layout for GPU/TPU.
-* :class:`LoopEngine`: a Python loop over clients calling jitted blocks of
-  ``steps_per_call`` unrolled steps: XLA:CPU runs a ``while`` loop (scan) or
-  a vmap around a convolutional training step slower than per-step jitted
-  calls (docs/DESIGN_NOTES.md, jax-ml/jax#12868), so this is the CPU default.
-
-Masked steps use ``jnp.where(mask, new_state, state)``: the state after a
-masked step is bit-identical to the state before it. Engine statistics go to
-every open :func:`~fedlite_jax.rounds.chunking.recording_stats` context.
+:class:`VmapEngine` (GPU/TPU default) runs chunks of clients as one vmap +
+scan program; :class:`LoopEngine` (CPU default, jax-ml/jax#12868) calls
+jitted steps per client. Notes: docs/notes/rounds.md.
 """
 
 from __future__ import annotations
@@ -52,14 +35,11 @@ class ClientProgram:
   """A client update as three pure, jittable functions.
 
   Attributes:
-    init: ``(shared_input, client_input) -> state``. ``shared_input`` is the
-      same for every client of the round (e.g. the server model);
-      ``client_input`` is per client (e.g. its PRNG key).
-    step: ``(state, batch) -> state``; one local step on one batch (a dict of
-      arrays with a fixed leading batch size).
-    final: ``(shared_input, state) -> (output, diagnostics)``. ``output`` is
-      the pytree the engine reduces as a weighted sum (e.g. the model delta);
-      ``diagnostics`` is a small pytree kept per client.
+    init: ``(shared_input, client_input) -> state``; ``shared_input`` is the
+      same for all clients (the server model), ``client_input`` per client.
+    step: ``(state, batch) -> state``; one local step.
+    final: ``(shared_input, state) -> (output, diagnostics)``; ``output`` is
+      summed with the client weights, ``diagnostics`` kept per client.
   """
   init: Callable[[PyTree, PyTree], PyTree]
   step: Callable[[PyTree, Batch], PyTree]
@@ -71,11 +51,10 @@ class ClientWork:
   """One sampled client's work for a round.
 
   Attributes:
-    client_id: the client's id (bytes), for diagnostics and the ledger.
-    batches: the local batches in order; every batch of every client of a
-      round must have the same structure and shapes.
+    client_id: the client's id.
+    batches: the local batches in order (all of a round's alike in shape).
     client_input: pytree passed to ``ClientProgram.init``.
-    weight: the client's aggregation weight (FedAvg: number of examples).
+    weight: the aggregation weight (FedAvg: number of examples).
   """
   client_id: bytes
   batches: Sequence[Batch]
@@ -98,7 +77,7 @@ class RoundResult:
 
 
 def default_engine_name() -> str:
-  """'vmap' on GPU/TPU, 'loop' on CPU (see the module docstring)."""
+  """'vmap' on GPU/TPU, 'loop' on CPU."""
   return 'loop' if jax.default_backend() == 'cpu' else 'vmap'
 
 
@@ -107,8 +86,7 @@ def _masked(new: PyTree, old: PyTree, mask: jax.Array) -> PyTree:
 
 
 def _stack_rows(*xs) -> Any:
-  """Stacks per-client leaves: on the device when any is a device array
-  (state carried between programs stays there), else on the host."""
+  """Stacks per-client leaves on the device if any is there, else on host."""
   if any(isinstance(x, jax.Array) for x in xs):
     return jnp.stack([jnp.asarray(x) for x in xs])
   return np.stack([np.asarray(x) for x in xs])
@@ -133,8 +111,8 @@ class LoopEngine:
 
   Args:
     program: the client update.
-    steps_per_call: local steps unrolled into one jitted call (>= 1). A
-      client's last block is padded with masked no-op steps.
+    steps_per_call: local steps unrolled into one jitted call (>= 1); the
+      last block is padded with masked steps.
   """
 
   name = 'loop'
@@ -147,7 +125,7 @@ class LoopEngine:
 
     @jax.jit
     def init(shared_input, client_input):
-      # Copy so that the state never aliases shared_input and can be donated.
+      # A copy: the state must not alias shared_input to be donated.
       return jax.tree.map(jnp.copy, program.init(shared_input, client_input))
 
     if steps_per_call == 1:
@@ -213,25 +191,19 @@ class LoopEngine:
 
 
 class VmappedClients:
-  """A client update for many clients as ONE jitted program (vmap + scan).
+  """A client update for many clients as one jitted vmap + scan program.
 
-  ``jax.vmap`` over clients of ``lax.scan`` over local steps, each client
-  padded to ``steps`` with masked no-op steps (zero batches and step
-  results, state unchanged) and the client axis padded with padding clients
-  (zero ``client_input``, no steps) to a multiple of the mesh's devices.
-  :class:`VmapEngine` and :class:`~fedlite_jax.rounds.VmapBackend` run it.
+  Clients are padded to ``steps`` with masked steps (zero batches and step
+  results), the client axis with padding clients (zero ``client_input``, no
+  steps) to a multiple of the mesh's devices.
 
   Args:
-    init: ``(shared_input, client_input) -> state``.
-    step: ``(state, batch) -> (state, step_result)``.
-    final: ``(shared_input, state) -> output``.
-    mesh: the :class:`ClientMesh` to split clients over (several processes
-      allowed); None runs on the default device with no padding clients.
-    reduce: ``(outputs, step_results) -> result`` inside the same program
-      (e.g. a sum over clients: an all-reduce on a mesh); leaves are
-      ``[rows, ...]`` and ``[rows, steps, ...]``. None: both unreduced.
-    out_shardings: ``jax.jit`` output shardings of the result (None: XLA's
-      choice).
+    init, step, final: ``(shared, client_input) -> state``, ``(state,
+      batch) -> (state, step_result)``, ``(shared, state) -> output``.
+    mesh: the :class:`ClientMesh` of the clients; None: default device.
+    reduce: ``(outputs, step_results) -> result`` in the same program
+      (leaves ``[rows, ...]``, ``[rows, steps, ...]``); None: both.
+    out_shardings: ``jax.jit`` output shardings (None: XLA's choice).
   """
 
   def __init__(self, init: Callable[[PyTree, PyTree], PyTree],
@@ -280,24 +252,17 @@ class VmappedClients:
     """Runs this process's clients as one program; returns ``reduce``'s result.
 
     Args:
-      shared_input: the same for every client (e.g. the server model).
-      client_batches: per local client (in row order), its batches; every
-        batch has the same structure and shapes. A client may have none.
+      shared_input: the same for every client.
+      client_batches: per local client (row order), its batches (maybe none).
       client_inputs: per local client, the pytree passed to ``init``.
-      steps: the padded step count, >= every client's batch count and the
-        same on every process (:func:`bucket_steps`).
-      cohort_size: rows of the client axis over all processes before the
-        mesh's padding (default: the local count).
-      lanes: the same as ``cohort_size`` (a chunk's :attr:`Chunk.lanes`);
-        give one of the two.
-      template: ``(batch, client_input)`` whose shapes padding clients take,
-        for a process with no client of its own in this program (default:
-        the first client's).
+      steps: padded step count (>= every batch count; same on all processes).
+      cohort_size: client rows over all processes before the mesh's padding
+        (default: the local count); ``lanes`` is an alias.
+      template: ``(batch, client_input)`` giving padding clients' shapes
+        (default: the first client's).
 
     Returns:
-      ``reduce(outputs, step_results)`` (default the pair), as global
-      arrays whose client rows are :meth:`rows`; padding rows hold the
-      outputs of padding clients.
+      ``reduce(outputs, step_results)`` as global arrays (rows: :meth:`rows`).
 
     Raises:
       ValueError: no client has any batch and no ``template`` is given.
@@ -338,23 +303,14 @@ class VmappedClients:
 
 
 class VmapEngine:
-  """The clients of a round as vmapped programs, in chunks (vmap + scan).
-
-  Each chunk (:func:`~fedlite_jax.rounds.chunking.plan_round`) is one run of
-  a :class:`VmappedClients` program that also sums its clients' weighted
-  outputs; the chunk sums are accumulated on the device, and the next chunk
-  is stacked on the host while the device runs the current one.
+  """A round's clients as one :class:`VmappedClients` run per chunk.
 
   Args:
     program: the client update.
-    step_bucket: :func:`bucket_steps` policy of each chunk's step count:
-      'grid' (default), 'pow2', 'exact' or an int fixed budget.
-    mesh: split each chunk's clients over this :class:`ClientMesh` (devices
-      and processes); None runs on the default device.
-    clients_per_chunk: most clients of a chunk per device: an int > 0, 0 or
-      None (no limit: lanes follow the cohort), or 'auto'
-      (:func:`resolve_clients_per_chunk` from the parameter bytes of
-      ``shared_input`` at the first call and the device's memory).
+    step_bucket: :func:`bucket_steps` policy ('grid', 'pow2', 'exact', int).
+    mesh: the :class:`ClientMesh` to split clients over; None: one device.
+    clients_per_chunk: an int > 0, 0 or None (no limit), or 'auto'
+      (:func:`resolve_clients_per_chunk` of ``shared_input``'s bytes).
   """
 
   name = 'vmap'
@@ -371,8 +327,7 @@ class VmapEngine:
     self._per_chunk_setting = clients_per_chunk
     self._per_chunk: Optional[int] = None
 
-    # The client's weight rides in its state (unchanged by every step) so
-    # that ``final`` can weight the output inside the program.
+    # The weight rides in the state so that final weights the output.
     def init(shared_input, client_input):
       inner, weight = client_input
       return program.init(shared_input, inner), weight
@@ -384,8 +339,7 @@ class VmapEngine:
     def final(shared_input, state):
       inner, weight = state
       output, diag = program.final(shared_input, inner)
-      # where, not a product: a padding client (weight 0) whose output is
-      # not finite must not turn the sum into NaN.
+      # where, not a product: a padding client's NaN must not reach the sum.
       return jax.tree.map(lambda o: jnp.where(weight > 0, weight * o, 0.),
                           output), diag
 
@@ -441,8 +395,7 @@ class VmapEngine:
           row = p * chunk.lanes + lane
           per_client[i] = jax.tree.map(lambda x, r=row: x[r], diags)
     if mesh is not None:
-      # The replicated sum as this process's own single-device arrays, so the
-      # server update that follows is an ordinary (process-local) program.
+      # Process-local arrays, so the server update is a process-local program.
       weighted_sum = jax.tree.map(lambda x: x.addressable_data(0),
                                   weighted_sum)
     chunking.record(self.name, self._per_chunk, clients=len(work),
@@ -458,23 +411,18 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
                 mesh: Optional[sharding.ClientMesh] = None,
                 clients_per_chunk: int | str | None = 'auto'
                 ) -> LoopEngine | VmapEngine:
-  """Builds an engine by name ('auto', 'loop' or 'vmap').
+  """Builds an engine by name.
 
   Args:
-    name: 'auto' (vmap on GPU/TPU or on a mesh of several devices, loop on
-      a single CPU device), 'loop' or 'vmap'.
+    name: 'auto' (vmap on GPU/TPU or several devices), 'loop' or 'vmap'.
     program: the client update.
     steps_per_call: loop engine: local steps per jitted call.
-    step_bucket: vmap engine: step padding policy (:func:`bucket_steps`).
-    clients_per_chunk: vmap engine: clients per chunk per device
-      (:class:`VmapEngine`).
-    mesh: devices/processes to split clients over; None takes the mesh set by
-      ``sharding.use_client_mesh`` (if any). A mesh of one device in one
-      process is the same as none.
+    step_bucket, clients_per_chunk: vmap engine (:class:`VmapEngine`).
+    mesh: the :class:`ClientMesh`; None: the one set by
+      ``sharding.use_client_mesh``, if any. One device is the same as none.
 
   Raises:
-    ValueError: for an unknown name, or 'loop' with a mesh of several
-      devices (the loop engine runs on one device).
+    ValueError: an unknown name, or 'loop' with several devices.
   """
   if mesh is None:
     mesh = sharding.current_client_mesh()

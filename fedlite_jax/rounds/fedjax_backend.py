@@ -1,56 +1,9 @@
 """A vmapped (and device-sharded) ``fedjax.ForEachClientBackend``.
 
-FedJAX's own algorithms (``fedjax.algorithms.fed_avg``, ``fed_prox``,
-``mime_lite``, ``apfl``, ``hyp_cluster``, ...) and any user algorithm
-written with ``fedjax.for_each_client`` run their clients through a backend.
-FedJAX's ``jit`` backend calls a jitted step per client per batch from
-Python; its ``pmap`` backend needs one device per client.
-:class:`VmapBackend` runs the clients of a call as compiled programs of
-:class:`~fedlite_jax.rounds.engine.VmappedClients` (the program of
-:class:`~fedlite_jax.rounds.VmapEngine`): ``jax.vmap`` over clients,
-``lax.scan`` over local steps, the clients split over a
-:class:`~fedlite_jax.rounds.sharding.ClientMesh` when several devices are
-present. Select it without touching the algorithm, BEFORE building it
-(FedJAX binds the backend when the algorithm calls
-``fedjax.for_each_client``, i.e. at construction)::
-
-  fedjax.set_for_each_client_backend(fedlite_jax.rounds.VmapBackend())
-  algorithm = fedjax.algorithms.fed_avg.federated_averaging(...)
-  # or: with fedjax.for_each_client_backend(VmapBackend()):
-  #       algorithm = ...  (built inside; apply may run outside)
-
-How a call is run:
-
-* Chunks: clients with the same client-input shapes and first-batch shapes
-  form a group; each group is cut into chunks of at most
-  ``clients_per_chunk`` clients per device by
-  :func:`~fedlite_jax.rounds.chunking.plan_chunks` (clients sorted by local
-  step count, steps padded with masked no-op steps to
-  :func:`~fedlite_jax.rounds.chunking.bucket_steps`, lanes a multiple of the
-  device count). Chunks run one at a time and their clients are yielded as
-  soon as the chunk is done, so at most one chunk's outputs are live on the
-  device while the algorithm consumes them. Clients come back group by group
-  and chunk by chunk (reordered, as from FedJAX's ``pmap`` backend), in call
-  order within a chunk; with one group in one chunk, in call order.
-* Batch shapes: a client's consecutive batches of equal shapes form a
-  segment. A client with several segments (e.g. the smaller last batch of
-  ``ClientDataset.batch``) runs them in order as successive programs of its
-  chunk, its state carried from one program to the next; clients of a chunk
-  whose next segments have equal shapes share a program. Step results come
-  back per client in step order. A client with no batch runs
-  ``client_final(client_init(...))`` alone.
-* State shapes: a step whose new state has a leaf of another shape or dtype
-  but the same size as the state it got (FedJAX's ``apfl`` mixing weight,
-  ``float32[]`` in, ``float32[1]`` out) is cast back to the state's shape
-  and dtype, so the scan carry keeps one type; values are unchanged. A
-  step that changes a leaf's size or the state's structure raises
-  ``ValueError``.
-
-Same results as FedJAX's ``jit`` backend to float tolerance
-(``tests/test_fedjax_backend.py``); ``benchmarks/bench_scaling.py`` times
-it. Counts (clients, useful and executed local steps, program runs) go to
-:func:`fedlite_jax.rounds.chunking.recording_stats` under the name
-``'vmap_backend'``.
+Clients run as :class:`~fedlite_jax.rounds.engine.VmappedClients` programs
+in chunks of similar step counts and come back chunk by chunk (reordered, as
+from FedJAX's ``pmap`` backend), in call order within a chunk. Counts go to
+:func:`~fedlite_jax.rounds.chunking.recording_stats` as ``'vmap_backend'``.
 """
 
 from __future__ import annotations
@@ -69,7 +22,6 @@ from fedlite_jax.rounds import sharding
 from fedlite_jax.common import PyTree
 
 
-
 def _signature(tree: PyTree) -> tuple:
   """Structure, shapes and dtypes of a pytree (the key of a program)."""
   return jax.tree.structure(tree), tuple(
@@ -78,7 +30,7 @@ def _signature(tree: PyTree) -> tuple:
 
 
 def _segments(batches: list) -> list[tuple[tuple, int, int]]:
-  """``[(signature, start, end)]``: runs of consecutive equally shaped batches."""
+  """``[(signature, start, end)]``: runs of equally shaped batches."""
   out = []
   for t, batch in enumerate(batches):
     sig = _signature(batch)
@@ -117,23 +69,19 @@ def _cast_like(new: PyTree, old: PyTree) -> PyTree:
 class VmapBackend(fedjax.ForEachClientBackend):
   """``for_each_client`` as vmapped, chunked, optionally sharded programs.
 
-  See the module docstring for grouping, chunks, segments and state casts.
+  Select it before building the algorithm (FedJAX binds the backend then).
+  A client's runs of equal-shape batches run as successive programs, the
+  state carried between them; a step's state leaf of another shape or dtype
+  but the same size (FedJAX's ``apfl``) is cast back.
 
   Args:
-    mesh: the devices to split clients over; None uses every local device
-      (:func:`~fedlite_jax.rounds.sharding.make_client_mesh`). A mesh of one
-      device is plain vmap on that device.
-    step_bucket: local-step padding (:func:`~fedlite_jax.rounds.engine.
-      bucket_steps`): 'grid' (default), 'pow2', 'exact' or an int budget.
-    clients_per_chunk: most clients of a chunk per device: an int > 0, 0 or
-      None (no limit), or 'auto'
-      (:func:`~fedlite_jax.rounds.chunking.resolve_clients_per_chunk` from the
-      bytes of the first call's ``shared_input`` and the device's memory).
+    mesh: the devices to split clients over; None: every local device.
+    step_bucket, clients_per_chunk: as
+      :class:`~fedlite_jax.rounds.VmapEngine`.
 
   Raises:
-    ValueError: a bad ``step_bucket`` or ``clients_per_chunk`` (here); from
-      the returned function, a mesh of several processes, or a step that
-      changes the size of a state leaf or the state's structure.
+    ValueError: a bad option; when run, several processes, or a step changing
+      the state's structure or a leaf's size.
   """
 
   def __init__(self, mesh: Optional[sharding.ClientMesh] = None,
@@ -149,8 +97,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
 
   @property
   def clients_per_chunk(self) -> Optional[int]:
-    """The resolved chunk size per device (0: no limit); None before the
-    first call when set to 'auto'."""
+    """The resolved chunk size per device (0: no limit; None: not yet)."""
     return self._per_chunk
 
   def __call__(self, client_init, client_step, client_final):
@@ -163,8 +110,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
     programs: dict[tuple[bool, bool], engine_lib.VmappedClients] = {}
 
     def program(first: bool, last: bool) -> engine_lib.VmappedClients:
-      """init -> steps -> final; a non-first program starts from a carried
-      state (its client input), a non-last one returns the state."""
+      """init, steps, final; not first/last: from/to a carried state."""
       if (first, last) not in programs:
 
         def init(shared_input, client_input):

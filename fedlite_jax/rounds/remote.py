@@ -1,13 +1,7 @@
 """Stand-ins for clients whose data another process loads (multi-host runs).
 
-With several JAX processes every process samples the same cohort (the
-sampler is deterministic in the seed and round), but loads only the clients
-it runs (:meth:`fedlite_jax.rounds.sharding.ClientMesh.local_clients`). The
-others are :class:`RemoteClientDataset` objects: they know their number of
-examples (from the federated data's metadata, e.g. the SQLite
-``num_examples`` column), so weights, step counts and the communication
-ledger are the same on every process, but their examples are never read.
-Their batches are :class:`RemoteBatches`: a length without contents.
+They know their size (from the data's metadata), so weights, step counts and
+the ledger agree on every process, but their examples are never read.
 """
 
 from __future__ import annotations
@@ -23,8 +17,8 @@ def num_shuffle_repeat_batches(num_examples: int,
                                ) -> int:
   """Batches ``ClientDataset.shuffle_repeat_batch(hparams)`` yields.
 
-  Follows FedJAX 0.0.17's rule: ``ceil(n * epochs / B)`` batches (``floor``
-  with ``drop_remainder``), capped at ``num_steps`` when it is set.
+  FedJAX 0.0.17's rule: ``ceil(n * epochs / B)`` (``floor`` with
+  ``drop_remainder``), capped at ``num_steps``.
 
   Raises:
     ValueError: both ``num_epochs`` and ``num_steps`` are None (infinite).
@@ -45,7 +39,7 @@ class RemoteBatches(Sequence[Any]):
   """The batches of a client that another process runs: a length only.
 
   Raises:
-    RuntimeError: on any access to a batch (the data is not on this host).
+    RuntimeError: on any access to a batch.
   """
 
   def __init__(self, num_batches: int, client_id: Any, owner: Optional[int]):
@@ -100,13 +94,11 @@ class RemoteClientDataset:
 
 
 class PartitionedFederatedData:
-  """Wraps federated data so ``get_clients`` loads only local clients.
+  """Federated data whose ``get_clients(cohort)`` loads only local clients.
 
-  ``fedjax.client_samplers.UniformGetClientSampler`` calls
-  ``get_clients(ids)`` with the round's whole cohort in order; positions
-  that ``is_local(position, cohort_size)`` rejects come back as
-  :class:`RemoteClientDataset` with their size from ``client_sizes()``.
-  Every other attribute is the wrapped object's.
+  Positions that ``is_local(position, cohort_size)`` rejects come back as
+  :class:`RemoteClientDataset` of ``owner(position, cohort_size)``; other
+  attributes are the wrapped object's.
   """
 
   def __init__(self, federated_data: Any, is_local, owner):

@@ -1,30 +1,8 @@
 """Clients of a round split across devices and hosts (``jax.sharding``).
 
-A :class:`ClientMesh` is a one-axis ``jax.sharding.Mesh`` (axis ``'clients'``)
-over ``num_devices`` devices of every process. The vmapped round program
-(:class:`fedlite_jax.rounds.VmapEngine`) takes its per-client inputs sharded
-along that axis (``NamedSharding(mesh, P('clients'))``) and the shared input
-(the server model) replicated; the weighted sum over clients inside the same
-``jax.jit`` program becomes XLA's cross-device all-reduce, so one program
-serves one CPU, several GPUs, a TPU slice or several hosts. No ``pmap``.
-
-Layout of a cohort of ``C`` clients on ``N`` devices in ``P`` processes:
-the cohort is padded to ``C_pad = ceil(C / N) * N`` rows with zero-weight
-padding clients (never dropping a client); the mesh lists the devices of
-process 0 first, so process ``p`` holds the block of rows ``[p * C_pad / P,
-(p + 1) * C_pad / P)``. Real clients are dealt to processes as evenly as
-possible (``C // P`` or one more, in cohort order) and fill the first rows of
-their process's block. Each process loads only its own clients' data
-(:class:`fedlite_jax.rounds.remote.RemoteClientDataset` stands in for the
-others; see ``fedlite_jax.training.runner``).
-
-Several hosts: :func:`initialize_distributed` wraps
-``jax.distributed.initialize`` (CPU collectives through gloo) with a timeout
-that becomes a clear error instead of a hang.
-
-The mesh used by :func:`fedlite_jax.rounds.make_engine` when none is passed
-is the one set with :func:`use_client_mesh` (like FedJAX's
-``for_each_client_backend`` context), so algorithms need no extra argument.
+Per-client inputs are sharded along a one-axis mesh, the shared input is
+replicated, and the sum over clients becomes an all-reduce. Row layout over
+processes: docs/notes/rounds.md.
 """
 
 from __future__ import annotations
@@ -55,8 +33,6 @@ class ClientMesh:
   Attributes:
     mesh: ``jax.sharding.Mesh`` with the single axis ``'clients'``; devices
       ordered by (process index, device id).
-    num_processes: number of JAX processes (hosts) in the mesh.
-    process_index: this process's index.
   """
   mesh: Mesh
 
@@ -95,9 +71,7 @@ class ClientMesh:
                     process_index: Optional[int] = None) -> tuple[int, int]:
     """``[lo, hi)``: the cohort positions a process runs and loads.
 
-    Raises:
-      ValueError: a cohort smaller than the number of processes (a process
-        would have no client to take batch shapes from).
+    Raises ValueError for a cohort smaller than the number of processes.
     """
     if cohort_size < self.num_processes:
       raise ValueError(
@@ -118,11 +92,7 @@ class ClientMesh:
     return self.owner(position, cohort_size) == self.process_index
 
   def rows(self, cohort_size: int) -> np.ndarray:
-    """``[cohort_size]`` int: the row of the padded global array of each client.
-
-    Process ``p``'s real clients fill the first rows of its block of
-    :meth:`rows_per_process` rows; zero-weight padding clients fill the rest.
-    """
+    """``[cohort_size]`` int: each client's row of the padded global array."""
     share = self.rows_per_process(cohort_size)
     out = []
     for p in range(self.num_processes):
@@ -140,15 +110,9 @@ class ClientMesh:
     return NamedSharding(self.mesh, P())
 
   def put_clients(self, local: np.ndarray, cohort_size: int) -> jax.Array:
-    """A global client-sharded array from this process's block.
+    """A global client-sharded ``[C_pad, ...]`` array from this process's block.
 
-    Args:
-      local: ``[C_pad / P, ...]``: this process's block of rows (all
-        ``C_pad`` rows in a single process).
-      cohort_size: the unpadded cohort size ``C``.
-
-    Returns:
-      A ``jax.Array`` of shape ``[C_pad, ...]`` sharded over the mesh.
+    ``local``: its ``[C_pad / P, ...]`` rows; ``cohort_size``: the unpadded C.
     """
     global_shape = (self.padded_size(cohort_size),) + tuple(local.shape[1:])
     if not self.multi_process:
@@ -189,9 +153,7 @@ def make_client_mesh(num_devices: Optional[int] = None) -> ClientMesh:
   """A :class:`ClientMesh` over ``num_devices`` local devices per process.
 
   Args:
-    num_devices: devices of THIS process to use (default: all local
-      devices). With several processes every process must pass the same
-      value; the mesh then has ``num_processes * num_devices`` devices.
+    num_devices: devices of each process (default: all local ones).
 
   Raises:
     ValueError: ``num_devices`` < 1 or more than the local devices present.
@@ -249,17 +211,15 @@ def initialize_distributed(coordinator_address: str, num_processes: int,
   """``jax.distributed.initialize`` with CPU collectives and a clear timeout.
 
   Args:
-    coordinator_address: ``host:port`` of process 0's coordinator service.
-    num_processes: total number of processes (>= 1).
+    coordinator_address: ``host:port`` of process 0's coordinator.
+    num_processes: number of processes (>= 1).
     process_id: this process's index in ``[0, num_processes)``.
     timeout_s: seconds to wait for every process to connect.
 
   Raises:
-    ValueError: inconsistent numbers (process_id out of range, bad address).
-    DistributedInitError: (processes other than 0) the coordinator's port
-      was not reachable within ``timeout_s`` seconds (instead of hanging).
-      Process 0 itself is ended by XLA with DEADLINE_EXCEEDED if the others
-      do not connect within ``timeout_s``.
+    ValueError: process_id out of range or a bad address.
+    DistributedInitError: (process > 0) the coordinator was not reachable
+      within ``timeout_s`` (process 0 is ended by XLA with DEADLINE_EXCEEDED).
   """
   if num_processes < 1:
     raise ValueError(f'--num_processes={num_processes}: must be >= 1.')
@@ -271,15 +231,11 @@ def initialize_distributed(coordinator_address: str, num_processes: int,
     raise ValueError(f'--coordinator_address={coordinator_address!r}: must be '
                      'host:port, e.g. localhost:12355.')
   if process_id != 0:
-    # XLA aborts the whole process (not an exception) when the coordinator
-    # cannot be reached, so probe its port first and fail with a message.
+    # XLA aborts the process when the coordinator is unreachable: probe.
     _wait_for_port(host, int(port), timeout_s, coordinator_address,
                    process_id, num_processes)
-  # CPU cross-process collectives (GPU/TPU use their own); must be set before
-  # any backend is initialized, so no jax.devices() call may precede this.
+  # CPU collectives; set before any backend is initialized.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  # If the other processes never arrive, XLA ends this process after
-  # timeout_s with DEADLINE_EXCEEDED (it cannot be caught in Python).
   jax.distributed.initialize(coordinator_address, num_processes=num_processes,
                              process_id=process_id,
                              initialization_timeout=timeout_s)
@@ -310,7 +266,7 @@ def barrier(name: str) -> None:
 
 
 def check_same_across_processes(name: str, value: Any) -> None:
-  """Raises ValueError if ``value`` (hashable, e.g. flags) differs by process."""
+  """Raises ValueError if ``value`` (e.g. the flags) differs by process."""
   if jax.process_count() == 1:
     return
   digest = np.frombuffer(
