@@ -225,7 +225,8 @@ def seeded_run(flags: Sequence[str], rounds: int, seed: int,
   rec = run_or_reuse(flags, rounds)
   s = rec['summary']
   curve = stats.eval_rows(rec['curve'])
-  print(f'{flags[-3:]} seed {seed}: {s["final_eval"]}', flush=True)
+  run = next(f for f in reversed(flags) if f.startswith('--output_dir='))
+  print(f'{run.split("/")[-1]}: {s["final_eval"]}', flush=True)
   return {'command': rec['command'], 'commit': rec['commit'],
           'dirty': rec['dirty'], 'seed': seed, 'rounds': s['rounds'],
           'curve': curve, metric: stats.tail_mean(curve, metric),
