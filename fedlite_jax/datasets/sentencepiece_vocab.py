@@ -25,6 +25,7 @@ from fedlite_jax.datasets import info as info_lib
 from fedlite_jax.datasets import shakespeare
 from fedlite_jax.datasets import sources
 from fedlite_jax.datasets import stackoverflow
+from fedlite_jax import checks
 from fedlite_jax.common import PAD_ID
 
 BOS_ID = 1
@@ -276,13 +277,6 @@ def cached_sentencepiece_model(
   return proto, path
 
 
-def _check_length(sequence_length: int) -> None:
-  if isinstance(sequence_length, bool) or not isinstance(
-      sequence_length, (int, np.integer)) or sequence_length < 1:
-    raise ValueError(f'sequence_length must be an integer >= 1, got '
-                     f'{sequence_length!r}.')
-
-
 @dataclasses.dataclass(frozen=True)
 class SentencePieceTask:
   """Next-sub-word prediction on one text dataset; call it to load the data.
@@ -328,7 +322,7 @@ class SentencePieceTask:
       DatasetNotFoundError: no files of the dataset found.
       ValueError: a bad argument, or a vocab_size the corpus cannot support.
     """
-    _check_length(sequence_length)
+    checks.check_int(sequence_length, 'sequence_length')
     config.validate()
     opened = sources.open_splits(self.source, ('train', 'test'), data_dir,
                                  allow_download=allow_download,
