@@ -3,17 +3,9 @@
 Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
 Learning" (2022): gradients are compressed to ``A^T g`` (d numbers) and
 decompressed with ``A``, a D x d Fastfood matrix regenerated from a shared
-integer seed.
-
-* :mod:`fedlite_jax.igc.fwht`: fast Walsh-Hadamard transform
-  (``from fedlite_jax.igc.fwht import fwht``; the function is deliberately not
-  re-exported here, where its name would shadow the submodule).
-* :mod:`fedlite_jax.igc.fastfood`: ``A`` (``fastfood_params``) and its
-  products ``A s`` (``fastfood_lift``) and ``A^T g`` (``fastfood_project``).
-* :mod:`fedlite_jax.igc.reparameterization`: ``theta = theta_0 + A theta'``
-  over a whole parameter pytree (a model reparameterization; the
-  communication transform is
-  :func:`fedlite_jax.transforms.intrinsic_projection`).
+seed. ``fwht`` here is the submodule (``from fedlite_jax.igc.fwht import
+fwht`` for the function); the communication transform is
+:func:`fedlite_jax.transforms.intrinsic_projection`.
 """
 
 from fedlite_jax.igc import fwht  # the submodule
@@ -30,18 +22,7 @@ from fedlite_jax.igc.reparameterization import intrinsic_to_params
 from fedlite_jax.igc.reparameterization import IntrinsicSubspace
 from fedlite_jax.igc.reparameterization import make_intrinsic
 
-__all__ = [
-    'FastfoodParams',
-    'IntrinsicSubspace',
-    'SCALES',
-    'fastfood_lift',
-    'fastfood_params',
-    'fastfood_project',
-    'fwht',
-    'intrinsic_lift',
-    'intrinsic_project',
-    'intrinsic_subspace',
-    'intrinsic_to_params',
-    'make_intrinsic',
-    'padded_length',
-]
+__all__ = ['FastfoodParams', 'IntrinsicSubspace', 'SCALES', 'fastfood_lift',
+           'fastfood_params', 'fastfood_project', 'fwht', 'intrinsic_lift',
+           'intrinsic_project', 'intrinsic_subspace', 'intrinsic_to_params',
+           'make_intrinsic', 'padded_length']

@@ -2,64 +2,17 @@
 
 Source: Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
 Learning" (2022), Section 3.2, after Le, Sarlos & Smola, "Fastfood" (ICML
-2013), as implemented for intrinsic dimension by Li et al. (ICLR 2018) and
+2013), as used for intrinsic dimension by Li et al. (ICLR 2018) and
 Aghajanyan et al. (ACL 2021)::
 
     A = s * Unpad_D . H . G . Pi . H . B . Pad_L            (D x d)
     A^T = s * Unpad_d . B . H . Pi^T . G . H . Pad_L         (d x D)
 
-with ``L = 2**ceil(log2(max(D, d)))``, ``H`` the unnormalized L x L Sylvester
-Hadamard matrix (``scipy.linalg.hadamard(L)``), ``B`` a diagonal of random
-signs, ``Pi`` a uniformly random permutation applied as a gather
-(``(Pi v)[i] = v[perm[i]]``; ``Pi^T`` is the scatter ``w[perm[i]] = u[i]``,
-computed as the gather ``u[inv_perm]``),
-``G`` a diagonal of iid standard normals, ``Pad_L`` zero-padding to length L
-and ``Unpad_D`` taking the first D entries. ``A`` is never materialized: a
-product costs ``O(L log L)`` time and ``O(L)`` memory.
-
-Scale ``s`` (option ``scale``):
-
-* ``'unit_expectation'`` (default): ``s = 1 / (||G|| sqrt(d))`` and
-  ``E[A A^T] = I_D`` exactly. This is what the paper's algorithms assume
-  (Algorithms 1-3 draw ``A`` "with E[A A^T] = I_D"), so that the compressed
-  step ``theta -= lr * A A^T g`` (paper Eq. 5-6) equals SGD in expectation
-  at the same learning rate.
-* ``'unit_column'``: ``s = 1 / (||G|| sqrt(D))``, the normalization of Li et
-  al. (2018) and Aghajanyan et al. (2021) (``divisor = sqrt(L ||G||^2) *
-  sqrt(D / L)``). Columns have unit norm in expectation (exactly when D = L)
-  and ``E[A A^T] = (d / D) I_D``. Relative to the default, ``A`` is smaller by
-  ``sqrt(d / D)``, so the step ``A A^T g`` is ``d / D`` times smaller: the
-  learning rate must be ``D / d`` times larger to take the same expected step
-  in parameter space (for D = 1.2M, d = 16,384 that is 74x).
-
-Why both are exact (not just asymptotic): write ``s = c / ||g||`` (``c =
-1/sqrt(d)`` or ``1/sqrt(D)``, ``g`` the diagonal of ``G``). Then ``A A^T =
-c^2 Unpad_D H (G Pi Q Pi^T G / ||g||^2) H Unpad_D^T`` with ``Q = H Pad_L
-Pad_L^T H`` (``B`` drops out: ``B Pad Pad^T B = Pad Pad^T``). ``Q`` has
-diagonal ``d``, and by the sign and permutation symmetry of ``g``,
-``E[g_a g_b / ||g||^2] = delta_ab / L``; so, for any fixed ``B`` and ``Pi``,
-``E_G[G Pi Q Pi^T G / ||g||^2] = (d / L) I_L`` and ``H H = L I`` gives
-``E[A A^T] = c^2 d I_D``.
-
-Only the first ``d`` entries of ``B`` ever multiply non-zeros (``B`` acts
-after ``Pad_L``), so only those ``d`` signs are drawn and stored. Memory:
-``G`` (float32), ``perm`` and ``inv_perm`` (int32): 12 L bytes (1.5 GiB at
-L = 2**27, GPT-2).
-
-Two exact shortcuts halve the work: ``H_L = H_{L/m} (x) H_m`` (Sylvester
-ordering, ``m = 2**ceil(log2 d)``), so ``H_L Pad_L(v) = tile(H_m Pad_m(v),
-L/m)`` and ``first_m(H_L w) = H_m sum_blocks(w.reshape(L/m, m))``. A product
-with ``A`` or ``A^T`` therefore costs one length-L and one length-m FWHT.
-
-Randomness. Everything is regenerated from the integer ``seed`` (what client
-and server share, never ``A``): ``key = jax.random.key(seed)``; ``B`` from
-``fold_in(key, 0)``, ``perm`` from ``fold_in(key, 1)``, ``G`` from
-``fold_in(key, 2)``. The permutation is drawn on the host with NumPy
-(``PCG64`` seeded with the bits of ``fold_in(key, 1)``, Fisher-Yates):
-``jax.random.permutation`` sorts, and XLA:CPU's sort took 2.4 s at L = 2**21
-and 34 s at L = 2**24 here (NumPy: 0.15 s and 1.5 s). ``A`` for a given seed
-is reproducible across processes with the same JAX PRNG configuration
-(``jax_threefry_partitionable``) and NumPy's ``Generator.permutation``.
+``L = 2**ceil(log2(max(D, d)))``; ``H`` the unnormalized L x L Sylvester
+Hadamard matrix; ``B``, ``Pi``, ``G``: see :class:`FastfoodParams`; ``Pad_L``
+zero-pads to length L, ``Unpad_D`` keeps the first D entries. ``A`` is never
+materialized: a product costs ``O(L log L)`` time, ``O(L)`` memory. Why
+``E[A A^T]`` is exact and the block shortcuts: docs/notes/models.md.
 """
 
 from __future__ import annotations
@@ -77,16 +30,9 @@ from fedlite_jax.checks import check_int
 from fedlite_jax.igc.fwht import fwht
 from fedlite_jax.igc.fwht import is_power_of_two
 
-__all__ = [
-    'SCALES',
-    'FastfoodParams',
-    'check_int',
-    'check_seed',
-    'fastfood_params',
-    'fastfood_lift',
-    'fastfood_project',
-    'padded_length',
-]
+__all__ = ['SCALES', 'FastfoodParams', 'check_int', 'check_seed',
+           'fastfood_params', 'fastfood_lift', 'fastfood_project',
+           'padded_length']
 
 Scale = Literal['unit_expectation', 'unit_column']
 SCALES: tuple[str, ...] = ('unit_expectation', 'unit_column')
@@ -105,18 +51,15 @@ _STREAM_GAUSS = 2
 class FastfoodParams:
   """The random diagonals and permutation defining one Fastfood matrix A.
 
-  A JAX pytree: the arrays are leaves (so params can be passed to ``jit``,
-  stacked and ``vmap``-ped), the sizes are static metadata. Build it with
-  :func:`fastfood_params`; the fields below describe one matrix (stacked
-  params carry extra leading axes on every array).
+  A JAX pytree (arrays are leaves: ``jit``, stack, ``vmap``; sizes static).
 
   Attributes:
-    signs: ``int8[d]``, the first d diagonal entries of ``B``, in {-1, +1}.
-    perm: ``int32[L]``, a permutation of ``0..L-1``; ``Pi`` is the gather
+    signs: ``int8[d]``, the diagonal of ``B`` in {-1, +1} (only its first d
+      entries meet non-zeros after ``Pad_L``, so only those are stored).
+    perm: ``int32[L]``, uniformly random; ``Pi`` is the gather
       ``(Pi v)[i] = v[perm[i]]``.
-    inv_perm: ``int32[L]``, the inverse permutation (``inv_perm[perm[i]] =
-      i``); ``Pi^T v = v[inv_perm]``, the same as the scatter
-      ``w[perm[i]] = v[i]``.
+    inv_perm: ``int32[L]``, the inverse; ``Pi^T v = v[inv_perm]`` (the
+      scatter ``w[perm[i]] = v[i]``).
     gauss: ``float32[L]``, the diagonal of ``G``, iid N(0, 1).
     scale: ``float32[]``, the scalar ``s`` (already includes ``1 / ||G||``).
     D: number of rows (model parameters).
@@ -151,13 +94,6 @@ def check_seed(seed: Any, name: str = 'seed') -> int:
 def padded_length(D: int, d: int) -> int:
   """``L = 2**ceil(log2(max(D, d)))``, the smallest admissible Fastfood length.
 
-  Args:
-    D: number of rows (>= 1).
-    d: number of columns (>= 1).
-
-  Returns:
-    The smallest power of two >= max(D, d).
-
   Raises:
     ValueError: if D or d is not a positive integer.
   """
@@ -168,6 +104,7 @@ def padded_length(D: int, d: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=('d', 'L'))
 def _draw_signs_gauss(key: jax.Array, d: int, L: int):
+  """``B``'s d signs, ``G``'s diagonal and ``||G||``."""
   signs = jax.random.rademacher(
       jax.random.fold_in(key, _STREAM_SIGNS), (d,), dtype=jnp.int8)
   gauss = jax.random.normal(
@@ -181,6 +118,7 @@ def _draw_signs_gauss(key: jax.Array, d: int, L: int):
 
 
 def _draw_perm(key: jax.Array, L: int) -> np.ndarray:
+  """``perm`` on the host (NumPy; ``jax.random.permutation`` sorts: slow)."""
   words = np.asarray(
       jax.random.key_data(jax.random.fold_in(key, _STREAM_PERM)),
       dtype=np.uint32).ravel()
@@ -196,31 +134,31 @@ def fastfood_params(seed: int,
                     L: int | None = None) -> FastfoodParams:
   """Draws the Fastfood matrix ``A`` (D x d) determined by ``seed``.
 
-  Paper: Melas-Kyriazi & Wang (2022), Section 3.2 (Fastfood, Le et al. 2013);
-  see the module docstring for the formula, the scale conventions and the
-  random streams. Host-side (not jittable: the permutation is drawn with
-  NumPy); O(L) time and memory (12 L bytes). Measured on the shared 2-core
-  CPU: 0.7-1.5 s at L = 2**21 (first call, compilation included), ~40 s at
-  L = 2**27 (GPT-2). Draw it once per matrix and reuse it.
+  Source: Melas-Kyriazi & Wang (2022), Section 3.2. Host-side (NumPy draws
+  the permutation), O(L) time, 12 L bytes: draw once, reuse. With ``key =
+  jax.random.key(seed)``: ``B`` from ``fold_in(key, 0)``, ``G`` from
+  ``fold_in(key, 2)``, ``perm`` from NumPy ``PCG64`` seeded with the bits of
+  ``fold_in(key, 1)`` (same ``jax_threefry_partitionable``: same ``A``).
 
   Args:
     seed: integer in ``[0, 2**32)``, the shared secret; the same seed, sizes
       and scale give the same ``A`` on every client and on the server.
     D: number of rows (model parameters), >= 1.
     d: number of columns (intrinsic dimension), >= 1. ``d > D`` is allowed.
-    scale: ``'unit_expectation'`` (default; ``E[A A^T] = I_D``, the paper's
-      assumption) or ``'unit_column'`` (Li et al. 2018: ``E[A A^T] = (d/D)
-      I_D``, learning rates D/d times larger for the same step).
-    L: padded length; default ``2**ceil(log2(max(D, d)))``. A larger power of
-      two is allowed (a different, equally valid ``A``).
+    scale: ``'unit_expectation'``: ``s = 1 / (||G|| sqrt(d))``, ``E[A A^T]
+      = I_D`` exactly, as Algorithms 1-3 assume (Eq. 5-6 is then SGD in
+      expectation); ``'unit_column'`` (Li et al. 2018): ``s = 1 / (||G||
+      sqrt(D))``, ``E[A A^T] = (d/D) I_D`` (D/d times larger learning rates).
+    L: padded length; default ``2**ceil(log2(max(D, d)))``; a larger power
+      of two gives a different, equally valid ``A``.
 
   Returns:
     A :class:`FastfoodParams`.
 
   Raises:
     ValueError: for a seed outside ``[0, 2**32)``, ``D`` or ``d`` < 1, an
-      unknown ``scale``, an ``L`` that is not a power of two, or ``L <
-      max(D, d)`` (which would silently truncate; the message names both).
+      unknown ``scale``, an ``L`` that is not a power of two or ``< max(D,
+      d)``.
     TypeError: for a non-integer seed (e.g. a tracer).
   """
   try:
@@ -237,9 +175,8 @@ def fastfood_params(seed: int,
   d = check_int(d, 'd')
   if scale not in SCALES:
     raise ValueError(f'scale must be one of {SCALES}; got {scale!r}.')
-  min_len = padded_length(D, d)
   if L is None:
-    L = min_len
+    L = padded_length(D, d)
   else:
     L = check_int(L, 'L')
     if L < max(D, d):
@@ -262,15 +199,12 @@ def fastfood_params(seed: int,
 
 
 def _block_length(d: int) -> int:
+  """``m = 2**ceil(log2 d)``: ``H_L = H_{L/m} (x) H_m`` (one length-m FWHT)."""
   return 1 << (d - 1).bit_length()
 
 
 def _floating_input(x: jax.Array, n: int, what: str, name: str) -> jax.Array:
-  """``x`` as a floating array (non-floating -> float32) of shape ``[..., n]``.
-
-  Raises:
-    ValueError: if the last axis of ``x`` is not ``n``.
-  """
+  """``x`` as floating (else float32); ``ValueError`` unless ``[..., n]``."""
   x = jnp.asarray(x)
   if x.ndim == 0 or x.shape[-1] != n:
     raise ValueError(
@@ -279,6 +213,7 @@ def _floating_input(x: jax.Array, n: int, what: str, name: str) -> jax.Array:
 
 
 def _lift_impl(params: FastfoodParams, s: jax.Array) -> jax.Array:
+  """``A s``; ``H_L Pad_L(v) = tile(H_m Pad_m(v), L/m)``."""
   d, L, D = params.d, params.L, params.D
   m = _block_length(d)
   lead = s.shape[:-1]
@@ -294,6 +229,7 @@ def _lift_impl(params: FastfoodParams, s: jax.Array) -> jax.Array:
 
 
 def _project_impl(params: FastfoodParams, g: jax.Array) -> jax.Array:
+  """``A^T g``; ``first_m(H_L w) = H_m sum_blocks(w)``."""
   d, L, D = params.d, params.L, params.D
   m = _block_length(d)
   lead = g.shape[:-1]
@@ -308,6 +244,7 @@ def _project_impl(params: FastfoodParams, g: jax.Array) -> jax.Array:
 
 
 def _zero_cotangent(params: FastfoodParams) -> FastfoodParams:
+  """Zeros (float0 for the integer leaves) shaped like ``params``."""
   return jax.tree.map(
       lambda x: (jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.inexact)
                  else np.zeros(x.shape, jax.dtypes.float0)), params)
@@ -319,10 +256,8 @@ _Product = Callable[[FastfoodParams, jax.Array], jax.Array]
 def _with_transpose_vjp(product: _Product, transpose: _Product) -> _Product:
   """``product(params, x)`` whose VJP is ``transpose(params, cotangent)``.
 
-  Reverse mode uses the other operator explicitly: JAX's own transpose of the
-  permutation gather is a scatter-add, which made grad(lift) 2x slower than
-  project (29 vs 14 ms at L = 2**21). A is a fixed random matrix, so the
-  cotangent for ``params`` is zero. Cost: no forward mode (``jax.jvp``).
+  JAX's own transpose of the gather is a slower scatter-add. ``A`` is fixed,
+  so ``params`` get a zero cotangent. No forward mode (``jax.jvp``).
   """
 
   @jax.custom_vjp
@@ -349,17 +284,12 @@ _project_vjp = _with_transpose_vjp(_project_impl, _lift_impl)
 def fastfood_lift(params: FastfoodParams, s: jax.Array) -> jax.Array:
   """``A s``: maps intrinsic coordinates (R^d) into parameter space (R^D).
 
-  ``A s = scale * first_D(H . G . Pi . H . Pad_L(B s))`` (Melas-Kyriazi &
-  Wang 2022, Sec. 3.2). Pure, jittable, vmappable. Cost: one length-L FWHT,
-  one length-m FWHT (m = 2**ceil(log2 d)), a gather; O(L) memory.
-
-  Differentiation: reverse mode only (``jax.grad`` / ``jax.vjp``); the VJP is
-  exactly :func:`fastfood_project` of the cotangent; ``params`` get a zero
-  cotangent (A is fixed). ``jax.jvp`` is not supported.
+  Melas-Kyriazi & Wang 2022, Sec. 3.2. Jittable, vmappable; one length-L
+  and one length-m FWHT (m = 2**ceil(log2 d)), a gather, O(L) memory.
+  Reverse mode only (the VJP is :func:`fastfood_project`; no ``jax.jvp``).
 
   Args:
-    params: from :func:`fastfood_params` (unbatched; use ``jax.vmap`` for a
-      stack of matrices).
+    params: from :func:`fastfood_params` (one matrix; ``jax.vmap`` for more).
     s: ``float32[..., d]``; leading axes are batch axes.
 
   Returns:
@@ -375,16 +305,8 @@ def fastfood_lift(params: FastfoodParams, s: jax.Array) -> jax.Array:
 def fastfood_project(params: FastfoodParams, g: jax.Array) -> jax.Array:
   """``A^T g``: compresses a parameter-space vector (R^D) to R^d.
 
-  ``A^T g = scale * first_d(B . H . Pi^T . G . H . Pad_L(g))`` with ``Pi^T``
-  the scatter that inverts the gather ``Pi`` (Melas-Kyriazi & Wang 2022,
-  Sec. 3.2; this is the compressed gradient of Eq. 5), computed as the
-  equivalent gather by ``inv_perm`` (on XLA:CPU a gather is ~2x faster than a
-  scatter and needs no zero-filled buffer: 11 vs 22 ms at L = 2**21 with the
-  default allocator). Pure, jittable, vmappable. Cost: one length-L FWHT, one
-  length-m FWHT, a gather, a block sum; O(L) memory.
-
-  Differentiation: reverse mode only; the VJP is exactly
-  :func:`fastfood_lift` of the cotangent; ``params`` get a zero cotangent.
+  The compressed gradient of Melas-Kyriazi & Wang 2022, Eq. 5 (Sec. 3.2).
+  Costs as :func:`fastfood_lift`, whose product is its VJP.
 
   Args:
     params: as for :func:`fastfood_lift`.

@@ -1,36 +1,9 @@
 """Gradient inversion ("deep leakage from gradients") against a client update.
 
 Source: Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
-Learning" (2022), Appendix E: an attacker who sees a client's update runs the
-iterative reconstruction of Zhu, Liu & Han, "Deep Leakage from Gradients"
-(NeurIPS 2019; DLG), once on the full gradient ``g`` and once on the
-compressed update ``A^T g``; the paper reports (one ImageNet image, ResNet-152,
-d = 65,536) that the second reconstruction is much worse.
-
-The attack (DLG, Algorithm 1 of Zhu et al.). Given an observation function
-``observe(x, y)`` -- the public map from a client batch to what the attacker
-sees, e.g. ``ravel(grad_theta CE(f_theta(x), y))`` for the full gradient or
-``A^T ravel(grad_theta ...)`` for intrinsic compression with the public seed
--- and the observed value ``target = observe(x_true, y_true)``, minimize over
-a dummy batch::
-
-    min_{x', y'}  ||observe(x', y') - target||^2 / ||target||^2
-                  + tv_weight * TV(x')
-
-by L-BFGS (DLG's choice) or Adam, from a random ``x'``. The label is either
-known (``label=`` integer classes; what "improved DLG" (iDLG, Zhao et al.
-2020) reads off the last-layer gradient, see :func:`infer_label`) or, as in
-DLG, a jointly optimized soft label ``y' = softmax(label_logits)``. The
-normalization by ``||target||^2`` only rescales the objective (its minimizers
-are DLG's); it makes the reported loss a relative matching error comparable
-across observations of different sizes.
-
-Everything here is pure JAX + optax (no FedJAX): the caller builds
-``observe`` (see :func:`gradient_observation`) and passes a PRNG key, so an
-attack is a deterministic function of its arguments.
-
-Reconstruction error (:func:`mse`, :func:`psnr`) is measured on images in
-``[0, 1]``; PSNR = ``10 log10(data_range^2 / MSE)`` dB.
+Learning" (2022), Appendix E: the attack of Zhu, Liu & Han, "Deep Leakage
+from Gradients" (NeurIPS 2019; DLG) on the full gradient ``g`` and on the
+compressed update ``A^T g``. Pure JAX + optax; deterministic given its key.
 """
 
 from __future__ import annotations
@@ -44,16 +17,8 @@ import optax
 from jax.flatten_util import ravel_pytree
 from fedlite_jax.common import PyTree
 
-__all__ = [
-    'InversionResult',
-    'gradient_inversion',
-    'gradient_observation',
-    'infer_label',
-    'matching_loss',
-    'mse',
-    'psnr',
-    'total_variation',
-]
+__all__ = ['InversionResult', 'gradient_inversion', 'gradient_observation',
+           'infer_label', 'matching_loss', 'mse', 'psnr', 'total_variation']
 
 Array = jax.Array
 Observe = Callable[[Array, Array], PyTree]
@@ -65,15 +30,12 @@ class InversionResult(NamedTuple):
   """What :func:`gradient_inversion` returns.
 
   Attributes:
-    x: the reconstruction, same shape and dtype as the dummy input
-      (``x_shape``), float32; unconstrained (not clipped to the data range).
-      It is the iterate with the lowest matching loss seen (the attacker can
-      select it: the loss needs no ground truth).
-    label_probs: ``float32[B, C]``, the label the attack used: one-hot of the
-      given labels, or ``softmax`` of the optimized logits (DLG).
-    losses: ``float32[num_steps]``, the objective before each step (relative
-      matching error plus the TV term); NaN/inf entries mark a diverged step
-      (the best iterate is still returned).
+    x: float32 ``x_shape``, the iterate with the lowest objective seen (no
+      ground truth needed to select it); not clipped to the data range.
+    label_probs: ``float32[B, C]``, one-hot of the given labels or
+      ``softmax`` of the optimized logits (DLG).
+    losses: ``float32[num_steps]``, the objective before each step;
+      NaN/inf marks a diverged step.
     best_loss: ``float32[]``, the objective at ``x``.
   """
   x: Array
@@ -83,11 +45,10 @@ class InversionResult(NamedTuple):
 
 
 def mse(x: Array, reference: Array) -> Array:
-  """Mean squared error, float32 scalar (mean over all entries).
+  """Mean squared error over all entries, float32 scalar.
 
-  Args:
-    x: reconstruction, any shape.
-    reference: ground truth, same shape as ``x``.
+  Raises:
+    ValueError: if the shapes of ``x`` and ``reference`` differ.
   """
   x = jnp.asarray(x, jnp.float32)
   reference = jnp.asarray(reference, jnp.float32)
@@ -99,13 +60,7 @@ def mse(x: Array, reference: Array) -> Array:
 def psnr(x: Array, reference: Array, data_range: float = 1.0) -> Array:
   """Peak signal-to-noise ratio in dB: ``10 log10(data_range^2 / MSE)``.
 
-  Args:
-    x: reconstruction, any shape.
-    reference: ground truth, same shape, values in ``[0, data_range]``.
-    data_range: the peak value (1.0 for images in [0, 1]).
-
-  Returns:
-    float32 scalar; ``+inf`` when the MSE is exactly zero.
+  float32 scalar (``+inf`` for a zero MSE); ``reference`` in [0, data_range].
   """
   return 10.0 * jnp.log10(data_range**2 / mse(x, reference))
 
@@ -126,19 +81,20 @@ def total_variation(x: Array) -> Array:
 def infer_label(last_layer_grad: Array) -> Array:
   """iDLG: the true class of a single example from the last-layer gradient.
 
-  Zhao, Mopuri & Bilen, "iDLG: Improved Deep Leakage from Gradients" (2020):
-  for softmax cross-entropy on one example, ``dL/dz = softmax(z) - onehot(y)``
-  is negative only at ``y``. So is the bias gradient, and so is each row
-  of the kernel gradient ``dL/dW = h (softmax(z) - onehot(y))^T`` summed over
-  the input features when the features ``h`` are non-negative (sigmoid, relu).
+  Source: Zhao, Mopuri & Bilen, "iDLG: Improved Deep Leakage from Gradients"
+  (2020): ``dL/dz = softmax(z) - onehot(y)`` is negative only at ``y``; so
+  is the bias gradient, and the kernel gradient summed over non-negative
+  input features (sigmoid, relu).
 
   Args:
-    last_layer_grad: the last dense layer's bias gradient ``[C]`` or kernel
-      gradient ``[F, C]`` (flax layout: inputs x outputs), float.
+    last_layer_grad: float bias gradient ``[C]`` or kernel gradient ``[F, C]``
+      of the last dense layer.
 
   Returns:
-    int32 scalar, the argmin over classes of the gradient summed over all
-    leading axes.
+    int32 scalar: argmin over classes of the sum over the leading axes.
+
+  Raises:
+    ValueError: for a scalar gradient.
   """
   g = jnp.asarray(last_layer_grad)
   if g.ndim == 0:
@@ -151,26 +107,20 @@ def gradient_observation(
     apply_fn: Callable[[PyTree, Array], Array],
     params: PyTree,
     transform: Callable[[Array], PyTree] | None = None) -> Observe:
-  """The map ``(x, y) -> transform(ravel(grad_params CE(apply_fn(params, x), y)))``.
+  """``(x, y) -> transform(ravel(grad_params CE(apply_fn(params, x), y)))``.
 
-  The loss is DLG's soft-label cross-entropy summed over the batch,
-  ``-sum_b sum_c y[b, c] log_softmax(logits)[b, c]`` (for a batch of one, the
-  gradient a client with one example computes; the sum, not the mean, is
-  the convention of the DLG reference code for its batch of one).
+  CE is DLG's soft-label cross-entropy summed (not averaged) over the batch,
+  ``-sum_b sum_c y[b, c] log_softmax(logits)[b, c]``.
 
   Args:
-    apply_fn: ``apply_fn(params, x) -> logits float32[B, C]``,
-      deterministic (no dropout).
-    params: the model's parameters (the point the client computes its
-      gradient at; public to the attacker).
-    transform: applied to the flattened gradient ``float32[D]`` (D =
-      number of parameters, ``jax.flatten_util.ravel_pytree`` order), e.g.
-      ``lambda g: fastfood_project(A, g)`` for the intrinsic upload ``A^T g``
-      (``float32[d]``); None for the full gradient.
+    apply_fn: deterministic ``apply_fn(params, x) -> logits float32[B, C]``.
+    params: the point the client computes its gradient at (public).
+    transform: applied to the raveled gradient ``float32[D]``, e.g.
+      ``lambda g: fastfood_project(A, g)`` for the intrinsic upload ``A^T g``;
+      None for the full gradient.
 
   Returns:
-    ``observe(x, y_probs)`` with ``x`` the model input ``[B, ...]`` and
-    ``y_probs`` float ``[B, C]`` (one-hot or soft labels).
+    ``observe(x [B, ...], y_probs float [B, C])``.
   """
 
   def loss(p, x, y_probs):
@@ -188,9 +138,8 @@ def gradient_observation(
 def matching_loss(observation: PyTree, target: PyTree) -> Array:
   """``||observation - target||^2 / ||target||^2`` summed over pytree leaves.
 
-  The DLG objective ``||grad' - grad||^2`` divided by the constant
-  ``||target||^2`` (a relative error; 0 iff the observations are equal).
-  A zero target gives the unnormalized squared distance.
+  DLG's ``||grad' - grad||^2`` over a constant: same minimizers, comparable
+  across observation sizes. A zero target gives the unnormalized distance.
   """
   diffs = jax.tree.leaves(jax.tree.map(
       lambda a, b: jnp.sum(jnp.square(a - b)), observation, target))
@@ -203,6 +152,7 @@ def matching_loss(observation: PyTree, target: PyTree) -> Array:
 
 def _make_optimizer(optimizer: str, learning_rate: float | None,
                     max_linesearch_steps: int) -> optax.GradientTransformation:
+  """L-BFGS (memory 100, zoom line search) or Adam (default lr 0.1)."""
   if optimizer == 'lbfgs':
     return optax.lbfgs(
         learning_rate=learning_rate, memory_size=100,
@@ -228,45 +178,29 @@ def gradient_inversion(
 ) -> InversionResult:
   """Reconstructs a client's input from an observed update (DLG attack).
 
-  Melas-Kyriazi & Wang (2022), Appendix E, running Zhu et al. (2019),
-  Algorithm 1: minimize ``matching_loss(observe(x', y'), target) + tv_weight *
-  TV(x')`` over the dummy input ``x'`` (and, without ``label``, over soft
-  label logits, DLG's joint optimization), starting from ``x' ~ N(0, 1)``
-  (DLG's ``torch.randn``; ``init='uniform'``: U[0, 1)) and label logits
-  ``~ N(0, 1)`` drawn from ``key``.
-
-  Optimizers. ``'lbfgs'`` (DLG's choice): ``optax.lbfgs`` (memory 100) with
-  a zoom line search (at most ``max_linesearch_steps`` extra function
-  evaluations per step); ``learning_rate`` None lets the line search pick
-  the step (recommended). ``'adam'``: ``optax.adam(learning_rate or 0.1)``.
-  The loop is one ``jax.lax.scan`` of ``num_steps`` steps; a non-finite
-  objective stops further updates (the iterate is frozen) and the lowest
-  loss iterate is returned.
-
-  Cost: each step evaluates ``observe`` and its reverse-mode derivative in
-  ``x'`` once (L-BFGS: plus line-search evaluations), i.e. second-order
-  differentiation through the model (grad of grad), plus one ``A^T`` and
-  one ``A`` product per evaluation for intrinsic observations. The function
-  is traced and compiled on each call; wrap it in ``jax.jit`` (with
-  ``observe``, ``x_shape`` and the keyword arguments static, e.g. by closing
-  over them) to attack many targets, or ``jax.vmap`` over ``(target, key,
-  label)`` to attack a batch of clients at once.
+  Source: Melas-Kyriazi & Wang (2022), Appendix E, running Zhu et al.
+  (2019), Algorithm 1: minimize ``matching_loss(observe(x', y'), target) +
+  tv_weight * TV(x')`` over the dummy input ``x'`` (and, without ``label``,
+  soft label logits, drawn ~ N(0, 1) from ``key`` as ``x'``). One
+  ``lax.scan``; a non-finite objective freezes the iterate. Traced per call:
+  ``jax.jit`` a closure over the static arguments, or ``jax.vmap`` over
+  ``(target, key, label)``.
 
   Args:
     observe: ``observe(x, y_probs) -> observation`` (a pytree of float
-      arrays), differentiable in ``x`` and ``y_probs`` by reverse mode; see
-      :func:`gradient_observation`.
+      arrays), reverse-differentiable; see :func:`gradient_observation`.
     target: the observed update, same structure as ``observe``'s output.
-    key: a JAX PRNG key (the attack's randomness: the dummy initialization).
+    key: a JAX PRNG key (the dummy initialization).
     x_shape: shape of the dummy input, e.g. ``(1, 28, 28, 1)``.
-    label: known labels, int ``[B]`` (with ``num_classes``), or a fixed
-      label distribution float ``[B, C]``; None: optimize soft labels
-      jointly (needs ``num_classes``).
+    label: known labels, int ``[B]`` or fixed float ``[B, C]``
+      probabilities; None: optimize soft labels jointly (DLG).
     num_classes: C; required unless ``label`` is a ``[B, C]`` float array.
     num_steps: optimizer steps (L-BFGS iterations or Adam steps), >= 1.
-    optimizer: ``'lbfgs'`` or ``'adam'``.
-    learning_rate: see Optimizers above.
-    init: ``'normal'`` (DLG) or ``'uniform'``.
+    optimizer: ``'lbfgs'`` (DLG's; ``optax.lbfgs``, memory 100, zoom line
+      search) or ``'adam'``.
+    learning_rate: L-BFGS: None lets the line search pick the step
+      (recommended); Adam: default 0.1.
+    init: ``'normal'`` (DLG's ``torch.randn``) or ``'uniform'`` (U[0, 1)).
     tv_weight: weight of :func:`total_variation` (images ``[B, H, W, C]``
       only); 0 is DLG.
     max_linesearch_steps: L-BFGS line-search budget per step.
@@ -300,11 +234,8 @@ def gradient_inversion(
                      'num_classes.')
 
   kx, ky = jax.random.split(key)
-  if init == 'normal':
-    x0 = jax.random.normal(kx, x_shape, jnp.float32)
-  else:
-    x0 = jax.random.uniform(kx, x_shape, jnp.float32)
-  variables = {'x': x0}
+  draw = jax.random.normal if init == 'normal' else jax.random.uniform
+  variables = {'x': draw(kx, x_shape, jnp.float32)}
   if fixed_probs is None:
     variables['label_logits'] = jax.random.normal(
         ky, (batch, num_classes), jnp.float32)

@@ -1,26 +1,9 @@
 """Intrinsic reparameterization of a pytree: theta = theta_0 + A theta'.
 
 Source: Li et al., "Measuring the Intrinsic Dimension of Objective
-Landscapes" (ICLR 2018), Eq. (1) ``theta^(D) = theta_0^(D) + P theta^(d)``;
-Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
-Learning" (2022), Eq. (4)-(5): training theta' in R^d by gradient descent
-gives ``theta' -= lr * A^T grad_theta``, i.e. the compressed gradient.
-
-The whole parameter pytree is flattened into one vector of length D with
-``jax.flatten_util.ravel_pytree`` (leaves in ``jax.tree.leaves`` order, each
-raveled row-major, cast to the leaves' common dtype) and ``A`` is ONE
-Fastfood transform of that vector (:mod:`fedlite_jax.igc.fastfood`), not one
-per layer. ``A`` is regenerated from ``seed``.
-
-Gradients: ``to_params`` is affine, so ``jax.grad`` of ``loss(to_params(t'))``
-with respect to ``t'`` is ``A^T ravel(grad_theta loss)`` =
-``fastfood_project(A, ravel(grad))`` (tested). Reverse mode only: the
-Fastfood products carry a ``custom_vjp`` (see :func:`fastfood_lift`), so
-``jax.jvp`` through ``to_params`` is not supported.
-
-This module reparameterizes a model; the communication transform that sends
-``A^T x`` instead of an update is
-:func:`fedlite_jax.transforms.intrinsic_projection`.
+Landscapes" (ICLR 2018), Eq. (1); Melas-Kyriazi & Wang, "Intrinsic Gradient
+Compression for Federated Learning" (2022), Eq. (4)-(5). ``A`` is ONE
+Fastfood transform of the whole raveled pytree (``ravel_pytree`` order).
 """
 
 from __future__ import annotations
@@ -38,15 +21,8 @@ from jax.flatten_util import ravel_pytree
 from fedlite_jax.igc import fastfood as ff
 from fedlite_jax.common import PyTree
 
-__all__ = [
-    'IntrinsicSubspace',
-    'intrinsic_subspace',
-    'make_intrinsic',
-    'intrinsic_to_params',
-    'intrinsic_lift',
-    'intrinsic_project',
-]
-
+__all__ = ['IntrinsicSubspace', 'intrinsic_subspace', 'make_intrinsic',
+           'intrinsic_to_params', 'intrinsic_lift', 'intrinsic_project']
 
 
 @functools.partial(
@@ -57,8 +33,7 @@ __all__ = [
 class IntrinsicSubspace:
   """An affine d-dimensional subspace ``theta_0 + span(A)`` of parameter space.
 
-  A JAX pytree (arrays are leaves; the tree structure is static metadata), so
-  it can be passed to ``jit``-ted functions as an argument.
+  A JAX pytree (arrays are leaves, the tree structure is static).
 
   Attributes:
     theta0_flat: ``[D]`` the raveled initial parameters theta_0, in the
@@ -96,10 +71,9 @@ def intrinsic_subspace(params0: PyTree,
     params0: pytree of floating arrays (e.g. flax/haiku/FedJAX params), the
       point theta_0; D = total number of entries.
     d: intrinsic dimension, >= 1.
-    seed: Fastfood seed in ``[0, 2**32)`` (see :func:`fastfood_params`).
+    seed: Fastfood seed in ``[0, 2**32)``.
     scale: ``'unit_expectation'`` (default, E[A A^T] = I) or
-      ``'unit_column'`` (Li et al. 2018; E[A A^T] = (d/D) I, so learning rates
-      on theta' must be D/d times larger for the same parameter-space step).
+      ``'unit_column'`` (E[A A^T] = (d/D) I); see :func:`fastfood_params`.
     L: Fastfood length (default ``2**ceil(log2(max(D, d)))``).
 
   Returns:
@@ -122,6 +96,7 @@ def intrinsic_subspace(params0: PyTree,
 
 
 def _ravel(subspace: IntrinsicSubspace, tree: PyTree) -> jax.Array:
+  """``tree`` as one vector, after checking its structure and shapes."""
   leaves, treedef = jax.tree.flatten(tree)
   if treedef != subspace.treedef:
     raise ValueError(
@@ -138,6 +113,7 @@ def _ravel(subspace: IntrinsicSubspace, tree: PyTree) -> jax.Array:
 
 
 def _unravel(subspace: IntrinsicSubspace, flat: jax.Array) -> PyTree:
+  """Inverse of :func:`_ravel`, casting to the leaves' dtypes."""
   leaves = []
   start = 0
   for shape, dtype in zip(subspace.shapes, subspace.dtypes):
@@ -150,16 +126,14 @@ def _unravel(subspace: IntrinsicSubspace, flat: jax.Array) -> PyTree:
 
 def intrinsic_lift(subspace: IntrinsicSubspace,
                    theta_prime: jax.Array) -> PyTree:
-  """``unravel(A theta')``: a parameter-space vector, as a pytree.
-
-  Use it to decompress (paper Eq. 5: the server's ``A C``).
+  """``unravel(A theta')``: decompression (paper Eq. 5, the server's ``A C``).
 
   Args:
     subspace: from :func:`intrinsic_subspace`.
     theta_prime: ``float32[d]``.
 
   Returns:
-    Pytree like ``params0`` (leaf dtypes of ``params0``).
+    Pytree like ``params0`` (its leaf dtypes).
   """
   return _unravel(subspace, ff.fastfood_lift(subspace.fastfood, theta_prime))
 
@@ -170,11 +144,10 @@ def intrinsic_to_params(subspace: IntrinsicSubspace,
 
   Args:
     subspace: from :func:`intrinsic_subspace`.
-    theta_prime: ``float32[d]``, intrinsic coordinates.
+    theta_prime: ``float32[d]``.
 
   Returns:
-    Pytree like ``params0`` (leaf dtypes of ``params0``); equals ``params0``
-    at ``theta_prime = 0``.
+    Pytree like ``params0`` (its leaf dtypes); ``params0`` at 0.
 
   Raises:
     ValueError: if ``theta_prime`` does not have shape ``[d]``.
@@ -190,9 +163,7 @@ def intrinsic_to_params(subspace: IntrinsicSubspace,
 
 
 def intrinsic_project(subspace: IntrinsicSubspace, tree: PyTree) -> jax.Array:
-  """``A^T ravel(tree)``: compresses a gradient / update pytree to R^d.
-
-  The compressed gradient of paper Eq. (5).
+  """``A^T ravel(tree)``: the compressed gradient of paper Eq. (5).
 
   Args:
     subspace: from :func:`intrinsic_subspace`.
@@ -216,24 +187,15 @@ def make_intrinsic(
 ) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
   """Reparameterizes a model by ``theta = theta_0 + A theta'`` (Li et al. 2018).
 
-  Train ``theta'`` directly: ``loss(to_params(theta_prime))`` is an ordinary
-  JAX function of a ``[d]`` vector, and its gradient is ``A^T grad_theta``
-  (Melas-Kyriazi & Wang 2022, Eq. 4-5).
+  ``jax.grad`` of ``loss(to_params(theta'))`` is ``A^T ravel(grad_theta)``
+  (Melas-Kyriazi & Wang 2022, Eq. 4-5); reverse mode only (no ``jax.jvp``).
 
   Args:
-    params0: pytree of floating arrays, theta_0 (D entries in total).
-    d: intrinsic dimension, >= 1.
-    seed: Fastfood seed in ``[0, 2**32)``.
-    scale: ``'unit_expectation'`` (default, E[A A^T] = I) or
-      ``'unit_column'`` (E[A A^T] = (d/D) I; needs D/d times larger learning
-      rates on theta' for the same parameter-space step).
-    L: Fastfood length (default ``2**ceil(log2(max(D, d)))``).
+    params0, d, seed, scale, L: as :func:`intrinsic_subspace`.
 
   Returns:
     ``(theta_prime0, to_params)``: ``float32[d]`` zeros, and a pure jittable
     function ``[d] -> pytree`` with ``to_params(theta_prime0) == params0``.
-    For the matrix itself (e.g. to compress gradients of the full model) use
-    :func:`intrinsic_subspace`.
 
   Raises:
     ValueError: as :func:`intrinsic_subspace`.

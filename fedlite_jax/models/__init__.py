@@ -18,11 +18,5 @@ from fedlite_jax.models.split import SplitNet
 from fedlite_jax.models.stackoverflow import create_stackoverflow_lstm
 from fedlite_jax.models.stackoverflow_tag import create_stackoverflow_tag_model
 
-__all__ = [
-    'SplitModel',
-    'SplitNet',
-    'build_split_model',
-    'create_emnist_cnn',
-    'create_stackoverflow_lstm',
-    'create_stackoverflow_tag_model',
-]
+__all__ = ['SplitModel', 'SplitNet', 'build_split_model', 'create_emnist_cnn',
+           'create_stackoverflow_lstm', 'create_stackoverflow_tag_model']

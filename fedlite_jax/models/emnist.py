@@ -1,25 +1,9 @@
 """The EMNIST / FEMNIST CNN, split after the flatten layer.
 
 Source: Reddi et al., 2020, "Adaptive Federated Optimization" (the CNN with
-dropout), as implemented by FedJAX's ``fedjax.models.emnist.create_conv_model``
-(``fedjax/models/emnist.py``), and split as in FedLite (Wang et al., 2022,
-Section 5 and Appendix C.2): "two convolutional layers [...] on the clients and
-two dense layers on the server".
-
-Architecture (x: float32 [B, 28, 28, 1] -> logits float32 [B, num_classes]):
-
-  client ('client'): conv 32 3x3 VALID + relu ('conv1') -> conv 64 3x3 VALID +
-    relu ('conv2') -> max-pool 2x2 stride 2 -> dropout 0.25 -> flatten.
-    Cut 'flatten': d = 12 * 12 * 64 = 9,216. Parameters: 18,816.
-  server ('server'): dense 128 + relu ('dense1') -> dropout 0.5 -> dense
-    num_classes ('dense2'). Parameters: 1,187,774 for 62 classes.
-
-Initialization, dropout rates, loss and metrics are FedJAX's: Haiku's default
-initializers (:mod:`fedlite_jax.models.layers`), per-example softmax
-cross-entropy, eval metrics ``'loss'`` (mean cross-entropy) and ``'accuracy'``.
-Parameter shapes equal FedJAX's Haiku ones, so FedJAX parameters map one to one
-(``conv2_d`` -> ``conv1``, ``conv2_d_1`` -> ``conv2``, ``linear`` -> ``dense1``,
-``linear_1`` -> ``dense2``; ``w`` -> ``kernel``, ``b`` -> ``bias``).
+dropout), as FedJAX's ``fedjax.models.emnist.create_conv_model``; split as in
+FedLite (Wang et al., 2022, Section 5 and Appendix C.2): "two convolutional
+layers [...] on the clients and two dense layers on the server".
 """
 
 from __future__ import annotations
@@ -45,20 +29,17 @@ CUT_SIZE = 12 * 12 * 64  # 9,216.
 
 
 def _max_pool_2x2(x: Array) -> Array:
-  """2x2 max-pool, stride 2, VALID: float32 [B, H, W, C] -> [B, H/2, W/2, C].
+  """2x2 max-pool, stride 2: float32 [B, H, W, C] -> [B, H/2, W/2, C].
 
-  The same values as ``nn.max_pool(x, (2, 2), strides=(2, 2))`` (H and W are
-  even here: 24 x 24), written as a reshape + max because XLA:CPU's gradient
-  of ``reduce_window`` (select-and-scatter) is slow: a whole client step of
-  this CNN runs 1.65x faster (19.5 -> 11.8 ms, batch 20) with identical
-  gradients (``tests/test_models.py``).
+  ``nn.max_pool(x, (2, 2), strides=(2, 2))`` for even H, W, as reshape + max
+  (XLA:CPU's gradient of ``reduce_window`` is slow).
   """
   b, h, w, c = x.shape
   return jnp.max(x.reshape(b, h // 2, 2, w // 2, 2, c), axis=(2, 4))
 
 
 class EmnistClient(nn.Module):
-  """Client part: two convolutions, max-pool, dropout, flatten.
+  """Client: conv 32, conv 64 (3x3 VALID, relu), max-pool, dropout, flatten.
 
   Attributes:
     dropout_rate: dropout rate after the max-pool (FedJAX: 0.25).
@@ -112,12 +93,9 @@ class EmnistServer(nn.Module):
 
 
 def train_loss(batch: Batch, preds: Array) -> Array:
-  """Per-example softmax cross-entropy, float32 [B].
+  """Per-example softmax cross-entropy float32 [B] of logits [B, C].
 
-  Args:
-    batch: ``batch['y']``: integer class labels [B] (a float array holding
-      integers is accepted and cast).
-    preds: logits float32 [B, C].
+  ``batch['y']``: integer class labels [B] (floats are cast).
   """
   labels = batch['y'].astype(jnp.int32)
   return optax.softmax_cross_entropy_with_integer_labels(preds, labels)
@@ -127,6 +105,12 @@ def create_emnist_cnn(num_classes: int = 62,
                       client_dropout_rate: float = 0.25,
                       server_dropout_rate: float = 0.5) -> split.SplitModel:
   """Creates the EMNIST CNN of Reddi et al. (2020), split after ``flatten``.
+
+  ``batch['x']`` float32 [B, 28, 28, 1] -> logits float32 [B, num_classes].
+  Client ('conv1', 'conv2'): 18,816 parameters; server ('dense1',
+  'dense2'): 1,187,774 for 62 classes. Initializers (Haiku's, see
+  :mod:`fedlite_jax.models.layers`), dropout rates, loss and metrics are
+  FedJAX's, and parameter shapes equal FedJAX's Haiku ones.
 
   Args:
     num_classes: 62 (FEMNIST: digits, upper and lower case) or 10 (digits).
@@ -150,14 +134,9 @@ def create_emnist_cnn(num_classes: int = 62,
       client=EmnistClient(dropout_rate=client_dropout_rate),
       server=EmnistServer(num_classes=num_classes,
                           dropout_rate=server_dropout_rate),
-      sample_batch={
-          'x': np.zeros((1,) + IMAGE_SHAPE, np.float32),
-          'y': np.zeros((1,), np.int32),
-      },
+      sample_batch={'x': np.zeros((1,) + IMAGE_SHAPE, np.float32),
+                    'y': np.zeros((1,), np.int32)},
       train_loss=train_loss,
-      eval_metrics={
-          'loss': fedjax.metrics.CrossEntropyLoss(),
-          'accuracy': fedjax.metrics.Accuracy(),
-      },
-      cut_layer=CUT_LAYER,
-      cut_size=CUT_SIZE)
+      eval_metrics={'loss': fedjax.metrics.CrossEntropyLoss(),
+                    'accuracy': fedjax.metrics.Accuracy()},
+      cut_layer=CUT_LAYER, cut_size=CUT_SIZE)

@@ -1,20 +1,8 @@
 """Flax layers and initializers that reproduce Haiku's (and so FedJAX's).
 
-FedJAX builds its models with Haiku. To keep our Flax models statistically
-identical to FedJAX's at initialization we reuse Haiku's default initializers
-(source: ``haiku/_src/basic.py``, ``conv.py``, ``embed.py``, ``recurrent.py``):
-
-  * ``hk.Linear`` / ``hk.Conv2D`` weights: truncated normal on [-2, 2] standard
-    deviations with ``stddev = 1 / sqrt(fan_in)`` and *no* correction for the
-    truncation (Flax's ``lecun_normal`` corrects it, so its weights are ~14%
-    larger); biases are zero.
-  * ``hk.Embed``: truncated normal on [-2, 2] with ``stddev = 1``.
-  * ``hk.LSTM``: one ``hk.Linear(4 * hidden)`` applied to ``[x_t, h_{t-1}]``,
-    gates in the order (input, cell, forget, output), ``+1`` added to the
-    forget-gate pre-activation, zero initial state.
-
-The parameter *shapes* also equal Haiku's, so FedJAX parameters can be copied
-into these layers one to one (the tests do that to check the forward passes).
+Source: Haiku's defaults (``haiku/_src/basic.py``, ``conv.py``, ``embed.py``,
+``recurrent.py``). Parameter shapes equal Haiku's, so FedJAX parameters copy
+into these layers one to one.
 """
 
 from __future__ import annotations
@@ -35,16 +23,14 @@ def haiku_linear_init(key: Array,
                       dtype: Dtype = jnp.float32) -> Array:
   """Haiku's default ``Linear``/``ConvND`` weight initializer.
 
+  Truncated normal on [-2, 2] times ``1 / sqrt(fan_in)``, with no correction
+  for the truncation (Flax's ``lecun_normal`` has one: ~14% larger weights).
+
   Args:
     key: a PRNG key.
-    shape: the kernel shape; the last axis is the output axis and every other
-      axis is a fan-in axis (``[in, out]`` for dense layers, ``[kh, kw, in,
-      out]`` for convolutions, as in both Haiku and Flax).
+    shape: kernel shape; the last axis is the output, all others fan-in
+      (``[in, out]`` dense, ``[kh, kw, in, out]`` conv, as Haiku and Flax).
     dtype: the parameter dtype.
-
-  Returns:
-    An array of ``shape`` drawn from a normal truncated to [-2, 2] and scaled
-    by ``1 / sqrt(fan_in)``.
 
   Raises:
     ValueError: if ``shape`` has fewer than two axes.
@@ -67,36 +53,22 @@ def haiku_embed_init(key: Array,
 class LSTM(nn.Module):
   """A single LSTM layer run over a batch of sequences, as ``hk.LSTM``.
 
-  Computes, for t = 1..T, with ``[i, g, f, o] = [x_t, h_{t-1}] @ kernel +
-  bias``::
+  From ``h_0 = c_0 = 0``, Haiku's gate order and forget-gate bias::
 
+    [i, g, f, o] = [x_t, h_{t-1}] @ kernel + bias   # [in + H, 4H], [4H]
     c_t = sigmoid(f + 1) * c_{t-1} + sigmoid(i) * tanh(g)
     h_t = sigmoid(o) * tanh(c_t)
 
-  from ``h_0 = c_0 = 0``. The input projection of all time steps is one matmul;
-  only the recurrent part runs in a ``jax.lax.scan`` over time.
-
-  Parameters: ``kernel`` float32 [in + hidden, 4 * hidden] (the rows for x
-  first, then those for h, as Haiku concatenates them) and ``bias`` float32
-  [4 * hidden].
-
   Attributes:
     hidden_size: the LSTM state size H.
-    unroll: ``unroll`` of the time ``scan`` (a speed knob, no effect on the
-      result beyond float rounding).
+    unroll: ``unroll`` of the time ``scan`` (speed only).
   """
   hidden_size: int
   unroll: int = 1
 
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
-    """Runs the LSTM.
-
-    Args:
-      inputs: float [B, T, in].
-
-    Returns:
-      The hidden states h_1..h_T, float32 [B, T, hidden_size].
+    """Maps inputs float [B, T, in] to h_1..h_T float32 [B, T, H].
 
     Raises:
       ValueError: if ``inputs`` is not of rank 3.

@@ -1,103 +1,15 @@
-"""CIFG-LSTM and Transformer next-token language models (Ro et al. 2022).
+"""CIFG-LSTM and Transformer next-token language models with tied embeddings.
 
-Source: Ro, Breiner, McConnaughey, Chen, Suresh, Kumar, Mathews, "Scaling
-Language Model Size in Cross-Device Federated Learning" (2022), Section 3 and
-Table 1 (architectures), Appendix A (sequence length 30, vocabulary 4K
-SentencePiece). The LSTM is a CIFG-LSTM (coupled input and forget gate;
-Greff et al. 2017, "LSTM: A Search Space Odyssey", Sec. 2 variant CIFG; used
-for federated keyboard LMs by Hard et al. 2018) with a projection layer and
-input/output embeddings tied; the Transformer is a causal decoder (Vaswani et
-al. 2017) with tied embeddings.
-
-Inputs / outputs: ``batch['x']`` int [B, T] token ids (PAD 0, BOS 1, EOS 2,
-OOV/UNK 3 as in :mod:`fedlite_jax.datasets.sentencepiece_vocab`; the ids of
-the word pipeline work too, with ``oov_id`` passed explicitly), ``T <=
-max_length``; predictions: logits float32 [B, T, vocab_size].
-
-CIFG-LSTM (one layer; parameters under ``'lstm'``)::
-
-  e_t = E[x_t]                                 E: [V, D] 'embed/embedding'
-  [a_i, a_g, a_o] = [e_t, p_{t-1}] @ W + b     W: [D + P, 3H] 'lstm/kernel'
-  i_t = sigmoid(a_i - 1);  f_t = 1 - i_t       (coupled input-forget gate)
-  c_t = f_t * c_{t-1} + i_t * tanh(a_g)
-  h_t = sigmoid(a_o) * tanh(c_t)
-  p_t = h_t @ W_p                              W_p: [H, P] 'lstm/projection'
-  logits_t = p_t @ E^T + b_out                 b_out: [V] 'output_bias'
-
-with ``P = D`` (the projection maps back to the embedding size so the output
-layer can reuse ``E``), ``p_0 = c_0 = 0``. The ``- 1`` on the input gate is
-the CIFG form of Haiku's/Keras' forget-gate bias of +1 (``f_t = 1 - i_t``
-starts mostly open). No peepholes.
-
-Transformer (pre-LayerNorm, causal; parameters under ``'block_k'``)::
-
-  z_0 = sqrt(D) * E[x] + P_pos[:T]             P_pos: [max_length, D]
-  z = z + Attn(LN_1(z));  z = z + MLP(LN_2(z))   (num_layers blocks)
-  logits = LN_f(z) @ E^T + b_out
-
-``Attn``: ``num_heads`` heads, separate [D, D] query/key/value/out kernels
-with biases, causal mask; ``MLP``: Dense(D -> F), GELU, Dense(F -> D). We
-chose pre-LN (as GPT-2; it trains without warm-up at the client learning
-rates of Table 3) and 8 heads (Ro et al. do not give the head count; it does
-not change the parameter count). No dropout (none is mentioned).
-
-Initialization: embeddings truncated normal (2 std) with std ``1/sqrt(D)``
-(so that tied logits start at O(1)); kernels Haiku's truncated normal with
-``1/sqrt(fan_in)`` (:mod:`fedlite_jax.models.layers`); biases 0; LayerNorm
-scale 1.
-
-Parameter counts (``V = 4,096`` ids, ``max_length = 30``; from
-:func:`count_params`, also checked by ``tests/test_lm_models.py``):
-
-================== ============ =========== ====== ====== === ==========
-preset             ours         paper       D      H / F  L   ours/paper
-================== ============ =========== ====== ====== === ==========
-lstm_small          4,728,832    4.7M        256    2,048  1   +0.6%
-lstm_large         18,884,608    18.8M       1,024  2,048  1   +0.4%
-transformer_small   4,090,624    4.1M        128    2,048  6   -0.2%
-transformer_large  21,031,936    21.0M       512    2,048  6   +0.2%
-================== ============ =========== ====== ====== === ==========
-
-LSTM: ``V D`` (embedding, shared with the output layer) + ``(D + P) 3H +
-3H`` (CIFG: 3 gate blocks instead of the LSTM's 4) + ``H P`` (projection) +
-``V`` (output bias). Why this reading of Table 1: with D 256, H 2,048 and
-V 4,096, a 4-gate LSTM with projection and tying has 5,779,456 parameters,
-a CIFG with projection but an untied [P, V] output layer 5,777,408, and a
-CIFG without projection (recurrence on the 2,048-wide h, [H, V] output
-layer) 23.6M; only the CIFG with a projection back to D and tied embeddings
-gives 4.7M (and 18.9M for D 1,024, where the alternatives give 23.1M /
-23.1M / 31.5M). The
-remaining +0.4..0.6% (about 0.03M / 0.08M) is within the paper's rounding
-to one decimal plus details it does not give (biases, output bias 4,096,
-exact vocabulary size). Transformer: ``V D + T D`` (token and position
-embeddings) + per block ``4 (D^2 + D)`` (attention) + ``2 D F + F + D``
-(MLP) + ``4 D`` (two LayerNorms) + ``2 D`` (final LayerNorm) + ``V``
-(output bias); within 0.2% of the paper's counts.
-
-Presets beyond Table 1: ``lstm_tiny`` (D 64, H 256) and ``transformer_tiny``
-(D 64, F 256, 2 blocks, 4 heads) for CPU-sized experiments.
-
-Loss: ``loss_reduction='sequence_sum'`` (default; FedJAX's StackOverflow
-convention: per-sequence sum of token cross-entropies over non-PAD targets,
-so ``fedjax.model_grad`` averages over sequences) or ``'token_mean'`` (the
-per-sequence mean over its non-PAD targets).
-
-Eval metrics: ``'loss'`` = mean token cross-entropy over non-PAD targets
-(so perplexity = exp(loss); the runner adds 'perplexity'), ``'accuracy'`` =
-token accuracy of the argmax over all ids counting only targets that are not
-PAD, EOS or OOV, plus ``accuracy_no_eos``, ``num_tokens``,
-``token_oov_rate``, ``sequence_loss``.
-
-The models are exposed as ``fedjax.Model`` inside a
-:class:`~fedlite_jax.models.split.SplitModel` whose split functions raise
-``NotImplementedError``: with tied embeddings the only cut would share one
-parameter between the client and the server part, so the models are not
-offered for split learning (``cut_layer='none'``, ``cut_size=0``).
+Source: Ro et al., "Scaling Language Model Size in Cross-Device Federated
+Learning" (2022), Sec. 3 and Table 1 (architectures), Appendix A (sequence
+length 30, 4K SentencePiece vocabulary). Design notes:
+docs/notes/models.md, "models/lm.py".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -132,8 +44,7 @@ class LMConfig:
     architecture: 'lstm' (CIFG-LSTM with projection) or 'transformer'.
     embed_size: D, the (tied) embedding size.
     hidden_size: LSTM: H, the cell size; Transformer: F, the MLP size.
-    num_layers: LSTM layers (only 1 supported, as Table 1) or Transformer
-      blocks.
+    num_layers: LSTM layers (only 1, as Table 1) or Transformer blocks.
     num_heads: Transformer attention heads (must divide D); ignored by LSTM.
   """
   architecture: str
@@ -172,34 +83,31 @@ PRESETS: dict[str, LMConfig] = {
 }
 """``--model`` values. Table 1 sizes plus two CPU-sized presets."""
 
-PAPER_PARAM_COUNTS = {
-    'lstm_small': 4.7e6,
-    'lstm_large': 18.8e6,
-    'transformer_small': 4.1e6,
-    'transformer_large': 21.0e6,
-}
+PAPER_PARAM_COUNTS = {'lstm_small': 4.7e6, 'lstm_large': 18.8e6,
+                      'transformer_small': 4.1e6, 'transformer_large': 21.0e6}
 """Ro et al. 2022, Table 1 (# Parameters)."""
 
 
 def _embed_init(embed_size: int):
-
-  def init(key, shape, dtype=jnp.float32):
-    std = 1.0 / math.sqrt(embed_size)
-    return jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) * std
-
-  return init
+  """Truncated normal (2 std), std ``1/sqrt(D)``: tied logits start at O(1)."""
+  std = 1.0 / math.sqrt(embed_size)
+  return lambda key, shape, dtype=jnp.float32: (
+      jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) * std)
 
 
 class CIFGLSTM(nn.Module):
-  """One CIFG-LSTM layer with an output projection (see module docstring).
+  """One CIFG-LSTM layer with an output projection (no peepholes).
 
-  Parameters: ``kernel`` float32 [in + P, 3H] (rows for the input, then for
-  the previous projected output; columns input gate, candidate, output gate),
-  ``bias`` float32 [3H], ``projection`` float32 [H, P].
+  Coupled input and forget gate (Greff et al. 2017, "LSTM: A Search Space
+  Odyssey", Sec. 2; keyboard LMs: Hard et al. 2018); ``p_0 = c_0 = 0``::
+
+    [a_i, a_g, a_o] = [x_t, p_{t-1}] @ kernel + bias  # [in + P, 3H], [3H]
+    i_t = sigmoid(a_i - 1);  f_t = 1 - i_t  # -1: a forget-gate bias of +1
+    c_t = f_t * c_{t-1} + i_t * tanh(a_g)
+    h_t = sigmoid(a_o) * tanh(c_t);  p_t = h_t @ projection  # [H, P]
 
   Attributes:
-    hidden_size: H.
-    projection_size: P.
+    hidden_size, projection_size: H, P.
     unroll: ``unroll`` of the time scan (speed only).
   """
   hidden_size: int
@@ -236,12 +144,10 @@ class CIFGLSTM(nn.Module):
 
 
 class CIFGLSTMLM(nn.Module):
-  """Embedding -> CIFG-LSTM with projection -> tied output layer.
+  """Embedding E [V, D] -> CIFG-LSTM (P = D) -> ``p_t @ E^T + output_bias``.
 
   Attributes:
-    vocab_size: V (output size).
-    embed_size: D (= projection size P).
-    hidden_size: H.
+    vocab_size, embed_size, hidden_size: V, D (= P), H.
     unroll: time-scan unroll (speed only).
   """
   vocab_size: int
@@ -263,11 +169,7 @@ class CIFGLSTMLM(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-  """Multi-head causal self-attention with [D, D] q/k/v/out kernels.
-
-  Attributes:
-    num_heads: number of heads (divides D).
-  """
+  """Causal self-attention, ``num_heads`` heads; [D, D] q/k/v/out kernels."""
   num_heads: int
 
   @nn.compact
@@ -292,9 +194,7 @@ class CausalSelfAttention(nn.Module):
 class TransformerBlock(nn.Module):
   """Pre-LN block: ``z + Attn(LN(z))``, then ``z + MLP(LN(z))``.
 
-  Attributes:
-    mlp_size: F.
-    num_heads: attention heads.
+  MLP: Dense(D -> mlp_size), GELU, Dense(mlp_size -> D).
   """
   mlp_size: int
   num_heads: int
@@ -313,14 +213,17 @@ class TransformerBlock(nn.Module):
 
 
 class TransformerLM(nn.Module):
-  """Causal pre-LN Transformer with tied embeddings (module docstring).
+  """Causal pre-LN Transformer (Vaswani et al. 2017) with tied embeddings::
+
+    z = sqrt(D) * E[x] + pos_embedding[:T]
+    z = z + Attn(LN(z));  z = z + MLP(LN(z))     (num_layers blocks)
+    logits = LN_f(z) @ E^T + output_bias
+
+  No dropout. Kernels: Haiku's init (:mod:`fedlite_jax.models.layers`).
 
   Attributes:
-    vocab_size: V.
-    embed_size: D.
-    mlp_size: F.
-    num_layers: blocks.
-    num_heads: attention heads.
+    vocab_size, embed_size, mlp_size: V, D, F.
+    num_layers, num_heads: blocks, attention heads.
     max_length: positions with a learned embedding (T <= max_length).
   """
   vocab_size: int
@@ -352,6 +255,7 @@ class TransformerLM(nn.Module):
 
 
 def _check_tokens(batch: Batch) -> Array:
+  """``batch['x']``, checked to be int [B, T]."""
   x = batch['x']
   if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"Language models expect integer batch['x'] of shape "
@@ -366,9 +270,9 @@ def sequence_loss(batch: Batch, preds: Array,
   Args:
     batch: ``batch['y']`` int [B, T] targets; PAD (0) targets are ignored.
     preds: logits float32 [B, T, V].
-    reduction: 'sequence_sum' (sum of token cross-entropies, FedJAX's) or
-      'token_mean' (their mean over the sequence's non-PAD targets; 0 for an
-      all-PAD sequence).
+    reduction: 'sequence_sum' (sum of token cross-entropies, FedJAX's:
+      ``fedjax.model_grad`` then averages over sequences) or 'token_mean'
+      (their mean; 0 for an all-PAD sequence).
 
   Returns:
     float32 [B].
@@ -390,7 +294,13 @@ def sequence_loss(batch: Batch, preds: Array,
 
 def lm_eval_metrics(oov_id: int = DEFAULT_OOV_ID
                     ) -> dict[str, fedjax.metrics.Metric]:
-  """Perplexity-friendly metrics (module docstring), keyed by name."""
+  """Eval metrics over non-PAD targets, keyed by name.
+
+  ``'loss'``: mean token cross-entropy (perplexity = exp(loss));
+  ``'accuracy'``: argmax token accuracy counting only targets that are not
+  PAD, EOS or ``oov_id``; also ``accuracy_no_eos``, ``num_tokens``,
+  ``token_oov_rate``, ``sequence_loss``.
+  """
   m = fedjax.metrics
   pad, eos = PAD_ID, EOS_ID
   return {
@@ -443,6 +353,7 @@ def build_module(model: str | LMConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
 
 
 def _sample_batch(max_length: int) -> dict[str, np.ndarray]:
+  """Zeros int32 [1, max_length] for ``init``."""
   return {'x': np.zeros((1, max_length), np.int32),
           'y': np.zeros((1, max_length), np.int32)}
 
@@ -458,13 +369,20 @@ def param_shapes(model: str | LMConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
 
 def count_params(model: str | LMConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  max_length: int = DEFAULT_MAX_LENGTH) -> int:
-  """Number of scalar parameters (see the table in the module docstring)."""
+  """Number of scalar parameters.
+
+  LSTM: ``V D + (D + P) 3H + 3H + H P + V``; Transformer: ``V D + T D +
+  L (4 (D^2 + D) + 2 D F + F + D + 4 D) + 2 D + V``. At V = 4,096, T = 30
+  (Ro et al. 2022, Table 1 in parentheses): lstm_small 4,728,832 (4.7M),
+  lstm_large 18,884,608 (18.8M), transformer_small 4,090,624 (4.1M),
+  transformer_large 21,031,936 (21.0M).
+  """
   return int(sum(math.prod(s.shape) for s in
                  jax.tree.leaves(param_shapes(model, vocab_size, max_length))))
 
 
-def _no_split(*args, **kwargs):
-  del args, kwargs
+def _no_split(*unused_args, **unused_kwargs):
+  """Raises ``NotImplementedError``: tied embeddings cross any cut."""
   raise NotImplementedError(
       'The CIFG-LSTM / Transformer language models tie the input and output '
       'embeddings, so they have no client/server split; use them with '
@@ -480,24 +398,24 @@ def create_lm(model: str | LMConfig = 'transformer_small',
               lstm_unroll: int = 1) -> split.SplitModel:
   """Builds a language model as a ``fedjax.Model`` (in a SplitModel shell).
 
+  ``batch['x']``, ``batch['y']``: int [B, T] token ids, T <= max_length (PAD
+  0, BOS 1, EOS 2, OOV 3 in :mod:`fedlite_jax.datasets.sentencepiece_vocab`);
+  predictions: logits float32 [B, T, vocab_size].
+
   Args:
-    model: a preset name (:data:`PRESETS`: 'lstm_small', 'lstm_large',
-      'transformer_small', 'transformer_large', 'lstm_tiny',
-      'transformer_tiny') or an :class:`LMConfig`.
-    vocab_size: V, the number of token ids (output size), e.g. 4,096 for the
-      SentencePiece pipeline or ``info.num_classes`` of any text task.
+    model: a preset name (:data:`PRESETS`) or an :class:`LMConfig`.
+    vocab_size: V, the number of token ids, e.g. 4,096 (SentencePiece) or
+      ``info.num_classes`` of any text task.
     max_length: the longest sequence (Transformer position embeddings).
-    oov_id: the OOV/UNK id excluded from 'accuracy' (3 for SentencePiece;
-      ``info.oov_id`` for the word pipeline).
+    oov_id: the OOV id excluded from 'accuracy' (``info.oov_id`` for words).
     loss_reduction: 'sequence_sum' or 'token_mean' (:func:`sequence_loss`).
     lstm_unroll: LSTM time-scan unroll (speed only).
 
   Returns:
-    A :class:`~fedlite_jax.models.split.SplitModel`: ``.model`` is the
-    ``fedjax.Model`` (jitted ``init``, ``apply_for_train``,
-    ``apply_for_eval``; ``train_loss`` float32 [B]); ``cut_layer='none'``,
-    ``cut_size=0``, and ``client_apply`` / ``server_apply`` raise
-    ``NotImplementedError`` (tied embeddings; see the module docstring).
+    A :class:`~fedlite_jax.models.split.SplitModel` whose ``.model`` is the
+    jitted ``fedjax.Model`` (metrics :func:`lm_eval_metrics`);
+    ``cut_layer='none'``, ``cut_size=0``; ``client_apply`` and
+    ``server_apply`` raise ``NotImplementedError`` (tied embeddings).
 
   Raises:
     ValueError: an unknown preset, bad sizes, oov_id outside [0, V) or an
@@ -511,26 +429,15 @@ def create_lm(model: str | LMConfig = 'transformer_small',
     raise ValueError(f'loss_reduction must be one of {LOSS_REDUCTIONS}, got '
                      f'{loss_reduction!r}.')
   sample = _sample_batch(max_length)
-
-  @jax.jit
-  def init(rng):
-    return net.init({'params': rng}, sample, train=False)['params']
-
-  @jax.jit
-  def apply_for_train(params, batch, rng=None):
-    del rng  # No dropout.
-    return net.apply({'params': params}, batch, train=True)
-
-  @jax.jit
-  def apply_for_eval(params, batch):
-    return net.apply({'params': params}, batch, train=False)
-
-  def train_loss(batch, preds):
-    return sequence_loss(batch, preds, loss_reduction)
-
+  apply = lambda params, batch, train: net.apply({'params': params}, batch,
+                                                 train=train)
   fj_model = fedjax.Model(
-      init=init, apply_for_train=apply_for_train,
-      apply_for_eval=apply_for_eval, train_loss=train_loss,
+      init=jax.jit(lambda rng: net.init({'params': rng}, sample,
+                                        train=False)['params']),
+      # No dropout: the rng is unused.
+      apply_for_train=jax.jit(lambda p, b, rng=None: apply(p, b, True)),
+      apply_for_eval=jax.jit(lambda p, b: apply(p, b, False)),
+      train_loss=functools.partial(sequence_loss, reduction=loss_reduction),
       eval_metrics=lm_eval_metrics(oov_id))
   return split.SplitModel(model=fj_model, cut_layer='none', cut_size=0,
                           client_apply=_no_split, server_apply=_no_split,

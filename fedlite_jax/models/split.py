@@ -1,22 +1,9 @@
 """A model split at a cut layer into a client part and a server part.
 
-Split learning (Vepakomma et al., 2018; SplitFed, Thapa et al., 2020; FedLite,
-Wang et al., 2022, "FedLite: A Scalable Approach for Federated Learning on
-Resource-constrained Clients", Section 3) runs the first layers u(w_c; x) -> z
-on the client and the rest h(w_s; z) on the server. Here the whole network is
-one Flax module (:class:`SplitNet`) with two submodules named ``'client'`` and
-``'server'``, so its parameters are ``{'client': ..., 'server': ...}``, and the
-same module is exposed twice:
-
-  * as a ``fedjax.Model`` (:attr:`SplitModel.model`), for FedAvg & co.;
-  * as the split pair :attr:`SplitModel.client_apply` /
-    :attr:`SplitModel.server_apply`, for split learning.
-
-The two views agree exactly: ``server_apply(ps, client_apply(pc, b, r), b, r)``
-equals ``model.apply_for_train({'client': pc, 'server': ps}, b, r)`` (and with
-``r = None``, ``model.apply_for_eval``), including the dropout masks, because
-both apply the submodules through the same parent module, and Flax derives a
-submodule's dropout key from the given key and the submodule's path.
+Source: split learning (Vepakomma et al., 2018; SplitFed, Thapa et al., 2020;
+FedLite, Wang et al., 2022, Section 3): the client runs u(w_c; x) -> z, the
+server h(w_s; z). One Flax module serves as a ``fedjax.Model`` and as the
+split pair.
 """
 
 from __future__ import annotations
@@ -42,15 +29,13 @@ _QUANTIZE_FOLD = 1
 
 
 class SplitNet(nn.Module):
-  """The whole network: ``server(client(batch), batch)``.
+  """The whole network: ``server(client(batch, train), batch, train)``.
 
-  The client module is called as ``client(batch, train) -> activations`` and
-  the server module as ``server(activations, batch, train) -> predictions``;
   ``train`` turns dropout on (it then needs a ``'dropout'`` rng).
 
   Attributes:
-    client: the client part (its parameters live under ``'client'``).
-    server: the server part (its parameters live under ``'server'``).
+    client: the client part (parameters under ``'client'``).
+    server: the server part (parameters under ``'server'``).
   """
   client: nn.Module
   server: nn.Module
@@ -70,19 +55,19 @@ class SplitNet(nn.Module):
 class SplitModel:
   """A ``fedjax.Model`` together with its client/server split.
 
+  The views agree exactly: ``server_apply(ps, client_apply(pc, b, r), b, r)``
+  equals ``model.apply_for_train({'client': pc, 'server': ps}, b, r)`` (and,
+  with ``r = None``, ``model.apply_for_eval``), dropout masks included.
+
   Attributes:
-    model: the whole model. ``model.init(rng)`` returns ``{'client':
-      client_params, 'server': server_params}``; ``model.apply_for_train(params,
-      batch, rng)`` uses ``rng`` for dropout; ``model.train_loss(batch, preds)``
-      returns the per-example loss [B], as every FedJAX model.
+    model: the whole model; params ``{'client': ..., 'server': ...}``;
+      ``apply_for_train``'s rng drives dropout; ``train_loss`` is [B].
     cut_layer: the name of the cut (e.g. ``'flatten'``).
     cut_size: d, the size of one activation vector at the cut.
     client_apply: ``(client_params, batch, rng_or_None) -> activations``,
-      float32 [B, d] ([B, T, d] for sequence models). ``rng=None`` is eval mode
-      (no dropout); a key turns dropout on.
+      float32 [B, d] ([B, T, d] for sequences); a key turns dropout on.
     server_apply: ``(server_params, activations, batch, rng_or_None) ->
-      predictions``, the same predictions as ``model.apply_for_train`` (given a
-      key) or ``model.apply_for_eval`` (given None).
+      predictions``.
     module: the underlying Flax module (a :class:`SplitNet`).
   """
   model: fedjax.Model
@@ -93,7 +78,7 @@ class SplitModel:
   module: Optional[nn.Module] = None
 
   def split_params(self, params: Params) -> Tuple[Params, Params]:
-    """Returns ``(client_params, server_params)`` of the whole model's params.
+    """``(client_params, server_params)`` of the whole model's params.
 
     Raises:
       ValueError: if ``params`` is not a mapping with exactly the keys
@@ -126,25 +111,21 @@ def build_split_model(*, client: nn.Module, server: nn.Module,
   """Wraps a client module and a server module into a :class:`SplitModel`.
 
   Args:
-    client: a Flax module called as ``client(batch, train)``, returning the
-      cut activations [B, cut_size] or [B, T, cut_size].
-    server: a Flax module called as ``server(activations, batch, train)``,
-      returning the predictions passed to ``train_loss`` and ``eval_metrics``.
-    sample_batch: a batch with the expected keys, dtypes and trailing shapes,
-      used by ``init`` to infer the parameter shapes.
+    client: ``client(batch, train) -> activations`` [B(, T), cut_size].
+    server: ``server(activations, batch, train) -> predictions``.
+    sample_batch: a batch with the expected keys, dtypes and trailing shapes
+      (``init`` infers the parameter shapes from it).
     train_loss: ``(batch, preds) -> per-example loss [B]``.
     eval_metrics: FedJAX metrics evaluated on ``(example, prediction)``.
     cut_layer: the name of the cut.
     cut_size: d, the size of one activation vector at the cut.
 
   Returns:
-    A :class:`SplitModel`; every function in it is ``jax.jit``-compiled.
-    ``model.apply_for_train(params, batch, None)`` raises Flax's
-    ``InvalidRngError`` if the model uses dropout. Given a key ``rng``, the
-    functions also provide the ``'quantize'`` stream (``fold_in(rng, 1)``) for
-    a :class:`~fedlite_jax.fedlite.FedLiteQuantizer` in ``client`` or
-    ``server``; without one the quantizer derives its k-means key from its
-    input.
+    A :class:`SplitModel` of jitted functions (``apply_for_train`` without a
+    key raises Flax's ``InvalidRngError`` if the model uses dropout). A key
+    ``rng`` also gives a :class:`~fedlite_jax.fedlite.FedLiteQuantizer` its
+    ``'quantize'`` stream ``fold_in(rng, 1)``; without it the quantizer
+    derives its k-means key from its input.
   """
   net = SplitNet(client=client, server=server)
 
@@ -176,15 +157,9 @@ def build_split_model(*, client: nn.Module, server: nn.Module,
                      method=SplitNet.server_forward)
 
   model = fedjax.Model(
-      init=init,
-      apply_for_train=apply_for_train,
-      apply_for_eval=apply_for_eval,
-      train_loss=train_loss,
+      init=init, apply_for_train=apply_for_train,
+      apply_for_eval=apply_for_eval, train_loss=train_loss,
       eval_metrics=dict(eval_metrics))
-  return SplitModel(
-      model=model,
-      cut_layer=cut_layer,
-      cut_size=cut_size,
-      client_apply=client_apply,
-      server_apply=server_apply,
-      module=net)
+  return SplitModel(model=model, cut_layer=cut_layer, cut_size=cut_size,
+                    client_apply=client_apply, server_apply=server_apply,
+                    module=net)

@@ -1,48 +1,10 @@
 """The Stack Overflow next-word-prediction LSTM, split before the output layer.
 
 Source: Reddi et al., 2020, "Adaptive Federated Optimization" (Stack Overflow
-NWP model), as implemented by FedJAX's
-``fedjax.models.stackoverflow.create_lstm_model`` (``fedjax/models/
-stackoverflow.py``), and split as in FedLite (Wang et al., 2022, Appendix C.2):
-client "Embedding + LSTM + Dense", server "Dense".
-
-Token ids (FedJAX's): PAD 0, BOS 1, EOS 2, the ``vocab_size`` words 3 ..
-vocab_size + 2, OOV ``vocab_size + 3``; the output has ``vocab_size + 4``
-classes.
-
-Architecture (x: int32 [B, T] -> logits float32 [B, T, vocab_size + 4]):
-
-  client ('client'): embedding ``embed_size`` ('embed') -> ``lstm_num_layers``
-    x [LSTM ``lstm_hidden_size`` ('lstm_k') -> tanh -> dense
-    ``projection_size`` ('projection_k')]. Cut 'projection': d =
-    projection_size (96), activations float32 [B, T, d], one vector per token.
-  server ('server'): dense ``vocab_size + 4`` ('logits').
-
-With the defaults (10,000 words, 96, 670, 1 layer): client 3,080,360
-parameters (embedding 960,384, LSTM 2,055,560, projection 64,416), server
-970,388, total 4,050,748 = FedJAX's model. FedLite's Appendix C.2 prints
-3,680,360 for the client (and 79% client share); 3,080,360 (76%) is what the
-stated architecture has, and the server count 970,388 agrees.
-
-FedJAX's ``share_input_output_embeddings`` is not offered: it would tie a
-client parameter to a server parameter across the cut.
-
-Loss (FedJAX's): per-sequence sum of the token cross-entropies over non-PAD
-targets [B], optionally times ``1 / expected_length``. ``fedjax.model_grad``
-then averages it over sequences (not over tokens).
-
-Eval metrics: FedJAX's set (``accuracy_in_vocab``, ``accuracy_no_eos``,
-``num_tokens``, ``sequence_length``, ``sequence_loss``, ``token_loss``,
-``token_oov_rate``, ``truncation_rate``) plus
-
-  * ``'loss'``: mean token cross-entropy over non-PAD targets (equal to
-    ``token_loss``); perplexity = exp(loss).
-  * ``'accuracy'``: token accuracy of the argmax over all ``vocab_size + 4``
-    outputs, counting only targets that are not PAD, EOS or OOV (the masking
-    of ``accuracy_no_oov_no_eos`` in TFF's Stack Overflow NWP task). Unlike
-    FedJAX's ``accuracy_in_vocab``, OOV targets are left out instead of
-    counted as mistakes, and no logits mask is applied (predicting a special
-    token is simply a mistake).
+NWP), as FedJAX's ``fedjax.models.stackoverflow.create_lstm_model``; split as
+in FedLite (Wang et al., 2022, Appendix C.2): client "Embedding + LSTM +
+Dense", server "Dense". Token ids (FedJAX's): PAD 0, BOS 1, EOS 2, words 3 ..
+vocab_size + 2, OOV vocab_size + 3.
 """
 
 from __future__ import annotations
@@ -54,9 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from fedlite_jax.models import layers
+from fedlite_jax.models import lm
 from fedlite_jax.models import split
 from fedlite_jax.common import PAD_ID
 
@@ -84,15 +46,9 @@ def full_vocab_size(vocab_size: int) -> int:
 
 
 class StackOverflowClient(nn.Module):
-  """Client part: embedding, then ``num_layers`` x (LSTM, tanh, projection).
+  """Client: embedding, then ``lstm_num_layers`` x (LSTM, tanh, projection).
 
-  Attributes:
-    vocab_size: number of words (without the 4 special tokens).
-    embed_size: embedding size.
-    lstm_hidden_size: LSTM state size.
-    lstm_num_layers: number of (LSTM, tanh, projection) blocks.
-    projection_size: output size of each projection (the cut size).
-    lstm_unroll: ``unroll`` of the time scan (speed only).
+  Attributes: the arguments of :func:`create_stackoverflow_lstm`.
   """
   vocab_size: int = DEFAULT_VOCAB_SIZE
   embed_size: int = DEFAULT_EMBED_SIZE
@@ -125,11 +81,7 @@ class StackOverflowClient(nn.Module):
 
 
 class StackOverflowServer(nn.Module):
-  """Server part: one dense layer to the ``vocab_size + 4`` outputs.
-
-  Attributes:
-    vocab_size: number of words (without the 4 special tokens).
-  """
+  """Server part: one dense layer to the ``vocab_size + 4`` outputs."""
   vocab_size: int = DEFAULT_VOCAB_SIZE
 
   @nn.compact
@@ -145,32 +97,35 @@ def sequence_train_loss(batch: Batch,
                         expected_length: Optional[float] = None) -> Array:
   """FedJAX's per-sequence loss: summed token cross-entropy, PAD excluded.
 
+  :func:`fedlite_jax.models.lm.sequence_loss`, optionally scaled.
+
   Args:
     batch: ``batch['y']``: int target ids [B, T]; PAD (0) targets are ignored.
     preds: logits float32 [B, T, V].
     expected_length: if given, the sums are multiplied by ``1 /
-      expected_length`` (FedJAX's option to bring them to a per-token scale
-      with a constant factor).
+      expected_length`` (FedJAX's option).
 
   Returns:
     float32 [B]: one loss per sequence.
   """
-  targets = batch['y'].astype(jnp.int32)
-  token_loss = optax.softmax_cross_entropy_with_integer_labels(preds, targets)
-  token_loss = jnp.where(targets != PAD_ID, token_loss, 0.0)
-  sentence_loss = jnp.sum(token_loss, axis=-1)
+  sentence_loss = lm.sequence_loss(batch, preds, 'sequence_sum')
   if expected_length is not None:
     sentence_loss = sentence_loss * (1.0 / expected_length)
   return sentence_loss
 
 
 def eval_metrics(vocab_size: int) -> dict[str, fedjax.metrics.Metric]:
-  """The eval metrics (see the module docstring), keyed by name."""
+  """FedJAX's NWP eval metrics plus ``'loss'`` and ``'accuracy'``, by name.
+
+  ``'loss'``: mean token cross-entropy over non-PAD targets (= ``token_loss``;
+  perplexity = exp(loss)). ``'accuracy'``: argmax accuracy over all
+  ``vocab_size + 4`` outputs, counting only targets that are not PAD, EOS or
+  OOV (TFF's ``accuracy_no_oov_no_eos`` masking; unlike FedJAX's
+  ``accuracy_in_vocab``, no logits mask and OOV targets left out).
+  """
   pad, eos, oov = PAD_ID, EOS_ID, oov_id(vocab_size)
-  logits_mask = [0.0] * full_vocab_size(vocab_size)
-  for i in (PAD_ID, BOS_ID, EOS_ID, oov):
-    logits_mask[i] = -np.inf
-  logits_mask = tuple(logits_mask)
+  logits_mask = tuple(-np.inf if i in (PAD_ID, BOS_ID, EOS_ID, oov) else 0.0
+                      for i in range(full_vocab_size(vocab_size)))
   m = fedjax.metrics
   return {
       'loss': m.SequenceTokenCrossEntropyLoss(masked_target_values=(pad,)),
@@ -201,21 +156,25 @@ def create_stackoverflow_lstm(vocab_size: int = DEFAULT_VOCAB_SIZE,
                               lstm_unroll: int = 1) -> split.SplitModel:
   """Creates the Stack Overflow NWP LSTM, split after the projection.
 
+  ``batch['x']`` int32 [B, T] -> logits float32 [B, T, vocab_size + 4].
+  Defaults (10,000 words, 96, 670, 1 layer): client 3,080,360 parameters
+  ('embed', 'lstm_0', 'projection_0'), server 970,388 ('logits'), total
+  4,050,748 = FedJAX's model. FedJAX's ``share_input_output_embeddings`` is
+  not offered: it would tie parameters across the cut.
+
   Args:
     vocab_size: number of words, without PAD, BOS, EOS and OOV.
     embed_size: input embedding size.
     lstm_hidden_size: LSTM state size.
     lstm_num_layers: number of (LSTM, tanh, projection) blocks.
-    projection_size: output size of the projections, i.e. the cut size d;
-      defaults to ``embed_size`` (as FedJAX).
-    expected_length: optional constant; the per-sequence training loss is
-      multiplied by ``1 / expected_length`` (FedJAX's option).
+    projection_size: output size of the projections, the cut size d
+      (default: ``embed_size``, as FedJAX).
+    expected_length: see :func:`sequence_train_loss`.
     lstm_unroll: ``unroll`` of the scan over time steps (speed only).
 
   Returns:
     A :class:`~fedlite_jax.models.split.SplitModel` with ``cut_layer =
-    'projection'`` and ``cut_size = projection_size``; client activations are
-    float32 [B, T, cut_size].
+    'projection'``, ``cut_size = projection_size`` (activations [B, T, d]).
 
   Raises:
     ValueError: if a size is not positive.
@@ -236,18 +195,11 @@ def create_stackoverflow_lstm(vocab_size: int = DEFAULT_VOCAB_SIZE,
 
   return split.build_split_model(
       client=StackOverflowClient(
-          vocab_size=vocab_size,
-          embed_size=embed_size,
-          lstm_hidden_size=lstm_hidden_size,
-          lstm_num_layers=lstm_num_layers,
-          projection_size=projection_size,
-          lstm_unroll=lstm_unroll),
+          vocab_size=vocab_size, embed_size=embed_size,
+          lstm_hidden_size=lstm_hidden_size, lstm_num_layers=lstm_num_layers,
+          projection_size=projection_size, lstm_unroll=lstm_unroll),
       server=StackOverflowServer(vocab_size=vocab_size),
-      sample_batch={
-          'x': np.zeros((1, 1), np.int32),
-          'y': np.zeros((1, 1), np.int32),
-      },
-      train_loss=train_loss,
-      eval_metrics=eval_metrics(vocab_size),
-      cut_layer=CUT_LAYER,
-      cut_size=projection_size)
+      sample_batch={'x': np.zeros((1, 1), np.int32),
+                    'y': np.zeros((1, 1), np.int32)},
+      train_loss=train_loss, eval_metrics=eval_metrics(vocab_size),
+      cut_layer=CUT_LAYER, cut_size=projection_size)

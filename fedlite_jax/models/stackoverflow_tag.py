@@ -1,39 +1,9 @@
 """The Stack Overflow tag-prediction model: one dense layer on each side.
 
 Source: FedLite (Wang et al., 2022, Section 5 and Appendix C.2, "SO Tag"):
-"both the client- and server-side models contain only one dense layer",
-client 5,000 x 2,000, server 2,000 x 1,000, activation size d = 2,000; the
-task is TFF's Stack Overflow tag prediction (bag of words of the 5,000 most
-frequent words -> the 1,000 most frequent tags, multi-label), whose metrics
-are TFF's ``recall_at_5`` (Keras ``Recall(top_k=5)``).
-
-Architecture (x: float32 [B, num_words] -> logits float32 [B, num_tags]):
-
-  client ('client'): dense num_words -> hidden_size ('dense'), then the
-    optional ``activation``. Cut 'dense': d = hidden_size.
-  server ('server'): dense hidden_size -> num_tags ('dense').
-
-FedLite does not say whether there is a nonlinearity between the two dense
-layers. The default here is **none** (``activation=None``): the paper names
-only the two dense layers, and a dense layer without an activation is then a
-rank-2,000 factorization of the logistic-regression model that Reddi et al.
-(2020) use for this task (2,000 >= 1,000 tags, so it loses nothing). Pass
-``activation=jax.nn.relu`` for a two-layer perceptron. Both layers have biases
-(FedLite counts only the kernels: 5000 x 2000 and 2000 x 1000). Weights use
-Haiku's default initializer, as FedLite's FedJAX implementation would have.
-
-Loss: per-example sigmoid cross-entropy *summed* over the tags [B] (Keras's
-``BinaryCrossentropy`` takes the mean over tags instead:
-``loss_reduction='mean'`` gives that; the two differ by a factor num_tags,
-which matters for SGD learning rates but hardly for AdaGrad).
-
-Eval metrics:
-  * ``'loss'``: the mean over examples of the training loss above.
-  * ``'accuracy'``: fraction of examples whose top-1 predicted tag is one of
-    their true tags (precision at 1; an example without tags counts as 0).
-  * ``'recall_at_5'``: micro-averaged recall of the top 5 predicted tags, as
-    Keras ``Recall(top_k=5)``: sum over examples of |top5 & true| divided by
-    the sum over examples of |true|.
+client 5,000 x 2,000, server 2,000 x 1,000, d = 2,000, on TFF's Stack
+Overflow tag prediction (bag of 5,000 words -> 1,000 tags, multi-label;
+metric Keras ``Recall(top_k=5)``).
 """
 
 from __future__ import annotations
@@ -59,7 +29,7 @@ _REDUCTIONS = ('sum', 'mean')
 
 
 class TagClient(nn.Module):
-  """Client part: one dense layer and an optional activation.
+  """Client part: one dense layer ('dense') and an optional activation.
 
   Attributes:
     hidden_size: the output size (the cut size d).
@@ -88,11 +58,7 @@ class TagClient(nn.Module):
 
 
 class TagServer(nn.Module):
-  """Server part: one dense layer to the tag logits.
-
-  Attributes:
-    num_tags: the number of tags.
-  """
+  """Server part: one dense layer ('dense') to the ``num_tags`` logits."""
   num_tags: int = 1000
 
   @nn.compact
@@ -110,7 +76,8 @@ def multilabel_loss(labels: Array, logits: Array,
   Args:
     labels: float multi-hot [..., num_tags] (values in [0, 1]).
     logits: float [..., num_tags].
-    reduction: ``'sum'`` or ``'mean'`` over the tags.
+    reduction: ``'sum'`` or ``'mean'`` (as Keras ``BinaryCrossentropy``)
+      over the tags; they differ by a factor num_tags.
 
   Returns:
     float32 [...].
@@ -126,19 +93,23 @@ def multilabel_loss(labels: Array, logits: Array,
   return jnp.sum(per_tag, -1) if reduction == 'sum' else jnp.mean(per_tag, -1)
 
 
+class _MeanMetric(fedjax.metrics.Metric):
+  """A metric whose statistic is a ``MeanStat``, starting at 0 / 0."""
+
+  def zero(self) -> fedjax.metrics.MeanStat:
+    return fedjax.metrics.MeanStat.new(0., 0.)
+
+
 @fedjax.dataclass
-class MultiLabelLoss(fedjax.metrics.Metric):
-  """Mean over examples of the per-example sigmoid cross-entropy.
+class MultiLabelLoss(_MeanMetric):
+  """Mean over examples of :func:`multilabel_loss`.
 
   Attributes:
-    reduction: reduction over the tags, ``'sum'`` or ``'mean'``.
+    reduction: over the tags, ``'sum'`` or ``'mean'``.
     target_key: key of the multi-hot labels in the example.
   """
   reduction: str = 'sum'
   target_key: str = 'y'
-
-  def zero(self) -> fedjax.metrics.MeanStat:
-    return fedjax.metrics.MeanStat.new(0., 0.)
 
   def evaluate_example(self, example: Batch,
                        prediction: Array) -> fedjax.metrics.MeanStat:
@@ -149,16 +120,13 @@ class MultiLabelLoss(fedjax.metrics.Metric):
 
 
 @fedjax.dataclass
-class TopOneTagAccuracy(fedjax.metrics.Metric):
-  """Fraction of examples whose highest-scoring tag is a true tag.
+class TopOneTagAccuracy(_MeanMetric):
+  """Precision at 1: the top-1 tag is a true tag (0 for an untagged example).
 
   Attributes:
     target_key: key of the multi-hot labels in the example.
   """
   target_key: str = 'y'
-
-  def zero(self) -> fedjax.metrics.MeanStat:
-    return fedjax.metrics.MeanStat.new(0., 0.)
 
   def evaluate_example(self, example: Batch,
                        prediction: Array) -> fedjax.metrics.MeanStat:
@@ -169,11 +137,10 @@ class TopOneTagAccuracy(fedjax.metrics.Metric):
 
 
 @fedjax.dataclass
-class RecallAtK(fedjax.metrics.Metric):
+class RecallAtK(_MeanMetric):
   """Micro-averaged recall of the top-k tags, as Keras ``Recall(top_k=k)``.
 
-  Each example contributes |topk & true| to the numerator and |true| to the
-  denominator (so examples without tags have weight 0).
+  Sum over examples of |topk & true| over the sum of |true|.
 
   Attributes:
     k: the number of top predicted tags.
@@ -181,9 +148,6 @@ class RecallAtK(fedjax.metrics.Metric):
   """
   k: int = 5
   target_key: str = 'y'
-
-  def zero(self) -> fedjax.metrics.MeanStat:
-    return fedjax.metrics.MeanStat.new(0., 0.)
 
   def evaluate_example(self, example: Batch,
                        prediction: Array) -> fedjax.metrics.MeanStat:
@@ -203,19 +167,23 @@ def create_stackoverflow_tag_model(
     loss_reduction: str = 'sum') -> split.SplitModel:
   """Creates FedLite's Stack Overflow tag-prediction model.
 
+  ``batch['x']`` float32 [B, num_words] -> logits float32 [B, num_tags].
+  Both dense layers have biases and Haiku's initializer.
+
   Args:
     num_words: size of the bag-of-words input.
     num_tags: number of tags (outputs).
     hidden_size: output size of the client's dense layer, the cut size d.
-    activation: nonlinearity after the client's dense layer; None (default)
-      for none (see the module docstring).
+    activation: nonlinearity after the client's dense layer; None (default):
+      none, a rank-d factorization of logistic regression (FedLite names
+      only the dense layers); ``jax.nn.relu`` for a two-layer perceptron.
     loss_reduction: ``'sum'`` (default) or ``'mean'`` of the per-tag sigmoid
-      cross-entropies in the per-example loss.
+      cross-entropies in the per-example loss (:func:`multilabel_loss`).
 
   Returns:
     A :class:`~fedlite_jax.models.split.SplitModel` with ``cut_layer =
-    'dense'`` and ``cut_size = hidden_size``; ``model.train_loss`` returns
-    float32 [B]; eval metrics ``'loss'``, ``'accuracy'``, ``'recall_at_5'``.
+    'dense'``, ``cut_size = hidden_size`` and eval metrics ``'loss'``,
+    ``'accuracy'`` (:class:`TopOneTagAccuracy`), ``'recall_at_5'``.
 
   Raises:
     ValueError: if a size is not positive, ``num_tags < 5``, or
@@ -237,15 +205,10 @@ def create_stackoverflow_tag_model(
   return split.build_split_model(
       client=TagClient(hidden_size=hidden_size, activation=activation),
       server=TagServer(num_tags=num_tags),
-      sample_batch={
-          'x': np.zeros((1, num_words), np.float32),
-          'y': np.zeros((1, num_tags), np.float32),
-      },
+      sample_batch={'x': np.zeros((1, num_words), np.float32),
+                    'y': np.zeros((1, num_tags), np.float32)},
       train_loss=train_loss,
-      eval_metrics={
-          'loss': MultiLabelLoss(reduction=loss_reduction),
-          'accuracy': TopOneTagAccuracy(),
-          'recall_at_5': RecallAtK(k=5),
-      },
-      cut_layer=CUT_LAYER,
-      cut_size=hidden_size)
+      eval_metrics={'loss': MultiLabelLoss(reduction=loss_reduction),
+                    'accuracy': TopOneTagAccuracy(),
+                    'recall_at_5': RecallAtK(k=5)},
+      cut_layer=CUT_LAYER, cut_size=hidden_size)
