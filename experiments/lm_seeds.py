@@ -115,6 +115,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
                          for label, a, b in PAIRS] + [_equal_bytes(rows)]
   best = data['lstm_rates']
   seeds = data['results'][0]['seeds']
+  tail = [e['round'] for e in data['results'][0]['runs'][0]['curve']][
+      -data['meta']['tail_evaluations']:]
   lines = [
       '# Efficient language-model FL on Shakespeare, over seeds', '',
       provenance.markdown_header(data['provenance']),
@@ -124,7 +126,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
       'parameters, `lstm_tiny` 381,696) plus each row\'s flags, seeds '
       f'{", ".join(map(str, seeds))} (same seed = same initialisation and '
       'cohorts). Perplexity: test perplexity on all test snippets, the mean '
-      'of the last 3 evaluations (rounds 60, 80, 100) of each run, then mean '
+      f'of the last {len(tail)} evaluations (rounds '
+      f'{", ".join(map(str, tail))}) of each run, then mean '
       '± std over seeds. Upload: bytes per client per round. Small-scale CPU '
       'runs, not the paper\'s 800 x 10,000.', '',
       '| row | perplexity | upload / client-round |', '|---|---|---|']
