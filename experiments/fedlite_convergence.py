@@ -118,12 +118,12 @@ def _report(data: dict, out: pathlib.Path) -> None:
   lines = [
       '# FedLite vs SplitFed toward convergence (FEMNIST-105)', '',
       provenance.markdown_header(data['provenance']),
-      f'Each row: {FLAGS.iterations} iterations of `{BASE}` (10 clients per '
+      f'Each row: {data["meta"]["iterations"]} iterations of `{BASE}` (10 clients per '
       'iteration, B = 20, SGD 0.1), seeds '
       f'{", ".join(map(str, sf["seeds"]))} (same seed = same initialisation '
       'and cohorts). Accuracy: test accuracy on all test examples, the mean '
       'of the last 3 evaluations (every '
-      f'{FLAGS.eval_every} iterations) of each run, then mean ± std over '
+      f'{data["meta"]["eval_every"]} iterations) of each run, then mean ± std over '
       'seeds. Ratio: FedLite / SplitFed of the same seed.', '',
       '| row | activation compression (phi 64) | accuracy | FedLite / '
       'SplitFed | seeds with ratio >= 0.95 |', '|---|---|---|---|---|']

@@ -85,7 +85,7 @@ def _report(data: dict, out: pathlib.Path) -> None:
   lines = [
       '# IGC on FEMNIST-105: time-varying and K-subspace vs static, over '
       'seeds', '', provenance.markdown_header(data['provenance']),
-      f'{FLAGS.rounds} one-step rounds of the `igc_femnist_*.flags` files '
+      f'{data["meta"]["rounds"]} one-step rounds of the `igc_femnist_*.flags` files '
       '(10 clients per round, batch 20, client SGD 0.3, server SGD 1), seeds '
       f'{", ".join(map(str, seeds))}; same seed = same initialisation, '
       'cohorts and subspaces. Time-varying: a new subspace each epoch of '

@@ -120,7 +120,7 @@ def _report(data: dict, out: pathlib.Path) -> None:
   lines = [
       '# Efficient language-model FL on Shakespeare, over seeds', '',
       provenance.markdown_header(data['provenance']),
-      f'{FLAGS.rounds} rounds of `{BASE}` (real Shakespeare, SentencePiece '
+      f'{data["meta"]["rounds"]} rounds of `{BASE}` (real Shakespeare, SentencePiece '
       '4,096 ids, sequence length 30, 10 clients per round, client SGD 0.1 '
       'clipped at 16, server Adam 1e-2; `transformer_tiny` 368,256 '
       'parameters, `lstm_tiny` 381,696) plus each row\'s flags, seeds '
