@@ -1,10 +1,8 @@
 """fedlite_jax: communication-efficient federated learning on JAX + FedJAX.
 
-Importing this package first applies :mod:`fedlite_jax.compat`, which makes
-FedJAX 0.0.17 run on current JAX and NumPy; import ``fedlite_jax`` before (or
-instead of) ``fedjax``. The subpackages (``fedlite_jax.datasets``,
-``.transforms``, ``.algorithms``, ``.rounds``, ``.models``, ``.training``,
-...) are imported on first attribute access.
+Importing it first applies :mod:`fedlite_jax.compat` (FedJAX 0.0.17 on
+current JAX and NumPy), so import it before ``fedjax``. Subpackages are
+imported on first attribute access.
 """
 
 import importlib

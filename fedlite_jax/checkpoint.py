@@ -1,22 +1,9 @@
 """Round checkpoints: save every N rounds, resume exactly, fail loudly.
 
-A checkpoint is one msgpack file (``flax.serialization``) holding the round
-number, the leaves of the run's state pytree (server state, ledger totals,
-...), the pytree structure and a metadata dict (the flags that determine the
-result). Files are written atomically (temporary file + ``os.replace``), so a
-run killed while saving leaves the previous checkpoint intact.
-
-Resuming checks, before anything is used: the file decodes (else
-:class:`CheckpointError` "corrupt"), the metadata equals the current run's
-(else "mismatched flags", naming each differing flag), and the pytree
-structure, leaf shapes and dtypes equal the current model's (else "mismatched
-state"). It never silently restarts from scratch.
-
-A checkpoint saved with ``params=`` also records which of its arrays are the
-model parameters (``spec.eval_params(state)``), so another run can start
-from them (``--init_checkpoint``, :func:`stored_params`) whatever the
-algorithm's state layout. A save killed mid-write leaves a
-``.tmp_ckpt_*`` file; :func:`remove_partial_files` deletes them.
+One msgpack file per checkpoint (round, state leaves, treedef, metadata such
+as the flags, optionally which leaves are the model parameters), written
+atomically. Restoring checks the metadata, structure, shapes and dtypes and
+raises :class:`CheckpointError` on any difference; it never restarts silently.
 """
 
 from __future__ import annotations
@@ -41,29 +28,26 @@ class CheckpointError(RuntimeError):
   """A checkpoint is corrupt or does not match the run resuming from it."""
 
 
-def checkpoint_path(directory: str | os.PathLike, round_num: int) -> pathlib.Path:
+def checkpoint_path(directory: str | os.PathLike,
+                    round_num: int) -> pathlib.Path:
   return pathlib.Path(directory) / f'ckpt_{round_num:08d}.msgpack'
+
+
+def _checkpoints(directory: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+  return sorted((int(m.group(1)), p) for p in directory.iterdir()
+                if (m := _NAME.match(p.name)))
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Optional[pathlib.Path]:
   """The checkpoint with the highest round in ``directory``, or None."""
   directory = pathlib.Path(directory)
-  if not directory.is_dir():
-    return None
-  found = [(int(m.group(1)), p) for p in directory.iterdir()
-           if (m := _NAME.match(p.name))]
-  return max(found)[1] if found else None
+  found = _checkpoints(directory) if directory.is_dir() else []
+  return found[-1][1] if found else None
 
 
 def remove_partial_files(directory: str | os.PathLike) -> list[pathlib.Path]:
-  """Deletes the temporary files of saves that were killed mid-write.
-
-  Call it only while no other process saves into ``directory`` (the runner
-  holds the output directory's lock).
-
-  Returns:
-    The paths removed.
-  """
+  """Deletes (and returns) the temporary files of saves killed mid-write;
+  call it only while no other process saves into ``directory``."""
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     return []
@@ -76,10 +60,8 @@ def remove_partial_files(directory: str | os.PathLike) -> list[pathlib.Path]:
 
 def metadata_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
                          saved_name: str = 'checkpoint') -> list[str]:
-  """``'key: <saved_name>=<saved value> now=<current value>'`` per differing key.
-
-  Both dicts are compared after a JSON round trip (tuples equal lists).
-  """
+  """``'key: <saved_name>=<saved> now=<current>'`` per differing key (after
+  a JSON round trip: tuples equal lists)."""
   saved = json.loads(json.dumps(dict(saved), sort_keys=True, default=str))
   current = json.loads(json.dumps(dict(current), sort_keys=True, default=str))
   keys = sorted(set(saved) | set(current))
@@ -90,7 +72,7 @@ def metadata_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
 def save_checkpoint(directory: str | os.PathLike, round_num: int, state: Any,
                     metadata: Mapping[str, Any], keep: int = 2,
                     params: Any = None) -> pathlib.Path:
-  """Writes ``state`` after ``round_num`` completed rounds; keeps ``keep`` files.
+  """Writes ``state`` after ``round_num`` rounds atomically; returns the path.
 
   Args:
     directory: where checkpoints live (created if missing).
@@ -98,13 +80,8 @@ def save_checkpoint(directory: str | os.PathLike, round_num: int, state: Any,
     state: any pytree of arrays / Python scalars.
     metadata: JSON-serializable dict compared on restore (e.g. flags).
     keep: how many most recent checkpoints to keep (>= 1).
-    params: the model parameters within ``state`` (e.g.
-      ``spec.eval_params(state['server'])``), recorded for
-      :func:`stored_params`: as indices of ``state``'s arrays when they are
-      the same objects, else as copies. None: not recorded.
-
-  Returns:
-    The path written.
+    params: the model parameters within ``state``, recorded for
+      :func:`stored_params` (None: not recorded).
   """
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
@@ -137,19 +114,13 @@ def save_checkpoint(directory: str | os.PathLike, round_num: int, state: Any,
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
-  old = sorted((int(m.group(1)), p) for p in directory.iterdir()
-               if (m := _NAME.match(p.name)))
-  for _, p in old[:-keep] if keep >= 1 else []:
+  for _, p in _checkpoints(directory)[:-keep] if keep >= 1 else []:
     p.unlink()
   return path
 
 
 def _decode(path: pathlib.Path) -> tuple[int, dict, Mapping[str, Any], str]:
-  """``(round, metadata, leaves, treedef)`` of a checkpoint file.
-
-  Raises:
-    CheckpointError: the file does not decode as a checkpoint.
-  """
+  """``(round, metadata, leaves, treedef)`` of a file, or CheckpointError."""
   try:
     return _fields(serialization.msgpack_restore(path.read_bytes()))
   except Exception as e:  # Any decoding failure means a corrupt file.
@@ -160,29 +131,17 @@ def _decode(path: pathlib.Path) -> tuple[int, dict, Mapping[str, Any], str]:
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-  """The metadata dict a checkpoint was saved with.
-
-  Raises:
-    CheckpointError: a corrupt file.
-  """
+  """The metadata a checkpoint was saved with (CheckpointError if corrupt)."""
   return _decode(pathlib.Path(path))[1]
 
 
 def restore_checkpoint(path: str | os.PathLike, target: Any,
                        metadata: Mapping[str, Any]) -> tuple[int, Any]:
-  """Restores a checkpoint into the structure of ``target``.
-
-  Args:
-    path: the checkpoint file.
-    target: a pytree with the expected structure, shapes and dtypes (e.g. the
-      freshly initialized state).
-    metadata: the current run's metadata; must equal the saved one.
-
-  Returns:
-    ``(round_num, state)``.
+  """``(round_num, state)`` of a checkpoint, as ``target``'s structure.
 
   Raises:
-    CheckpointError: corrupt file, mismatched metadata or state.
+    CheckpointError: corrupt file, ``metadata`` other than the saved one, or
+      a structure, shape or dtype other than ``target``'s.
   """
   path = pathlib.Path(path)
   round_num, saved_meta, saved_leaves, saved_treedef = _decode(path)
@@ -218,27 +177,18 @@ def _fields(payload: Any) -> tuple[int, dict, Mapping[str, Any], str]:
 
 
 def is_checkpoint(payload: Any) -> bool:
-  """Whether a decoded msgpack payload looks like a checkpoint of this module."""
+  """Whether a decoded msgpack payload looks like a checkpoint."""
   return (isinstance(payload, Mapping) and 'format_version' in payload and
           'leaves' in payload and 'round' in payload)
 
 
 def stored_params(payload: Mapping[str, Any], like: Any) -> Any:
-  """The model parameters recorded in a decoded checkpoint.
-
-  Args:
-    payload: ``flax.serialization.msgpack_restore`` of a checkpoint file
-      saved with ``params=`` (see :func:`save_checkpoint`).
-    like: the target parameters (structure, shapes and dtypes to match),
-      e.g. ``model.init(key)``.
-
-  Returns:
-    A pytree with ``like``'s structure of numpy arrays.
+  """The model parameters recorded (``params=``) in a decoded checkpoint,
+  as numpy arrays in ``like``'s structure.
 
   Raises:
-    CheckpointError: no parameters recorded, or a structure, shape or dtype
-      different from ``like`` (the message names the first bad variable;
-      it does not name the file).
+    CheckpointError: none recorded, or a structure, shape or dtype other
+      than ``like``'s (naming the first bad variable, not the file).
   """
   section = payload.get('params')
   if not isinstance(section, Mapping):

@@ -1,8 +1,6 @@
 """The package's one integer-argument check (sizes, counts, seeds, k).
 
-Lowest layer: imports nothing from ``fedlite_jax``, so every subpackage
-(``igc``, ``transforms``, ``fedlite``, ``algorithms``, ``training``) may use
-it.
+Lowest layer: imports nothing from ``fedlite_jax``.
 """
 
 from __future__ import annotations
@@ -14,31 +12,16 @@ __all__ = ['NotAnIntegerError', 'check_int']
 
 
 class NotAnIntegerError(TypeError, ValueError):
-  """A non-integer where an integer is required.
-
-  Both a ``TypeError`` (the value's type is wrong) and a ``ValueError`` (what
-  argument checks of the package raised before they were merged), so either
-  ``except`` clause catches it.
-  """
+  """A non-integer where an integer is required (both a TypeError and a
+  ValueError, so either ``except`` clause catches it)."""
 
 
 def check_int(value: Any, name: str, minimum: int = 1) -> int:
-  """``value`` as a Python int, checked to be ``>= minimum``.
-
-  Args:
-    value: anything with ``__index__`` (Python and NumPy integers; not
-      ``bool``, a float, a string or a tracer).
-    name: the argument's name in the error message.
-    minimum: the smallest allowed value.
-
-  Returns:
-    ``operator.index(value)``.
+  """``value`` (with ``__index__``; not a bool) as an int ``>= minimum``.
 
   Raises:
-    NotAnIntegerError: ``value`` is not an integer (one line: ``'{name} must
-      be an integer; got {value!r}.'``).
-    ValueError: it is below ``minimum`` (``'{name} must be >= {minimum};
-      got {value}.'``).
+    NotAnIntegerError: ``value`` is not an integer (message names ``name``).
+    ValueError: it is below ``minimum``.
   """
   if isinstance(value, bool):
     raise NotAnIntegerError(f'{name} must be an integer; got {value!r}.')

@@ -1,7 +1,5 @@
 """Names shared across the package: the pytree alias, bit and token
-constants, and the key streams that derive each random choice.
-
-Lowest layer (imports nothing from ``fedlite_jax``), like ``checks``.
+constants, and the key streams of each random choice. Lowest layer.
 """
 
 from __future__ import annotations

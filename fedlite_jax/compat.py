@@ -1,22 +1,8 @@
 """Makes FedJAX 0.0.17 run on current JAX (>= 0.6) and NumPy 2.
 
-FedJAX's last release predates JAX 0.6; docs/DESIGN_NOTES.md
-lists each break. Every fix here is the smallest one and is guarded so that it
-is a no-op where the old name still exists. ``fedlite_jax/__init__.py`` calls
-:func:`apply` before anything imports ``fedjax``.
-
-Fixes (module: what breaks -> fix):
-  * ``jax.tree_map`` & co. (removed)      -> aliases of ``jax.tree.*``.
-  * ``jnp.NINF`` (removed)                -> ``-np.inf``.
-  * ``np.issctype`` (removed in NumPy 2)  -> ``issubclass(t, np.generic)``.
-  * ``jax.device_put_sharded`` / ``device_put_replicated`` (removed in 0.10)
-                                          -> ``jax.device_put`` with a
-                                             ``NamedSharding`` over a 1-D mesh.
-  * new ``jax.pmap`` keeps a size-1 device axis in ``addressable_data(i)``
-                                          -> a pmap backend that indexes the
-                                             shard (as FedJAX's newest commit).
-  * ``jnp.clip(a_min=, a_max=)`` keywords (removed; used by ``apfl``)
-                                          -> positional arguments.
+``fedlite_jax/__init__.py`` calls :func:`apply` before anything imports
+``fedjax``. Each fix is the smallest one and a no-op where the old name still
+exists; docs/DESIGN_NOTES.md lists each break and its fix.
 """
 
 from __future__ import annotations
@@ -32,16 +18,9 @@ import numpy as np
 
 _APPLIED = False
 
-_TREE_ALIASES = {
-    'tree_map': 'map',
-    'tree_leaves': 'leaves',
-    'tree_flatten': 'flatten',
-    'tree_unflatten': 'unflatten',
-    'tree_structure': 'structure',
-    'tree_transpose': 'transpose',
-    'tree_reduce': 'reduce',
-    'tree_all': 'all',
-}
+# jax.tree_<name> -> jax.tree.<name>.
+_TREE_ALIASES = ('map', 'leaves', 'flatten', 'unflatten', 'structure',
+                 'transpose', 'reduce', 'all')
 
 
 def _mesh_sharding(devices: Sequence[Any]) -> jax.sharding.NamedSharding:
@@ -50,20 +29,9 @@ def _mesh_sharding(devices: Sequence[Any]) -> jax.sharding.NamedSharding:
 
 
 def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
-  """Replacement for the removed ``jax.device_put_sharded``.
-
-  Args:
-    shards: a sequence of ``len(devices)`` pytrees with identical structure and
-      leaf shapes.
-    devices: the devices, one per shard.
-
-  Returns:
-    A pytree whose leaves have a new leading axis of size ``len(devices)``,
-    sharded so that shard ``i`` lives on ``devices[i]``.
-
-  Raises:
-    ValueError: if ``len(shards) != len(devices)``.
-  """
+  """Replacement for the removed ``jax.device_put_sharded``: ``shards`` (one
+  pytree structure and leaf shapes) stacked on a new leading axis, shard
+  ``i`` on ``devices[i]``; ValueError unless there is one per device."""
   if len(shards) != len(devices):
     raise ValueError(
         f'device_put_sharded: got {len(shards)} shards for {len(devices)} '
@@ -75,11 +43,8 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
 
 
 def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
-  """Replacement for the removed ``jax.device_put_replicated``.
-
-  Returns ``x`` with a new leading axis of size ``len(devices)``, one copy per
-  device.
-  """
+  """Replacement for the removed ``jax.device_put_replicated``: ``x`` with a
+  new leading axis, one copy per device."""
   sharding = _mesh_sharding(devices)
   n = len(devices)
   return jax.tree.map(
@@ -88,11 +53,8 @@ def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
 
 
 def _shard(x: jax.Array, i: int) -> jax.Array:
-  """Shard ``i`` of a pmapped output without its device axis.
-
-  Old ``jax.pmap`` outputs returned ``addressable_data(i)`` without the device
-  axis; new ones keep a size-1 axis. Indexing the global array works on both.
-  """
+  """Shard ``i`` of a pmapped output without its device axis (new
+  ``jax.pmap`` keeps a size-1 axis in ``addressable_data(i)``)."""
   data = x.addressable_data(i)
   if data.ndim == x.ndim:
     return data[0]
@@ -193,9 +155,9 @@ def apply() -> None:
   global _APPLIED
   if _APPLIED:
     return
-  for old, new in _TREE_ALIASES.items():
-    if not hasattr(jax, old):
-      setattr(jax, old, getattr(jax.tree, new))
+  for new in _TREE_ALIASES:
+    if not hasattr(jax, 'tree_' + new):
+      setattr(jax, 'tree_' + new, getattr(jax.tree, new))
   if not hasattr(jnp, 'NINF'):
     jnp.NINF = -np.inf
   if not hasattr(np, 'issctype'):

@@ -1,19 +1,9 @@
 """``--algorithm=sgd | topk | fetchsgd``: the baselines of Melas-Kyriazi &
 Wang (2022), Table 2 / Figure 1.
 
-* ``sgd``: uncompressed, one local step per round (``--local_steps=s``:
-  FedAvg with s local iterations); 32 bits/param each way.
-* ``topk``: local Top-K of the client delta as upload stages
-  (``--upload=top_k:12000`` by default; ``top_k:k:none`` charges no index
-  bits; any chain, e.g. ``--upload=top_k:12000,uniform_quantization:8``,
-  see :func:`fedlite_jax.transforms.parse_chain`).
-* ``fetchsgd``: FetchSGD (Rothchild et al. 2020): count sketch
-  (``--sketch_rows`` x ``--sketch_cols``), server momentum + error feedback
-  + top-k (``--topk_k``). Uses ``--server_lr`` with
-  ``--server_optimizer=sgd`` (its server step is its own).
-
-See :mod:`fedlite_jax.algorithms.fedopt` and
-:mod:`fedlite_jax.algorithms.fetchsgd`.
+``sgd``: uncompressed, one local step per round; ``topk``: local Top-K of the
+client delta (``--upload`` stages); ``fetchsgd``: FetchSGD (Rothchild et al.
+2020), count sketch + server momentum + error feedback + top-k.
 """
 
 from __future__ import annotations
@@ -32,18 +22,16 @@ from fedlite_jax import transforms
 ConfigError = spec.ConfigError
 Option = spec.Option
 
-SKETCH_ROWS = Option('sketch_rows', 5, 'FetchSGD count sketch rows.',
-                     lower_bound=1)
-SKETCH_COLS = Option('sketch_cols', 100_000,
-                     'FetchSGD count sketch columns.', lower_bound=1)
+SKETCH_ROWS = Option(
+    'sketch_rows', 5, 'FetchSGD count sketch rows.', lower_bound=1)
+SKETCH_COLS = Option(
+    'sketch_cols', 100_000, 'FetchSGD count sketch columns.', lower_bound=1)
 SKETCH_MOMENTUM = Option(
-    'sketch_momentum', 0.9,
-    'FetchSGD server momentum rho in [0, 1) (in sketch space).',
-    lower_bound=0.0)
+    'sketch_momentum', 0.9, 'FetchSGD server momentum rho in [0, 1) (in sketch '
+    'space).', lower_bound=0.0)
 SKETCH_SEED = Option(
-    'sketch_seed', -1,
-    'FetchSGD hash seed in [0, 2**32); -1 derives it from --seed.',
-    lower_bound=-1, upper_bound=2**32 - 1)
+    'sketch_seed', -1, 'FetchSGD hash seed in [0, 2**32); -1 derives it from '
+    '--seed.', lower_bound=-1, upper_bound=2**32 - 1)
 
 
 def _check_common(ctx: spec.BuildContext) -> None:
@@ -57,8 +45,8 @@ def _check_common(ctx: spec.BuildContext) -> None:
                       'parameters.')
 
 
-def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
-  _check_common(ctx)
+def _compressed_sgd(ctx: spec.BuildContext, name: str, upload,
+                    download_accounting: str) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   return fedopt.compressed_sgd(
       fedjax.model_grad(ctx.split_model.model),
@@ -66,19 +54,21 @@ def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       optimizers.server_optimizer(config),
       batch_size=config.client_batch_size,
       local_steps=common.local_steps(config.options),
-      upload=None, download_accounting='dense',
+      upload=upload, download_accounting=download_accounting,
       client_ids=ctx.train_client_ids,
-      nonfinite=config.options['nonfinite_updates'], name='sgd',
+      nonfinite=config.options['nonfinite_updates'], name=name,
       engine=config.round_engine, steps_per_call=config.steps_per_call,
       clients_per_chunk=config.clients_per_chunk)
 
 
-def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
-  """``--upload`` stages, or :data:`common.TOPK_DEFAULT_UPLOAD` if empty.
+def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
+  _check_common(ctx)
+  return _compressed_sgd(ctx, 'sgd', None, 'dense')
 
-  Raises:
-    ConfigError: stages that cannot encode the model (e.g. k > D).
-  """
+
+def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
+  """``--upload`` stages (default :data:`common.TOPK_DEFAULT_UPLOAD`), or
+  ConfigError if they cannot encode the model (e.g. k > D)."""
   stages = str(opts['upload']).strip() or common.TOPK_DEFAULT_UPLOAD
   upload = common.stages_from_option({'upload': stages}, common.UPLOAD)
   try:
@@ -91,21 +81,9 @@ def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
 
 def _build_topk(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
-  config = ctx.config
-  opts = config.options
-  upload = _topk_upload(opts, ctx.num_params)
-  return fedopt.compressed_sgd(
-      fedjax.model_grad(ctx.split_model.model),
-      optimizers.client_optimizer(config),
-      optimizers.server_optimizer(config),
-      batch_size=config.client_batch_size,
-      local_steps=common.local_steps(opts),
-      upload=upload,
-      download_accounting=opts['download_accounting'],
-      client_ids=ctx.train_client_ids,
-      nonfinite=opts['nonfinite_updates'], name='topk',
-      engine=config.round_engine, steps_per_call=config.steps_per_call,
-      clients_per_chunk=config.clients_per_chunk)
+  opts = ctx.config.options
+  return _compressed_sgd(ctx, 'topk', _topk_upload(opts, ctx.num_params),
+                         opts['download_accounting'])
 
 
 def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:

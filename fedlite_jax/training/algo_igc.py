@@ -1,12 +1,8 @@
-"""``--algorithm=igc_static | igc_k_subspace | igc_time_varying |
-igc_k_subspace_time_varying``: intrinsic gradient compression.
+"""``--algorithm=igc_*``: intrinsic gradient compression.
 
-Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
-Learning" (2022), Algorithms 1-3 and the K-subspace + time-varying
-combination; see :mod:`fedlite_jax.algorithms.igc`. Client and server
-optimizers, learning rates and the batch size come from the common flags
-(``--client_lr`` is the paper's eta with ``--server_optimizer=sgd
---server_lr=1``).
+Source: Melas-Kyriazi & Wang (2022), "Intrinsic Gradient Compression for
+Federated Learning", Algorithms 1-3 and the K-subspace + time-varying
+combination; see :mod:`fedlite_jax.algorithms.igc`.
 """
 
 from __future__ import annotations
@@ -23,42 +19,36 @@ ConfigError = spec.ConfigError
 Option = spec.Option
 
 INTRINSIC_DIM = Option(
-    'intrinsic_dim', 4096,
-    'd: intrinsic dimension (coordinates uploaded per client per round); '
-    '1 <= d <= number of parameters.', lower_bound=1)
+    'intrinsic_dim', 4096, 'd: intrinsic dimension (coordinates uploaded per '
+    'client per round); 1 <= d <= number of parameters.', lower_bound=1)
 NUM_SUBSPACES = Option(
-    'num_subspaces', 8,
-    'K: number of subspaces (each client uploads in one, drawn uniformly; '
-    'clients download all K). K = 1 equals static.', lower_bound=1)
+    'num_subspaces', 8, 'K: number of subspaces (each client uploads in one, '
+    'drawn uniformly; clients download all K). K = 1 equals static.',
+    lower_bound=1)
 SCALE = Option(
-    'igc_scale', 'unit_expectation',
-    'Fastfood scale: unit_expectation (E[A A^T] = I, the paper\'s '
-    'assumption) or unit_column (Li et al. 2018; needs D/d times larger '
-    'learning rates).', choices=fastfood.SCALES)
+    'igc_scale', 'unit_expectation', "Fastfood scale: unit_expectation (E[A "
+    "A^T] = I, the paper's assumption) or unit_column (Li et al. 2018; needs "
+    "D/d times larger learning rates).", choices=fastfood.SCALES)
 SEED = Option(
-    'igc_seed', -1,
-    'Base Fastfood seed in [0, 2**32); -1 derives it from --seed.',
-    lower_bound=-1, upper_bound=2**32 - 1)
+    'igc_seed', -1, 'Base Fastfood seed in [0, 2**32); -1 derives it from '
+    '--seed.', lower_bound=-1, upper_bound=2**32 - 1)
 ROUNDS_PER_EPOCH = Option(
-    'igc_rounds_per_epoch', 0,
-    'Time-varying: rounds per epoch (new subspaces each epoch); 0 = one '
-    'pass over the clients = ceil(train clients / clients_per_round).',
-    lower_bound=0)
+    'igc_rounds_per_epoch', 0, 'Time-varying: rounds per epoch (new subspaces '
+    'each epoch); 0 = one pass over the clients = ceil(train clients / '
+    'clients_per_round).', lower_bound=0)
 DOWNLOAD = Option(
-    'igc_download_accounting', 'table1',
-    'Download bits: table1 = the paper\'s Table 1 (d, dK, 2d, 2dK floats '
-    'per client-round); exact = the vectors each client needs given its '
-    'last participation, capped at the full model.',
+    'igc_download_accounting', 'table1', "Download bits: table1 = the paper's "
+    "Table 1 (d, dK, 2d, 2dK floats per client-round); exact = the vectors a "
+    "client needs since it last took part, capped at the full model.",
     choices=igc.IGC_DOWNLOAD_ACCOUNTING)
 INDEX_BITS = Option(
-    'igc_count_index_bits', True,
-    'Charge ceil(log2 K) upload bits for the subspace index.')
+    'igc_count_index_bits', True, 'Charge ceil(log2 K) upload bits for the '
+    'subspace index.')
 PROJECT_ON_SERVER = Option(
-    'igc_project_on_server', False,
-    'Faster simulation, same algorithm: project the per-subspace weighted '
-    'sum of client deltas once on the server instead of every client\'s '
-    'delta (the projection is linear; equal to float rounding; bits are '
-    'counted per client as usual). Not with --upload.')
+    'igc_project_on_server', False, 'Faster simulation, same result up to '
+    'float rounding: project the per-subspace weighted sum of client deltas '
+    'once on the server (the projection is linear); bits counted per client. '
+    'Not with --upload.')
 
 _COMMON = (INTRINSIC_DIM, SCALE, SEED, DOWNLOAD, INDEX_BITS,
            common.UPLOAD, common.LOCAL_STEPS, common.NONFINITE_UPDATES,

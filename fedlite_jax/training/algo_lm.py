@@ -1,30 +1,10 @@
-"""``--algorithm=fedavg | fedprox | mime_lite``: FedAvg/FedAdam, FedProx and
-MimeLite, each with the compression flags of Ro et al. (2022).
+"""``--algorithm=fedavg | fedprox | mime_lite`` with the compression flags.
 
-Ro et al., "Scaling Language Model Size in Cross-Device Federated Learning"
-(2022): FedAdam / FedProx / MimeLite, each combinable with download
-quantization, upload quantization (uniform k-level, zero-centred, TernGrad
-with/without clipping) and PVT. See :mod:`fedlite_jax.algorithms.fedopt`.
-
-Flags: the compression flags shared by the three
-(:data:`fedlite_jax.training.compression_options.COMPRESSION_OPTIONS`:
-``--upload`` / ``--download`` stages, e.g. ``--upload=terngrad:none
---download=uniform_quantization:16``, ``--pvt_fraction``,
-``--quantizer_rng``); ``--local_steps`` (fedavg); ``--fedprox_mu``;
-``--mime_base_optimizer``, ``--mime_base_eps``, ``--mime_grads_batch_size``.
-
-Optimizers: FedAvg/FedProx use ``--client_optimizer/--client_lr/
---client_clip_norm`` on clients and ``--server_optimizer/--server_lr/...``
-on the server (FedAdam: ``--server_optimizer=adam``). MimeLite's base
-optimizer is ``--mime_base_optimizer`` at ``--client_lr`` (the paper's
-"base learning rate", with ``--client_clip_norm`` chained before it) and
-its server step size is ``--server_lr`` (Ro et al. fix 1.0).
-
-All three are configurations of one FedOpt round
-(:mod:`fedlite_jax.algorithms.fedopt`): with every compression flag at its
-default ``fedavg`` is FedAvg (McMahan et al. 2017; FedAdam of Reddi et al.
-2021 with ``--server_optimizer=adam``), otherwise the efficient FedAvg of Ro
-et al. (2022).
+Source: Ro et al. (2022), "Scaling Language Model Size in Cross-Device
+Federated Learning": FedAdam / FedProx / MimeLite with download and upload
+quantization and PVT, all one FedOpt round (:mod:`algorithms.fedopt`).
+MimeLite's base optimizer runs at ``--client_lr``, its server step is
+``--server_lr`` (Ro et al. fix 1.0).
 """
 
 from __future__ import annotations
@@ -42,37 +22,26 @@ ConfigError = spec.ConfigError
 Option = spec.Option
 _opt = spec.option_value
 
-# Defined in compression_options (shared with other algorithms); kept here
-# under their former names.
+# Shared with other algorithms (compression_options).
 COMPRESSION_OPTIONS = common.COMPRESSION_OPTIONS
 compression_from_options = common.compression_from_options
 
 MIME_BASE_OPTIMIZERS = ('adagrad', 'sgd', 'adam')
 
 FEDPROX_MU = Option(
-    'fedprox_mu', 0.01,
-    'FedProx mu of 0.5 mu ||w - w_server||^2 (Li et al. 2020); Ro et al. '
-    'sweep 0, 1e-1..1e-4.', lower_bound=0.0)
+    'fedprox_mu', 0.01, 'FedProx mu of 0.5 mu ||w - w_server||^2 (Li et al. '
+    '2020); Ro et al. sweep 0, 1e-1..1e-4.', lower_bound=0.0)
 MIME_BASE_OPTIMIZER = Option(
-    'mime_base_optimizer', 'adagrad',
-    'MimeLite base optimizer (Ro et al.: Adagrad), run at --client_lr.',
-    choices=MIME_BASE_OPTIMIZERS)
+    'mime_base_optimizer', 'adagrad', 'MimeLite base optimizer (Ro et al.: '
+    'Adagrad), run at --client_lr.', choices=MIME_BASE_OPTIMIZERS)
 MIME_BASE_EPS = Option(
-    'mime_base_eps', 1e-3,
-    'MimeLite base optimizer epsilon (Ro et al. sweep 1e-1..1e-7).',
-    lower_bound=0.0)
+    'mime_base_eps', 1e-3, 'MimeLite base optimizer epsilon (Ro et al. sweep '
+    '1e-1..1e-7).', lower_bound=0.0)
 MIME_GRADS_BATCH_SIZE = Option(
-    'mime_grads_batch_size', 16,
-    'MimeLite: batch size of the full-batch gradient pass over each '
-    "client's data (16 = the client batch; larger batches were slower per "
-    'example on XLA:CPU here).', lower_bound=1)
+    'mime_grads_batch_size', 16, "MimeLite: batch size of the full-batch "
+    "gradient pass over each client's data.", lower_bound=1)
 
-def build_fedavg(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
-  """``--algorithm=fedavg`` with the compression flags.
-
-  One FedOpt round (:mod:`fedlite_jax.algorithms.fedopt`); uncompressed it
-  is FedAvg / FedAdam exactly.
-  """
+def _fedopt(ctx: spec.BuildContext, **kwargs) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   compression = compression_from_options(config.options)
   return fedopt.efficient_federated_averaging(
@@ -80,25 +49,20 @@ def build_fedavg(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
       optimizers.client_batch_hparams(config),
-      compression=compression, seed=config.seed, name='fedavg',
+      compression=compression, seed=config.seed,
       engine=config.round_engine, steps_per_call=config.steps_per_call,
       clients_per_chunk=config.clients_per_chunk,
-      nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
+      nonfinite=_opt(config.options, common.NONFINITE_UPDATES), **kwargs)
+
+
+def build_fedavg(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
+  """``--algorithm=fedavg``: uncompressed, FedAvg / FedAdam exactly."""
+  return _fedopt(ctx, name='fedavg')
 
 
 def build_fedprox(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
-  config = ctx.config
-  return fedopt.efficient_federated_averaging(
-      fedjax.model_grad(ctx.split_model.model),
-      optimizers.client_optimizer(config),
-      optimizers.server_optimizer(config),
-      optimizers.client_batch_hparams(config),
-      fedprox_mu=float(config.options[FEDPROX_MU.name]),
-      compression=compression_from_options(config.options),
-      seed=config.seed, name='fedprox',
-      engine=config.round_engine, steps_per_call=config.steps_per_call,
-      clients_per_chunk=config.clients_per_chunk,
-      nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
+  return _fedopt(ctx, name='fedprox',
+                 fedprox_mu=float(ctx.config.options[FEDPROX_MU.name]))
 
 
 def mime_base_optimizer(config) -> optax.GradientTransformation:

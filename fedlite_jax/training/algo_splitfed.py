@@ -1,20 +1,9 @@
-"""``--algorithm=splitfed | fedlite``: split learning with (FedLite) or
-without (SplitFed) a grouped product-quantization layer on the upload.
+"""``--algorithm=splitfed | fedlite``: split learning without (SplitFed) or
+with (FedLite) grouped product quantization of the uploaded activations.
 
-Wang et al., 2022, "FedLite", Sections 3-4; see
-:mod:`fedlite_jax.algorithms.splitfed`. One runner round is one iteration:
-every sampled client uses one batch of ``--client_batch_size`` examples.
-
-Learning rates: the client-side model is stepped by ``--client_optimizer``
-with ``--client_lr`` (the paper's eta_c); the server-side model by
-``--split_server_optimizer`` with ``--split_server_lr`` (eta_s), which
-default to the client's (``same`` / 0), i.e. the paper's single learning
-rate. ``--server_optimizer`` / ``--server_lr`` (FedAvg's optimizer of the
-averaged model delta) are not used by these algorithms.
-
-Flag names: the quantizer flags are the issue's interface
-(``--num_subvectors`` q, ``--num_groups`` R, ``--num_centroids`` L,
-``--correction_lambda``); the rest are prefixed ``fedlite_`` / ``split_``.
+Source: Wang et al. (2022), "FedLite", Sections 3-4. One round is one
+iteration: each client uses one batch. The server-side model has its own
+optimizer (``--split_server_optimizer``, default: the client's).
 """
 
 from __future__ import annotations
@@ -31,75 +20,59 @@ from fedlite_jax.fedlite import pq
 ConfigError = spec.ConfigError
 Option = spec.Option
 
-#: Subvector size used when ``--num_subvectors=0`` (FEMNIST: 9,216 / 8 =
-#: 1,152, the paper's headline q).
+#: Subvector size for ``--num_subvectors=0`` (FEMNIST: q = 9,216 / 8 = 1,152).
 AUTO_SUBVECTOR_SIZE = 8
 
 NUM_SUBVECTORS = Option(
-    'num_subvectors', 0,
-    'FedLite q: subvectors per activation vector (must divide the cut size '
-    'd); 0 = d / 8 when 8 divides d, else d (FEMNIST: 1,152).',
-    lower_bound=0)
+    'num_subvectors', 0, 'FedLite q: subvectors per activation vector (divides '
+    'the cut size d); 0 = d / 8 when 8 divides d, else d.', lower_bound=0)
 NUM_GROUPS = Option(
-    'num_groups', 1,
-    'FedLite R: groups of subvector indices sharing one codebook (divides '
-    'q); 1 = the paper\'s default, q = vanilla product quantization.',
-    lower_bound=1)
+    'num_groups', 1, 'FedLite R: groups of subvectors sharing one codebook '
+    '(divides q); q = vanilla product quantization.', lower_bound=1)
 NUM_CENTROIDS = Option(
-    'num_centroids', 2,
-    'FedLite L: k-means centroids per group (1 <= L <= N q / R, N = '
-    'activation vectors per client).', lower_bound=1)
+    'num_centroids', 2, 'FedLite L: k-means centroids per group (L <= N q / '
+    'R, N = activation vectors per client).', lower_bound=1)
 CORRECTION_LAMBDA = Option(
-    'correction_lambda', 0.0,
-    'FedLite lambda >= 0 of the gradient correction (eq. 5), per example '
-    '(see --fedlite_lambda_scaling); 0 = straight-through.', lower_bound=0.0)
+    'correction_lambda', 0.0, 'FedLite lambda >= 0 of the gradient correction '
+    '(eq. 5; see --fedlite_lambda_scaling); 0 = straight-through.',
+    lower_bound=0.0)
 LAMBDA_SCALING = Option(
-    'fedlite_lambda_scaling', 'example',
-    'example: lambda (z - z~) per example, averaged over the batch like the '
-    'loss (Appendix B eq. 36; = vq_layer with a mean loss); batch: lambda '
-    '(z - z~) added to the gradient of the client\'s batch-mean loss '
-    '(= example with lambda x B).', choices=('example', 'batch'))
+    'fedlite_lambda_scaling', 'example', 'example: lambda (z - z~) per '
+    'example, averaged like the loss (App. B eq. 36); batch: added to the '
+    'batch-mean loss gradient (= example with lambda x B).',
+    choices=('example', 'batch'))
 KMEANS_ITERS = Option(
-    'fedlite_kmeans_iters', pq.DEFAULT_NUM_ITERS,
-    'FedLite: Lloyd iterations per k-means (seeded stratified init).',
-    lower_bound=0)
+    'fedlite_kmeans_iters', pq.DEFAULT_NUM_ITERS, 'FedLite: Lloyd iterations '
+    'per k-means (seeded stratified init).', lower_bound=0)
 EMPTY_CLUSTER = Option(
-    'fedlite_empty_cluster', 'farthest',
-    'FedLite k-means empty clusters: farthest (move to the worst-fit point) '
-    'or keep.', choices=('farthest', 'keep'))
+    'fedlite_empty_cluster', 'farthest', 'FedLite k-means empty clusters: '
+    'farthest (move to the worst-fit point) or keep.',
+    choices=('farthest', 'keep'))
 PHI = Option(
-    'fedlite_phi', pq.DEFAULT_PHI,
-    'Bits per float in the paper\'s ratios (summary activation_compression '
-    'and upload ratios; the paper uses 64). The ledger counts 32-bit floats.',
+    'fedlite_phi', pq.DEFAULT_PHI, "Bits per float in the paper's compression "
+    "ratios (paper: 64); the ledger counts 32-bit floats.",
     lower_bound=1.0, affects_result=False)
 SERVER_OPTIMIZER = Option(
-    'split_server_optimizer', 'same',
-    'Optimizer of the server-side model: same (= --client_optimizer), sgd, '
-    'adam, adagrad.', choices=('same', 'sgd', 'adam', 'adagrad'))
+    'split_server_optimizer', 'same', 'Optimizer of the server-side model: '
+    'same (= --client_optimizer), sgd, adam, adagrad.',
+    choices=('same', 'sgd', 'adam', 'adagrad'))
 SERVER_LR = Option(
-    'split_server_lr', 0.0,
-    'Learning rate eta_s of the server-side model; 0 = --client_lr (the '
-    'paper uses one rate for both parts).', lower_bound=0.0)
+    'split_server_lr', 0.0, 'Learning rate eta_s of the server-side model; 0 = '
+    '--client_lr.', lower_bound=0.0)
 LABEL_BITS = Option(
-    'split_label_bits', splitfed.AUTO_LABEL_BITS,
-    'Bits per uploaded label entry: -1 = ceil(log2(number of outputs)) (1 '
-    'for multi-hot), 0 = labels are not sent (vertical FL).',
-    lower_bound=-1, affects_result=False)
+    'split_label_bits', splitfed.AUTO_LABEL_BITS, 'Bits per uploaded label '
+    'entry: -1 = ceil(log2(outputs)) (1 for multi-hot), 0 = labels not sent '
+    '(vertical FL).', lower_bound=-1, affects_result=False)
 CLIENT_WEIGHTING = Option(
-    'split_client_weighting', 'uniform',
-    'Client weights p_i in the server objective and the client-gradient '
-    'average: uniform (= mini-batch SGD over all B |S| examples) or '
-    'num_examples (client dataset size).',
-    choices=('uniform', 'num_examples'))
+    'split_client_weighting', 'uniform', 'Client weights p_i of the server '
+    'objective and gradient average: uniform (mini-batch SGD over all '
+    'examples) or num_examples.', choices=('uniform', 'num_examples'))
 CLIENT_EXECUTION = Option(
-    'split_client_execution', 'auto',
-    'Layout of the clients\' forward/backward in the one compiled '
-    'iteration: vmap, unroll, or auto (unroll on CPU, vmap elsewhere).',
+    'split_client_execution', 'auto', "Clients' forward/backward in the "
+    "compiled iteration: vmap, unroll, or auto (unroll on CPU).",
     choices=('auto', 'vmap', 'unroll'), affects_result=False)
 
-#: FedAvg-style flags these algorithms do not read: no averaged-delta server
-#: optimizer (see --split_server_optimizer), one batch per client per round,
-#: their own compiled iteration instead of a round engine.
+#: FedAvg-style flags these algorithms do not read.
 IGNORED_FIELDS = ('server_optimizer', 'server_lr', 'server_beta1',
                   'server_beta2', 'server_eps', 'client_epochs',
                   'round_engine', 'steps_per_call')
@@ -138,11 +111,7 @@ def _common_kwargs(ctx: spec.BuildContext) -> dict:
 
 
 def build_splitfed(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
-  """``--algorithm=splitfed``.
-
-  Raises:
-    ConfigError: for an invalid combination of settings.
-  """
+  """``--algorithm=splitfed`` (ConfigError for invalid settings)."""
   try:
     return splitfed.splitfed(**_common_kwargs(ctx))
   except ValueError as e:
@@ -151,10 +120,10 @@ def build_splitfed(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
 
 def quantizer_from_options(ctx: spec.BuildContext
                            ) -> splitfed.QuantizerConfig:
-  """The :class:`~fedlite_jax.algorithms.splitfed.QuantizerConfig` of a run.
+  """The :class:`splitfed.QuantizerConfig` of a run.
 
   Raises:
-    ConfigError: q not dividing d, R not dividing q, lambda < 0, ...
+    ConfigError: q not dividing d, R not dividing q, L too large, ...
   """
   opts = ctx.config.options
   d = ctx.split_model.cut_size
@@ -173,8 +142,7 @@ def quantizer_from_options(ctx: spec.BuildContext
         empty_cluster=opts['fedlite_empty_cluster'])
   except ValueError as e:
     raise ConfigError(f'fedlite: {e}') from None
-  # At most B x L activation vectors per client (L tokens for sequence
-  # models), so a group never has more than B L q / R subvectors for k-means.
+  # A group has at most B L q / R subvectors (L tokens per example).
   batch = ctx.config.client_batch_size
   length = getattr(getattr(ctx.info, 'dataset', None), 'sequence_length',
                    None) or 1
@@ -189,11 +157,7 @@ def quantizer_from_options(ctx: spec.BuildContext
 
 
 def build_fedlite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
-  """``--algorithm=fedlite``.
-
-  Raises:
-    ConfigError: for an invalid quantizer or setting.
-  """
+  """``--algorithm=fedlite`` (ConfigError for invalid settings)."""
   quantizer = quantizer_from_options(ctx)
   try:
     return splitfed.fedlite(quantizer=quantizer, **_common_kwargs(ctx))
@@ -202,9 +166,7 @@ def build_fedlite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
 
 
 def _spec(**kwargs) -> spec.AlgorithmSpec:
-  # Run-level ratios (activation_compression, ...) for summary.json through
-  # AlgorithmSpec's communication hook. One process only: the split program
-  # reads every client's batch itself (several devices of one process work).
+  # One process only: the split program reads every client's batch itself.
   kwargs['communication_keys'] = split_accounting.BIT_KEYS
   kwargs['communication_summary'] = split_accounting.communication_summary
   return spec.AlgorithmSpec(multi_process=False,

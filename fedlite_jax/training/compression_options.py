@@ -1,25 +1,9 @@
 """Options shared by several algorithms (one flag each), and their parsing.
 
-The same :class:`~fedlite_jax.training.spec.Option` object is listed by
-every algorithm that takes it (an option name may be used by several
-algorithms only when the options are identical, see
-:func:`fedlite_jax.training.spec.check_compatible`), e.g. ``--local_steps``
-for ``sgd``, ``topk``, ``fetchsgd`` and every ``igc_*``, and the
-compression flags (:data:`COMPRESSION_OPTIONS`, Ro et al. 2022) for
-``fedavg``, ``fedprox`` and ``mime_lite``:
-
-  ``--upload`` / ``--download``: the compression as stages of
-  :func:`fedlite_jax.transforms.parse_chain`, e.g.
-  ``--upload=intrinsic_projection:4096,uniform_quantization:8
-  --download=uniform_quantization:16`` (``terngrad``, ``terngrad:none``
-  without clipping, ``top_k:k``, ...); ``--pvt_fraction`` (0 < f <= 1;
-  needs per-variable upload stages), ``--quantizer_rng`` (hash, threefry).
-  ``topk`` and ``igc_*`` take ``--upload`` too.
-
-The earlier compression flags (:data:`REMOVED_FLAGS`) are one-line errors
-naming their stage-string replacement (:func:`check_removed`).
-
-This module imports no algorithm module (``algo_*``) and no registry.
+E.g. ``--local_steps`` and the compression flags of Ro et al. (2022)
+(:data:`COMPRESSION_OPTIONS`: ``--upload`` / ``--download`` stage strings of
+:func:`fedlite_jax.transforms.parse_chain`, ``--pvt_fraction``,
+``--quantizer_rng``). Imports no ``algo_*`` module and no registry.
 """
 
 from __future__ import annotations
@@ -40,77 +24,57 @@ Option = spec.Option
 _opt = spec.option_value
 
 LOCAL_STEPS = Option(
-    'local_steps', 0,
-    'Local steps per round (each on one shuffled batch of '
-    '--client_batch_size examples). 0 = the algorithm\'s default: one step '
-    'for sgd/topk/fetchsgd/igc_* (one local step per update as in '
-    'Melas-Kyriazi & Wang (2022) and FetchSGD), --client_epochs passes over '
-    'the client data for fedavg. > 0: exactly that many steps (client data '
-    'reshuffled and repeated as needed); compressed algorithms then compress '
-    'the model delta; fedavg becomes FedAvg with s local iterations.',
-    lower_bound=0)
+    'local_steps', 0, 'Local steps per round, each on one shuffled batch. 0 = '
+    'the default: one step for sgd/topk/fetchsgd/igc_* (Melas-Kyriazi & Wang '
+    '2022, FetchSGD), --client_epochs passes for fedavg. > 0: exactly that '
+    'many (data repeated as needed); compressed algorithms then compress the '
+    'delta.', lower_bound=0)
 
 NONFINITE_UPDATES = Option(
-    'nonfinite_updates', 'raise',
-    'What to do with a client whose update is NaN/Inf (every algorithm): '
-    'raise = stop the run with an error naming the clients, before the bad '
-    'round is evaluated or checkpointed; skip = drop the client from its '
-    'round (it uploads 0 bits; its download is still counted; summary '
-    'communication.skipped_client_rounds counts them) and log a warning; a '
-    'round whose clients are all skipped still stops the run. A non-finite '
-    'server model stops the run either way. Not part of the checkpoint '
-    'fingerprint: a run stopped by raise can resume from its last '
-    'checkpoint with skip.',
+    'nonfinite_updates', 'raise', 'A client update with NaN/Inf: raise = stop '
+    'the run naming the clients (before the round is evaluated or '
+    'checkpointed); skip = drop the client from its round (0 upload bits; '
+    'counted in communication.skipped_client_rounds) with a warning; a round '
+    'of only skipped clients, or a non-finite server model, stops the run. A '
+    'run stopped by raise can resume with skip.',
     choices=nonfinite.POLICIES, affects_result=False)
 
 TOPK_K = Option(
-    'topk_k', 12_000,
-    'FetchSGD k: coordinates updated per round; 1 <= k <= number of '
-    'parameters. (Top-K uploads: --upload=top_k:k.)',
-    lower_bound=1)
+    'topk_k', 12_000, 'FetchSGD k: coordinates updated per round, <= number of '
+    'parameters (Top-K uploads: --upload=top_k:k).', lower_bound=1)
 
 #: ``--algorithm=topk`` with an empty ``--upload``.
 TOPK_DEFAULT_UPLOAD = 'top_k:12000'
 
 DOWNLOAD_ACCOUNTING = Option(
-    'download_accounting', 'changed',
-    'Download bits of topk/fetchsgd: changed = 32 bits per weight changed '
-    'since the client last participated (FetchSGD/CommEfficient), dense = '
-    '32 bits x all parameters.',
-    choices=fedopt.DOWNLOAD_ACCOUNTING)
+    'download_accounting', 'changed', 'Download bits of topk/fetchsgd: changed '
+    '= 32 per weight changed since the client last took part (FetchSGD), dense '
+    '= 32 per parameter.', choices=fedopt.DOWNLOAD_ACCOUNTING)
 
 
 PVT_FRACTION = Option(
-    'pvt_fraction', 1.0,
-    'Partial variable training: target trainable share of the parameters '
-    'per client per round, in (0, 1]; 1 = train everything.',
-    lower_bound=0.0)
+    'pvt_fraction', 1.0, 'Partial variable training: target trainable share of '
+    'the parameters per client-round, in (0, 1]; 1 = all.', lower_bound=0.0)
 QUANTIZER_RNG = Option(
-    'quantizer_rng', 'hash',
-    'Random numbers for stochastic rounding: hash (fast counter-based) or '
-    'threefry (jax.random.uniform).', choices=transforms.uniform.GENERATORS)
+    'quantizer_rng', 'hash', 'Random numbers for stochastic rounding: hash '
+    '(fast counter-based) or threefry (jax.random.uniform).',
+    choices=transforms.uniform.GENERATORS)
 UPLOAD = Option(
     'upload', '',
-    'Upload compression as comma-separated stages applied left to right, '
+    'Upload compression: comma-separated stages applied left to right, '
     'named after the fedlite_jax.transforms functions: '
     + ', '.join(transforms.STAGE_FORMS) + '; e.g. '
-    'intrinsic_projection:4096,uniform_quantization:8 (32 D / (8 * 4096 + '
-    '64) compression) or top_k:12000,uniform_quantization:8. Intrinsic '
-    'projections use subspace seed 0 unless the stage gives one. '
-    'fedavg/fedprox/mime_lite: applied to the client delta (empty = '
-    'float32); topk: the upload of the client delta (empty = '
-    f'{TOPK_DEFAULT_UPLOAD}); igc_*: applied to the d uploaded coordinates '
-    '(empty = float32).')
+    'intrinsic_projection:4096,uniform_quantization:8 (subspace seed 0 '
+    'unless given). Applied to the client delta (igc_*: to the d uploaded '
+    f'coordinates); empty = float32 (topk: {TOPK_DEFAULT_UPLOAD}).')
 DOWNLOAD = Option(
-    'download', '',
-    'Download (server model) compression as stages, same vocabulary as '
-    '--upload, e.g. uniform_quantization:16; empty = float32.')
+    'download', '', 'Download (server model) compression as --upload stages, '
+    'e.g. uniform_quantization:16; empty = float32.')
 
+#: The compression flags of fedavg, fedprox and mime_lite.
 COMPRESSION_OPTIONS = (UPLOAD, DOWNLOAD, PVT_FRACTION, QUANTIZER_RNG)
-"""The compression flags of fedavg, fedprox and mime_lite."""
 
-#: Compression flags that were removed in favour of ``--upload`` /
-#: ``--download`` (see :func:`check_removed`).
+#: Removed compression flags (:func:`check_removed` names the replacement).
 REMOVED_FLAGS = ('upload_quantizer', 'upload_bits', 'download_bits',
                  'upload_zero_center', 'upload_clip_std', 'terngrad_clip',
                  'igc_upload_quant_bits', 'topk_index_bits')
@@ -159,13 +123,12 @@ def check_removed(given, algorithm: str) -> None:
   """Refuses removed compression flags, naming their replacement.
 
   Args:
-    given: removed flag (or option) names -> values as given; other names
-      are ignored. ``topk_k`` counts as removed for ``--algorithm=topk``
-      only (it remains FetchSGD's k).
+    given: flag names -> values; names not in :data:`REMOVED_FLAGS` are
+      ignored, except ``topk_k`` for ``algorithm='topk'``.
     algorithm: the ``--algorithm`` value.
 
   Raises:
-    ConfigError: (one line) e.g. ``--upload_bits=8 was removed; use
+    ConfigError: e.g. ``--upload_bits=8 was removed; use
       --upload=uniform_quantization:8``.
   """
   removed = set(REMOVED_FLAGS) | ({'topk_k'} if algorithm == 'topk' else set())
@@ -181,19 +144,11 @@ def check_removed(given, algorithm: str) -> None:
 def stages_from_option(options, option: Option, *,
                        generator: str = 'hash'
                        ) -> Optional[transforms.CommTransform]:
-  """The transform of a stage-string option (``--upload`` / ``--download``).
-
-  Args:
-    options: mapping of option name -> value.
-    option: :data:`UPLOAD` or :data:`DOWNLOAD`.
-    generator: random generator of quantizer stages (``--quantizer_rng``).
-
-  Returns:
-    :func:`fedlite_jax.transforms.parse_chain` of the value, or None when
-    it is empty (no compression, or the algorithm's default).
+  """:func:`transforms.parse_chain` of :data:`UPLOAD` or :data:`DOWNLOAD`
+  in ``options`` (None if empty), with quantizer ``generator``.
 
   Raises:
-    ConfigError: (one line) a bad stage string, naming the flag.
+    ConfigError: a bad stage string, naming the flag.
   """
   stages = str(_opt(options, option)).strip()
   if not stages:
@@ -204,8 +159,7 @@ def stages_from_option(options, option: Option, *,
     raise ConfigError(f'--{option.name}={stages}: {e}') from None
 
 
-#: Two variables standing in for a model: PVT's upload must encode each
-#: variable on its own, with sizes that add up (checked without the model).
+#: Stand-in variables: PVT's upload must encode each variable on its own.
 _EXAMPLE_VARIABLES = (jax.ShapeDtypeStruct((4096,), jnp.float32),
                       jax.ShapeDtypeStruct((64, 64), jnp.float32))
 
@@ -222,17 +176,7 @@ def _check_per_variable(upload: transforms.CommTransform, options,
 
 
 def compression_from_options(options) -> fedopt.Compression:
-  """A :class:`fedopt.Compression` from resolved option values.
-
-  ``--upload`` / ``--download`` are stage strings
-  (:func:`fedlite_jax.transforms.parse_chain`), e.g.
-  ``--upload=uniform_quantization:8 --download=uniform_quantization:16``.
-
-  Args:
-    options: mapping of option name -> value (missing names take defaults).
-
-  Returns:
-    The compression settings.
+  """A :class:`fedopt.Compression` from option values (missing: defaults).
 
   Raises:
     ConfigError: bad stage strings or ``--pvt_fraction`` (naming the flag).
@@ -250,14 +194,8 @@ def compression_from_options(options) -> fedopt.Compression:
 
 
 def check_options(options) -> None:
-  """Builds the compression that ``options`` describe, without data, so that
-  a flag check (``--validate_only``) rejects what a run would.
-
-  Raises:
-    ConfigError: as :func:`compression_from_options` (when ``options`` hold
-      all of :data:`COMPRESSION_OPTIONS`) or :func:`stages_from_option`;
-      ``--upload`` with ``--igc_project_on_server``.
-  """
+  """Builds the compression of ``options`` without data, so that
+  ``--validate_only`` rejects what a run would (ConfigError)."""
   names = set(options)
   if options.get('igc_project_on_server') and \
       str(options.get(UPLOAD.name, '')).strip():

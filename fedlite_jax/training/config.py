@@ -1,19 +1,8 @@
 """Run configuration: every flag of ``experiments/run_experiment.py``.
 
-Each :class:`RunConfig` field carries its flag's help, type, choices and
-bound in its metadata (:func:`_field`); the binary defines its flags from
-them, and the algorithms' options from :class:`registry.Option`.
-
-Fields left as ``None`` take the task's defaults (``tasks.TASKS[...]``);
-:func:`resolve` fills and validates them, raising :class:`ConfigError` with a
-one-line message that names the bad value and what is allowed.
-
-Settings that the run would ignore are errors, not silently dropped:
-:data:`TASK_FIELDS` says which tasks read each task-specific field, each
-algorithm's options belong to it (``registry.AlgorithmSpec.options``), and
-:func:`check_explicit` rejects the rest (the binary passes the flags given
-on its command line or in a flagfile; :func:`resolve` the fields that differ
-from their defaults and the options given).
+Each :class:`RunConfig` field's metadata holds its flag's help, type,
+choices and bound; ``None`` fields take the task's defaults (:func:`resolve`).
+Settings the run would ignore are errors (:func:`check_explicit`).
 """
 
 from __future__ import annotations
@@ -22,7 +11,7 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from fedlite_jax import rounds
 from fedlite_jax.models import lm
@@ -37,9 +26,8 @@ SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
 TOKENIZERS = ('word', 'sentencepiece')
 ROUND_ENGINES = rounds.ENGINE_NAMES
 
-#: Largest ``--seed``: numpy's ``RandomState`` (FedJAX's client sampler, the
-#: evaluation sample) takes seeds in [0, 2**32 - 1], and ``jax.random.PRNGKey``
-#: would silently wrap larger ones (2**32 gives the key of 0).
+#: Largest ``--seed``: numpy's ``RandomState`` takes seeds in [0, 2**32 - 1]
+#: (``jax.random.PRNGKey`` would silently wrap larger ones).
 MAX_SEED = 2**32 - 1
 #: embedded_mnist: 5,000 digits, each client needs >= 2 (one train, one test).
 EMBEDDED_MNIST_MAX_CLIENTS = 2500
@@ -49,36 +37,21 @@ TEXT_TASKS = ('shakespeare', 'stackoverflow_nwp')
 FILE_TASKS = ('emnist', 'emnist_digits', 'shakespeare', 'stackoverflow_nwp',
               'stackoverflow_tag')
 
-#: Task-specific RunConfig fields -> the tasks that read them. Setting one
-#: explicitly for another task is an error (:func:`check_explicit`).
-#: stackoverflow_tag uses its own fixed vocabularies (5,000 words, 1,000
-#: tags), not --vocab_size.
+#: Task-specific RunConfig fields -> the tasks that read them (setting one
+#: for another task is an error). stackoverflow_tag has fixed vocabularies.
 TASK_FIELDS: Mapping[str, tuple[str, ...]] = {
-    'num_clients': ('embedded_mnist',),
-    'dirichlet_alpha': ('embedded_mnist',),
-    'data_dir': FILE_TASKS,
-    'allow_download': FILE_TASKS,
-    'sequence_length': TEXT_TASKS,
-    'vocab_size': TEXT_TASKS,
-    'tokenizer': TEXT_TASKS,
-    'sp_vocab_size': TEXT_TASKS,
-    'model': TEXT_TASKS,
-    'lm_loss_reduction': TEXT_TASKS,
-}
+    'num_clients': ('embedded_mnist',), 'dirichlet_alpha': ('embedded_mnist',),
+    'data_dir': FILE_TASKS, 'allow_download': FILE_TASKS,
+    **dict.fromkeys(('sequence_length', 'vocab_size', 'tokenizer',
+                     'sp_vocab_size', 'model', 'lm_loss_reduction'),
+                    TEXT_TASKS)}
 
 
-def _field(default: Any, help_text: str, *, kind: Optional[type] = None,
-           choices: Optional[Sequence[str]] = None,
-           lower_bound: Optional[float] = None) -> Any:
-  """A RunConfig field with its flag's metadata (see :func:`flag_specs`).
-
-  Args:
-    default: the field's default (None = the task's default).
-    help_text: the flag's help.
-    kind: the flag type (bool, int, float, str); default: type(default).
-    choices: allowed values of a string field, else None.
-    lower_bound: inclusive lower bound of a number, else None.
-  """
+def _field(default: Any, help_text: str, *, kind: type | None = None,
+           choices: Sequence[str] | None = None,
+           lower_bound: float | None = None) -> Any:
+  """A RunConfig field with its flag's help, type (default: type(default)),
+  string choices and inclusive lower bound."""
   return dataclasses.field(default=default, metadata={
       'help': help_text, 'kind': kind or type(default), 'choices': choices,
       'lower_bound': lower_bound})
@@ -89,57 +62,48 @@ class RunConfig:
   """All settings of one federated run; each field is a runner flag."""
   task: str = _field('embedded_mnist', 'Federated task.')
   algorithm: str = _field('fedavg', 'Federated algorithm.')
-  num_rounds: Optional[int] = _field(None, 'Training rounds.', kind=int,
-                                     lower_bound=1)
-  clients_per_round: Optional[int] = _field(None, 'Cohort size.', kind=int,
-                                            lower_bound=1)
-  client_batch_size: Optional[int] = _field(
+  num_rounds: int | None = _field(None, 'Training rounds.', kind=int,
+                                  lower_bound=1)
+  clients_per_round: int | None = _field(None, 'Cohort size.', kind=int,
+                                         lower_bound=1)
+  client_batch_size: int | None = _field(
       None, 'Local batch size (examples per local step).', kind=int,
       lower_bound=1)
   client_epochs: int = _field(1, 'Local epochs over the client data.',
                               lower_bound=1)
-  max_examples_per_client: Optional[int] = _field(
-      None, 'Use at most this many examples of a client per round (its '
-      'first ones, as TFF take()); 0 = all.', kind=int, lower_bound=0)
-  client_optimizer: Optional[str] = _field(
-      None, 'Client optimizer.', kind=str, choices=CLIENT_OPTIMIZERS)
-  client_lr: Optional[float] = _field(None, 'Client learning rate.',
-                                      kind=float)
-  client_clip_norm: Optional[float] = _field(
-      None, "Client gradient global-norm clip (0 = off; default: the "
-      "task's).", kind=float)
-  server_optimizer: Optional[str] = _field(
+  max_examples_per_client: int | None = _field(
+      None, "Use at most a client's first N examples per round (as TFF "
+      'take()); 0 = all.', kind=int, lower_bound=0)
+  client_optimizer: str | None = _field(None, 'Client optimizer.', kind=str,
+                                        choices=CLIENT_OPTIMIZERS)
+  client_lr: float | None = _field(None, 'Client learning rate.', kind=float)
+  client_clip_norm: float | None = _field(
+      None, 'Client gradient global-norm clip (0 = off).', kind=float)
+  server_optimizer: str | None = _field(
       None, 'Server optimizer (sgd = FedAvg, adam = FedAdam).', kind=str,
       choices=SERVER_OPTIMIZERS)
-  server_lr: Optional[float] = _field(None, 'Server learning rate.',
-                                      kind=float)
+  server_lr: float | None = _field(None, 'Server learning rate.', kind=float)
   server_beta1: float = _field(0.9, 'Server Adam/Yogi beta1.')
   server_beta2: float = _field(0.999, 'Server Adam/Yogi beta2.')
-  server_eps: Optional[float] = _field(None, 'Server optimizer epsilon.',
-                                       kind=float)
-  eval_every: Optional[int] = _field(None, 'Evaluate every N rounds.',
-                                     kind=int, lower_bound=1)
-  eval_batch_size: int = _field(256, 'Evaluation batch size.',
-                                lower_bound=1)
-  eval_num_clients: Optional[int] = _field(
-      None, 'Test clients to evaluate on (0, or more than the test clients '
-      '= all of them).', kind=int, lower_bound=0)
-  seed: int = _field(0, 'Seed in [0, 2**32 - 1] for sampling, init and '
-                     'local shuffles (all keys derive from seed, round, '
-                     'client).')
-  data_dir: Optional[str] = _field(
+  server_eps: float | None = _field(None, 'Server optimizer epsilon.',
+                                    kind=float)
+  eval_every: int | None = _field(None, 'Evaluate every N rounds.', kind=int,
+                                  lower_bound=1)
+  eval_batch_size: int = _field(256, 'Evaluation batch size.', lower_bound=1)
+  eval_num_clients: int | None = _field(
+      None, 'Test clients to evaluate on (0 = all).', kind=int, lower_bound=0)
+  seed: int = _field(0, 'Seed in [0, 2**32 - 1]; all keys (sampling, init, '
+                     'shuffles) derive from seed, round, client.')
+  data_dir: str | None = _field(
       None, 'Data directory, the only one searched when given (else '
-      '$FEDLITE_DATA_DIR, ~/.cache/fedjax, ~/.tff). Tasks with files only.',
-      kind=str)
-  output_dir: Optional[str] = _field(
+      '$FEDLITE_DATA_DIR, ~/.cache/fedjax, ~/.tff).', kind=str)
+  output_dir: str | None = _field(
       None, 'Output directory (default runs/<task>_<algorithm>_seed<seed>).',
       kind=str)
   checkpoint_every: int = _field(
       50, 'Checkpoint every N rounds (0 = only at the end).', lower_bound=0)
-  resume: bool = _field(True, 'Resume from the latest checkpoint in '
-                        '--output_dir.')
-  overwrite: bool = _field(False, 'Replace results of another run in '
-                           '--output_dir.')
+  resume: bool = _field(True, 'Resume from the latest checkpoint.')
+  overwrite: bool = _field(False, 'Replace results of another run.')
   allow_download: bool = _field(
       False, 'Let FedJAX download missing data (needs network).')
   round_engine: str = _field(
@@ -149,19 +113,18 @@ class RunConfig:
       1, 'Loop engine: local steps unrolled per jitted call.', lower_bound=1)
   clients_per_chunk: Any = _field(
       'auto', 'vmap engine and split learning: clients per device in one '
-      'compiled program (peak memory follows it); auto = from the model '
-      'size and the device memory, 0 = the whole cohort.', kind=str)
+      'compiled program (peak memory follows it); auto = from model and '
+      'device memory, 0 = the whole cohort.', kind=str)
   client_cache_mb: int = _field(
-      1024, 'MiB of decoded client data kept across rounds (least recently '
-      'used beyond it; 0 = off). No effect on results.', lower_bound=0)
+      1024, 'MiB of decoded client data kept across rounds (LRU; 0 = off). '
+      'No effect on results.', lower_bound=0)
   prefetch_clients: bool = _field(
-      True, "Load the next round's clients in a background thread while the "
-      'current round trains. No effect on results.')
-  num_devices: Optional[int] = _field(
-      None, "Local devices to split each round's clients over (a "
-      'jax.sharding mesh; default: all local devices). Results do not '
-      'depend on it beyond float tolerance.', kind=int)
-  coordinator_address: Optional[str] = _field(
+      True, "Load the next round's clients in a background thread. No "
+      'effect on results.')
+  num_devices: int | None = _field(
+      None, "Local devices to split each round's clients over (default: "
+      'all). Results equal up to float tolerance.', kind=int)
+  coordinator_address: str | None = _field(
       None, 'Multi-host runs: host:port of process 0 (jax.distributed).',
       kind=str)
   num_processes: int = _field(1, 'Multi-host runs: number of processes.',
@@ -169,8 +132,7 @@ class RunConfig:
   process_id: int = _field(0, "Multi-host runs: this process's index.",
                            lower_bound=0)
   distributed_timeout: int = _field(
-      60, 'Multi-host runs: seconds to wait for all processes.',
-      lower_bound=1)
+      60, 'Multi-host runs: seconds to wait for all processes.', lower_bound=1)
   progress: bool = _field(True, 'Show a progress bar.')
   # Task-specific (see TASK_FIELDS).
   sequence_length: int = _field(20, 'Next-word prediction sequence length.',
@@ -182,41 +144,36 @@ class RunConfig:
   dirichlet_alpha: float = _field(
       0.5, 'embedded_mnist: Dirichlet label-skew concentration.')
   tokenizer: str = _field(
-      'word', 'Text tasks: word vocabulary, or a SentencePiece sub-word '
-      'model trained on the training split (cached; Ro et al. 2022). Use '
-      '--sequence_length=30 for the paper setup.', choices=TOKENIZERS)
+      'word', 'Text tasks: word vocabulary, or a SentencePiece model trained '
+      'on the training split (Ro et al. 2022; with --sequence_length=30).',
+      choices=TOKENIZERS)
   sp_vocab_size: int = _field(
       4096, 'SentencePiece ids incl. PAD/BOS/EOS/UNK (paper: 4K).',
       lower_bound=5)
-  model: Optional[str] = _field(
+  model: str | None = _field(
       None, 'Language model preset (Ro et al. 2022 Table 1, plus tiny CPU '
-      'presets); default: the task model (lstm_small with '
-      '--tokenizer=sentencepiece).', kind=str, choices=tuple(lm.PRESETS))
+      'presets); default: the task model (lstm_small with sentencepiece).',
+      kind=str, choices=tuple(lm.PRESETS))
   lm_loss_reduction: str = _field(
       'sequence_sum', 'LM presets: per-sequence sum (FedJAX) or mean of '
       'token cross-entropies.', choices=tuple(lm.LOSS_REDUCTIONS))
-  init_checkpoint: Optional[str] = _field(
-      None, 'Start from these parameters instead of the random init '
-      '(transfer learning): a file written by '
-      'experiments/pretrain_centralized.py, or a runner checkpoint '
-      '<output_dir>/checkpoints/ckpt_*.msgpack. Round 0 is evaluated so the '
-      'start shows in metrics.jsonl.', kind=str)
+  init_checkpoint: str | None = _field(
+      None, 'Start from the parameters of experiments/pretrain_centralized.py '
+      'or a runner checkpoint (checkpoints/ckpt_*.msgpack).', kind=str)
   # Algorithm-specific options (registry.Option), by name.
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-  # Flags that do not change the trained result (excluded from the
-  # checkpoint fingerprint so a run can be extended or moved).
-  NON_RESULT_FIELDS = ('num_rounds', 'eval_every', 'eval_batch_size',
-                       'eval_num_clients', 'data_dir', 'output_dir',
-                       'checkpoint_every', 'resume', 'overwrite',
-                       'allow_download', 'round_engine', 'steps_per_call',
-                       'clients_per_chunk', 'client_cache_mb',
-                       'prefetch_clients',
-                       'num_devices', 'coordinator_address', 'num_processes',
-                       'process_id', 'distributed_timeout', 'progress')
+  # Flags that do not change the result (not in the checkpoint fingerprint).
+  NON_RESULT_FIELDS = (
+      'num_rounds', 'eval_every', 'eval_batch_size', 'eval_num_clients',
+      'data_dir', 'output_dir', 'checkpoint_every', 'resume', 'overwrite',
+      'allow_download', 'round_engine', 'steps_per_call', 'clients_per_chunk',
+      'client_cache_mb', 'prefetch_clients', 'num_devices',
+      'coordinator_address', 'num_processes', 'process_id',
+      'distributed_timeout', 'progress')
 
   def fingerprint(self) -> dict[str, Any]:
-    """The result-determining settings (stored in and checked by checkpoints)."""
+    """The result-determining settings (stored in checkpoints, checked)."""
     known = registry.all_options()
     out = {k: v for k, v in dataclasses.asdict(self).items()
            if k not in self.NON_RESULT_FIELDS and k != 'options'}
@@ -226,8 +183,11 @@ class RunConfig:
 
 
 def _is_finite(value: Any) -> bool:
-  """False for float NaN / +-inf (ints are finite; None is checked apart)."""
   return not isinstance(value, float) or math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _positive(name: str, value: Any) -> None:
@@ -235,19 +195,14 @@ def _positive(name: str, value: Any) -> None:
     raise ConfigError(f'--{name}={value}: must be a finite number > 0.')
 
 
-def _check_path(name: str, value: Optional[str]) -> None:
+def _check_path(name: str, value: str | None) -> None:
   if value is not None and not str(value).strip():
     raise ConfigError(f'--{name}={value!r}: empty path; give a path or omit '
                       'the flag.')
 
 
 def check_output_dir(path: str) -> None:
-  """Checks that ``path`` is, or can be created as, a writable directory.
-
-  Raises:
-    ConfigError: the path (or one of its parents) is a file, or the nearest
-      existing directory is not writable.
-  """
+  """Raises ConfigError unless ``path`` is (or can be made) a writable dir."""
   _check_path('output_dir', path)
   target = os.path.abspath(path)
   probe = target
@@ -265,26 +220,16 @@ def _explicit_fields(config: RunConfig,
                      task_defaults: Mapping[str, Any]) -> list[str]:
   """Fields set to neither RunConfig's nor the task's default, and the
   options given (so resolving a resolved config finds none set)."""
-  defaults = RunConfig()
-  names = []
-  for f in dataclasses.fields(RunConfig):
-    value = getattr(config, f.name)
-    if f.name == 'options' or value == getattr(defaults, f.name):
-      continue
-    if f.name in task_defaults and value == task_defaults[f.name]:
-      continue
-    names.append(f.name)
-  return names + list(config.options)
+  defaults, unset = RunConfig(), object()
+  return [f.name for f in dataclasses.fields(RunConfig)
+          if f.name != 'options' and getattr(config, f.name) not in (
+              getattr(defaults, f.name), task_defaults.get(f.name, unset))
+          ] + list(config.options)
 
 
 def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
-  """Fills ``None`` fields from the task defaults and validates everything.
-
-  Besides value checks (numbers finite and in range, paths usable, choices
-  known), settings that this task or algorithm would ignore are rejected
-  (:func:`check_explicit` with the fields that differ from RunConfig's and
-  the task's defaults, and the options given). Resolving a resolved config
-  gives it back unchanged.
+  """Fills ``None`` fields from the task defaults and validates everything,
+  including settings the run would ignore (:func:`check_explicit`).
 
   Raises:
     ConfigError: naming the first bad value and what is allowed.
@@ -312,9 +257,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
     value = getattr(config, name)
     if value is not None and (not _is_finite(value) or value < 0):
       raise ConfigError(f'--{name}={value}: must be a finite number >= 0.')
-  if isinstance(config.seed, bool) or \
-      not isinstance(config.seed, numbers.Integral) or \
-      not 0 <= config.seed <= MAX_SEED:
+  if not _is_int(config.seed) or not 0 <= config.seed <= MAX_SEED:
     raise ConfigError(f'--seed={config.seed}: must be an integer in [0, '
                       f'2**32 - 1 = {MAX_SEED}] (numpy RandomState seeds).')
   if config.task == 'embedded_mnist' and \
@@ -322,21 +265,13 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
     raise ConfigError(f'--num_clients={config.num_clients}: embedded_mnist '
                       f'has at most {EMBEDDED_MNIST_MAX_CLIENTS} clients (each '
                       'needs 2 of its 5,000 digits).')
-  if config.client_optimizer not in CLIENT_OPTIMIZERS:
-    raise ConfigError(f'--client_optimizer={config.client_optimizer!r}: '
-                      f'allowed values are {", ".join(CLIENT_OPTIMIZERS)}.')
-  if config.server_optimizer not in SERVER_OPTIMIZERS:
-    raise ConfigError(f'--server_optimizer={config.server_optimizer!r}: '
-                      f'allowed values are {", ".join(SERVER_OPTIMIZERS)}.')
-  if config.round_engine not in ROUND_ENGINES:
-    raise ConfigError(f'--round_engine={config.round_engine!r}: allowed '
-                      f'values are {", ".join(ROUND_ENGINES)}.')
-  config = dataclasses.replace(
-      config, clients_per_chunk=parse_clients_per_chunk(
-          config.clients_per_chunk))
-  if isinstance(config.client_cache_mb, bool) or \
-      not isinstance(config.client_cache_mb, numbers.Integral) or \
-      config.client_cache_mb < 0:
+  for name, allowed in (('client_optimizer', CLIENT_OPTIMIZERS),
+                        ('server_optimizer', SERVER_OPTIMIZERS),
+                        ('round_engine', ROUND_ENGINES)):
+    _check_choice(name, getattr(config, name), allowed)
+  config = dataclasses.replace(config, clients_per_chunk=(
+      parse_clients_per_chunk(config.clients_per_chunk)))
+  if not _is_int(config.client_cache_mb) or config.client_cache_mb < 0:
     raise ConfigError(f'--client_cache_mb={config.client_cache_mb}: must be an '
                       'integer >= 0 (MiB of decoded client data kept across '
                       'rounds; 0 = off).')
@@ -355,22 +290,16 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
     value = getattr(config, name)
     if not (_is_finite(value) and 0 <= value < 1):
       raise ConfigError(f'--{name}={value}: must be in [0, 1).')
-  if config.tokenizer not in TOKENIZERS:
-    raise ConfigError(f'--tokenizer={config.tokenizer!r}: allowed values are '
-                      f'{", ".join(TOKENIZERS)}.')
-  if config.model is not None and config.model not in lm.PRESETS:
-    raise ConfigError(f'--model={config.model!r}: allowed values are '
-                      f'{", ".join(lm.PRESETS)}.')
+  _check_choice('tokenizer', config.tokenizer, TOKENIZERS)
+  if config.model is not None:
+    _check_choice('model', config.model, lm.PRESETS)
   if config.sp_vocab_size <= 4:
     raise ConfigError(f'--sp_vocab_size={config.sp_vocab_size}: must be > 4 '
                       '(PAD, BOS, EOS, UNK plus pieces).')
-  if config.lm_loss_reduction not in lm.LOSS_REDUCTIONS:
-    raise ConfigError(f'--lm_loss_reduction={config.lm_loss_reduction!r}: '
-                      f'allowed values are {", ".join(lm.LOSS_REDUCTIONS)}.')
-  if config.server_eps is not None and (
-      not _is_finite(config.server_eps) or config.server_eps <= 0):
-    raise ConfigError(f'--server_eps={config.server_eps}: must be a finite '
-                      'number > 0.')
+  _check_choice('lm_loss_reduction', config.lm_loss_reduction,
+                lm.LOSS_REDUCTIONS)
+  if config.server_eps is not None:
+    _positive('server_eps', config.server_eps)
   for name in ('data_dir', 'init_checkpoint', 'coordinator_address'):
     _check_path(name, getattr(config, name))
   if config.output_dir is not None:
@@ -384,27 +313,28 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   return config
 
 
-def parse_clients_per_chunk(value: Any) -> int | str:
-  """``--clients_per_chunk`` as ``'auto'`` or an int >= 0.
+def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
+  if value not in allowed:
+    raise ConfigError(f'--{name}={value!r}: allowed values are '
+                      f'{", ".join(map(str, allowed))}.')
 
-  Raises:
-    ConfigError: anything else (one line naming the value).
-  """
+
+def parse_clients_per_chunk(value: Any) -> int | str:
+  """``--clients_per_chunk`` as ``'auto'`` or an int >= 0, else ConfigError."""
   if isinstance(value, str):
     text = value.strip()
     if text == 'auto':
       return 'auto'
     if text.isdigit():
       return int(text)
-  elif isinstance(value, numbers.Integral) and not isinstance(value, bool) \
-      and value >= 0:
+  elif _is_int(value) and value >= 0:
     return int(value)
   raise ConfigError(f"--clients_per_chunk={value}: must be 'auto' or an "
                     'integer >= 0 (clients per device in one compiled '
                     'program of the vmap engine; 0 = the whole cohort).')
 
 
-def _not_applicable(name: str, config: RunConfig) -> Optional[str]:
+def _not_applicable(name: str, config: RunConfig) -> str | None:
   """Why run-level setting ``name`` has no effect on ``config``, or None."""
   tasks = TASK_FIELDS.get(name)
   if tasks is not None and config.task not in tasks:
@@ -437,17 +367,8 @@ def _not_applicable(name: str, config: RunConfig) -> Optional[str]:
 
 
 def check_explicit(config: RunConfig, names: Iterable[str]) -> None:
-  """Rejects explicitly set settings that ``config``'s run would ignore.
-
-  Args:
-    config: the resolved configuration.
-    names: the flags set explicitly (field and option names, no ``--``):
-      the binary passes absl's ``FLAGS[name].present`` ones (command line
-      and flagfiles).
-
-  Raises:
-    ConfigError: naming the first such setting and the tasks, algorithms or
-      settings it belongs to; an unknown option name.
+  """Rejects explicitly set ``names`` (fields, options; no ``--``) that the
+  run of resolved ``config`` would ignore, or that are unknown (ConfigError).
   """
   specs = registry.algorithms()
   spec = specs[config.algorithm]
@@ -475,14 +396,7 @@ def check_explicit(config: RunConfig, names: Iterable[str]) -> None:
 
 def _resolve_options(spec, given: dict[str, Any],
                      task_defaults: Mapping[str, Any]) -> dict[str, Any]:
-  """The algorithm's options: given values, else task defaults, else defaults.
-
-  Given options of other algorithms are rejected by :func:`check_explicit`.
-
-  Raises:
-    ConfigError: a value of the wrong type, not finite, outside its choices
-      or bounds.
-  """
+  """The algorithm's options: given, else task default, else default."""
   out = {}
   for opt in spec.options:
     value = given.get(opt.name)
@@ -493,9 +407,8 @@ def _resolve_options(spec, given: dict[str, Any],
       value = float(value)
     if not isinstance(value, kind):
       raise ConfigError(f'--{opt.name}={value!r}: must be a {kind.__name__}.')
-    if opt.choices is not None and value not in opt.choices:
-      raise ConfigError(f'--{opt.name}={value!r}: allowed values are '
-                        f'{", ".join(map(str, opt.choices))}.')
+    if opt.choices is not None:
+      _check_choice(opt.name, value, opt.choices)
     if not _is_finite(value):
       raise ConfigError(f'--{opt.name}={value}: must be a finite number.')
     if opt.lower_bound is not None and value < opt.lower_bound:

@@ -1,19 +1,7 @@
-"""The runner's host data path: decoded clients kept across rounds, the next
-round's cohort loaded while the current one trains.
-
-* :class:`ClientCache`: each client is read and decoded (SQLite row, zlib,
-  msgpack, client preprocessing) once and kept, least recently used beyond
-  a byte budget. A ``FederatedData`` as far as FedJAX's
-  ``UniformGetClientSampler`` needs one (``client_ids``, ``get_clients``).
-* :class:`CohortPrefetcher`: the cohort of round ``r`` is FedJAX's
-  ``UniformGetClientSampler(fd, n, seed, r).sample()`` (stateless in ``r``),
-  so round ``r + 1``'s can be loaded in a background thread while round
-  ``r`` computes; results do not change.
-
-SQLite connections belong to the thread that opened them; for FedJAX's
-``SQLiteFederatedData`` the background thread opens its own connection to
-the same file (same parsing and preprocessing). Any other source that
-refuses use from another thread is loaded on the training thread instead.
+"""The runner's host data path: decoded clients kept across rounds
+(:class:`ClientCache`), the next round's cohort loaded in a background
+thread while the current one trains (:class:`CohortPrefetcher`). Neither
+changes results.
 """
 
 from __future__ import annotations
@@ -32,16 +20,13 @@ ClientId = bytes
 
 
 def dataset_bytes(dataset: Any) -> int:
-  """Bytes of a client's decoded examples (its arrays); 0 for a stand-in
-  without examples (another process's client, ``RemoteClientDataset``)."""
+  """Bytes of a client's decoded example arrays (0 for a remote stand-in)."""
   examples = getattr(dataset, 'raw_examples', None) or {}
   return int(sum(np.asarray(v).nbytes for v in examples.values()))
 
 
 def _thread_reader(fd: Any) -> Any:
-  """A view of ``fd`` usable from the calling thread: FedJAX's SQLite data
-  gets its own connection to the same file; other sources are returned as
-  they are."""
+  """``fd`` usable from this thread (SQLite data: a new connection)."""
   if not isinstance(fd, fedjax.SQLiteFederatedData):
     return fd
   # pylint: disable=protected-access
@@ -53,17 +38,9 @@ def _thread_reader(fd: Any) -> Any:
 
 
 class ClientCache:
-  """Decoded client datasets kept across rounds within a byte budget (LRU).
-
-  Args:
-    fd: the training ``FederatedData``.
-    budget_bytes: most bytes of decoded examples kept (0: keep none).
-
-  Thread-safe: several threads may call :meth:`get_clients`. Other
-  attributes are the wrapped data's. Several processes: wrap the cache (not
-  the other way round) in ``rounds.remote.PartitionedFederatedData``, which
-  decides locality by cohort position.
-  """
+  """Decoded clients of ``fd`` kept across rounds within ``budget_bytes``
+  (LRU); a thread-safe ``FederatedData`` as far as FedJAX's client sampler
+  needs one (other attributes are ``fd``'s)."""
 
   def __init__(self, fd: Any, budget_bytes: int):
     if budget_bytes < 0:
@@ -80,7 +57,6 @@ class ClientCache:
     self.misses = 0
 
   def __getattr__(self, name: str) -> Any:
-    # Everything else (client_sizes, num_clients, ...) is the wrapped data's.
     if name.startswith('_'):
       raise AttributeError(name)
     return getattr(self._fd, name)
@@ -105,8 +81,7 @@ class ClientCache:
 
   def get_clients(self, client_ids: Iterable[ClientId]
                   ) -> Iterator[tuple[ClientId, fedjax.ClientDataset]]:
-    """``(client_id, dataset)`` in the order asked, decoded at most once
-    while the client stays within the budget."""
+    """``(client_id, dataset)`` in the order asked."""
     client_ids = list(client_ids)
     with self._lock:
       missing = [c for c in client_ids if c not in self._entries]
@@ -134,18 +109,9 @@ class ClientCache:
 
 
 class CohortPrefetcher:
-  """Each round's sampled cohort, the next one loaded in the background.
-
-  Args:
-    fd: the training ``FederatedData`` (or a :class:`ClientCache`).
-    clients_per_round: cohort size.
-    seed: the sampler seed (``UniformGetClientSampler``).
-    prefetch: load round ``r + 1`` in a background thread after handing out
-      round ``r``.
-
-  ``get(r)`` returns FedJAX's ``[(client_id, dataset, rng)]`` for round
-  ``r``, exactly as ``UniformGetClientSampler(fd, n, seed, r).sample()``.
-  """
+  """Round ``r``'s cohort, ``UniformGetClientSampler(fd, clients_per_round,
+  seed, r).sample()``, with (``prefetch``) the next one loaded in a
+  background thread."""
 
   def __init__(self, fd: Any, clients_per_round: int, seed: int,
                prefetch: bool = True):

@@ -1,20 +1,9 @@
 """Initial model parameters from a file (transfer learning warm start).
 
-Ro et al. (2022), Sec. 5 and App. D: centralized pretraining on another
-corpus, then federated fine-tuning starting from the pretrained parameters.
-``experiments/pretrain_centralized.py`` writes a parameter file with
-:func:`save_params`; the runner's ``--init_checkpoint`` loads it with
-:func:`load_params` in place of ``model.init(PRNGKey(seed))``.
-
-File format: one msgpack file (``flax.serialization.msgpack_serialize``) of
-``{'format': 'fedlite_jax.params', 'version': 1, 'params': <state dict>,
-'metadata': <json str>}``; written atomically.
-
-:func:`load_init_params` (the runner's loader) also takes one of the
-runner's own round checkpoints (``<output_dir>/checkpoints/ckpt_*.msgpack``,
-:mod:`fedlite_jax.checkpoint`): the run starts from that run's model
-parameters (its server model; for SplitFed / FedLite the merged client and
-server model), with a fresh optimizer state and ledger.
+Source: Ro et al. (2022), Sec. 5 and App. D (centralized pretraining, then
+federated fine-tuning). A parameter file is one msgpack dict ``{'format':
+FORMAT, 'version', 'params': <state dict>, 'metadata': <json str>}``;
+``--init_checkpoint`` also takes a runner round checkpoint.
 """
 
 from __future__ import annotations
@@ -38,16 +27,8 @@ VERSION = 1
 
 def save_params(path: str | os.PathLike[str], params: PyTree,
                 metadata: Optional[Mapping[str, Any]] = None) -> str:
-  """Writes ``params`` (any pytree of arrays) to ``path``.
-
-  Args:
-    path: destination file (parent directories are created).
-    params: the model parameters.
-    metadata: JSON-serializable description (corpus, steps, model, ...).
-
-  Returns:
-    The path written (str).
-  """
+  """Writes ``params`` (a pytree of arrays) and JSON-able ``metadata`` to
+  ``path`` atomically (parents created); returns the path."""
   path = os.fspath(path)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   payload = {
@@ -79,11 +60,7 @@ def _read_bytes(path: str | os.PathLike[str]) -> bytes:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-  """Hex SHA-256 of the file's bytes (its identity in run fingerprints).
-
-  Raises:
-    FileNotFoundError: no such file (names ``--init_checkpoint``).
-  """
+  """Hex SHA-256 of the file (FileNotFoundError naming --init_checkpoint)."""
   return hashlib.sha256(_read_bytes(path)).hexdigest()
 
 
@@ -109,27 +86,19 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_params(path: str | os.PathLike[str], like: PyTree) -> PyTree:
-  """Loads parameters shaped like ``like`` (e.g. ``model.init(key)``).
-
-  Args:
-    path: a file written by :func:`save_params`.
-    like: the target pytree (structure, shapes, dtypes to match).
-
-  Returns:
-    A pytree with ``like``'s structure holding the file's arrays (as
-    ``like``'s dtypes).
+  """Loads a :func:`save_params` file into ``like``'s structure (shapes and
+  dtypes must match).
 
   Raises:
     FileNotFoundError: no such file.
-    ValueError: not a parameter file, or a structure / shape / dtype
-      mismatch (the message names the first differing variable).
+    ValueError: not a parameter file, or a mismatch (naming the variable).
   """
   return _params_from_payload(path, _read(path), like)
 
 
 def _params_from_payload(path: str | os.PathLike[str], payload: dict[str, Any],
                          like: PyTree) -> PyTree:
-  """The parameters of a decoded :func:`save_params` file, shaped like ``like``."""
+  """The parameters of a decoded :func:`save_params` file, as ``like``."""
   saved = payload['params']
   target = serialization.to_state_dict(like)
   saved_flat = _flatten(saved)
@@ -153,18 +122,9 @@ def _params_from_payload(path: str | os.PathLike[str], payload: dict[str, Any],
 
 @dataclasses.dataclass(frozen=True)
 class InitParams:
-  """Starting parameters read by :func:`load_init_params`.
-
-  Attributes:
-    params: the parameters (``like``'s structure, numpy arrays).
-    path: the file read.
-    sha256: hex SHA-256 of the file's bytes (its identity in run
-      fingerprints and ``summary.json``).
-    source: ``'params_file'`` (:func:`save_params`) or ``'checkpoint'`` (a
-      runner round checkpoint).
-    round: the checkpoint's number of completed rounds (None for a
-      parameter file).
-  """
+  """Starting parameters (numpy) read by :func:`load_init_params` from
+  ``path`` (hex ``sha256``), a ``'params_file'`` or ``'checkpoint'``
+  (``source``) of ``round`` completed rounds (None for a parameter file)."""
   params: PyTree
   path: str
   sha256: str
@@ -181,14 +141,10 @@ def load_init_params(path: str | os.PathLike[str], like: PyTree) -> InitParams:
   """Reads starting parameters from a parameter file or a runner checkpoint.
 
   Args:
-    path: a :func:`save_params` file (e.g. from
-      ``experiments/pretrain_centralized.py``) or a runner checkpoint
-      ``<output_dir>/checkpoints/ckpt_*.msgpack`` saved with its parameters
-      recorded (:func:`fedlite_jax.checkpoint.save_checkpoint` ``params=``).
+    path: a :func:`save_params` file or a runner checkpoint saved with
+      ``params=`` (:func:`fedlite_jax.checkpoint.save_checkpoint`); a
+      checkpoint gives its model (SplitFed/FedLite: client + server part).
     like: the model's parameters (structure, shapes and dtypes to match).
-
-  Returns:
-    The parameters with the file's SHA-256 and kind.
 
   Raises:
     FileNotFoundError: no such file.
@@ -210,29 +166,25 @@ def load_init_params(path: str | os.PathLike[str], like: PyTree) -> InitParams:
       raise ValueError(f'--init_checkpoint={path}: cannot start from this '
                        f'round checkpoint: {e}.') from None
     return InitParams(params, path, digest, 'checkpoint', round_num)
-  raise ValueError(f'--init_checkpoint={path}: neither a {FORMAT} file '
-                   '(experiments/pretrain_centralized.py, '
-                   'init_params.save_params) nor a runner checkpoint '
-                   '(<output_dir>/checkpoints/ckpt_*.msgpack).')
+  raise _neither(path)
 
 
 def file_kind(path: str | os.PathLike[str]) -> str:
-  """``'params_file'`` or ``'checkpoint'``: which kind ``path`` is (no model needed).
-
-  Raises:
-    FileNotFoundError: no such file.
-    ValueError: neither kind; one line starting ``--init_checkpoint=<path>:``.
-  """
+  """``'params_file'`` or ``'checkpoint'`` (as :func:`load_init_params`)."""
   path = os.fspath(path)
   payload = _decode(path, _read_bytes(path))
   if _is_params_file(payload):
     return 'params_file'
   if checkpoint.is_checkpoint(payload):
     return 'checkpoint'
-  raise ValueError(f'--init_checkpoint={path}: neither a {FORMAT} file '
-                   '(experiments/pretrain_centralized.py, '
-                   'init_params.save_params) nor a runner checkpoint '
-                   '(<output_dir>/checkpoints/ckpt_*.msgpack).')
+  raise _neither(path)
+
+
+def _neither(path: str) -> ValueError:
+  return ValueError(f'--init_checkpoint={path}: neither a {FORMAT} file '
+                    '(experiments/pretrain_centralized.py, '
+                    'init_params.save_params) nor a runner checkpoint '
+                    '(<output_dir>/checkpoints/ckpt_*.msgpack).')
 
 
 def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:

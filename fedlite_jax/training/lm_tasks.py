@@ -1,24 +1,8 @@
-"""Hooks for ``--tokenizer`` and ``--model`` on the text tasks.
+"""``--tokenizer`` and ``--model`` for the text tasks.
 
-Ro et al. (2022) train on StackOverflow with a 4K SentencePiece vocabulary
-and max sequence length 30, with CIFG-LSTM / Transformer models (Table 1).
-These helpers let ``tasks.py`` offer that without knowing the details:
-
-* :func:`load_text_data`: ``tokenizer='word'`` -> the word pipeline
-  (:func:`fedlite_jax.datasets.load_federated_data`); ``'sentencepiece'`` ->
-  :func:`fedlite_jax.datasets.sentencepiece_vocab.load_sentencepiece_data`
-  (SentencePiece model trained on the training split, cached, seed fixed at
-  0 so the vocabulary does not change with ``--seed``).
-* :func:`build_lm`: a :mod:`fedlite_jax.models.lm` preset sized for the
-  loaded data (``vocab_size = info.num_classes``, ``oov_id = info.oov_id``,
-  ``max_length = info.sequence_length``); without ``--model`` it is
-  ``'lstm_small'`` for SentencePiece data (the word-level FedJAX LSTM's
-  OOV convention does not fit the SentencePiece ids) and None (the task's
-  default model) otherwise.
-
-Config fields read (with defaults when absent, so this works before the
-fields exist): ``tokenizer`` ('word'), ``model`` (None), ``sp_vocab_size``
-(4,096), ``lm_loss_reduction`` ('sequence_sum').
+Source: Ro et al. (2022): a 4K SentencePiece vocabulary trained on the
+training split (seed 0, cached), sequence length 30, and the Table 1 models.
+Config fields missing from ``config`` take their defaults.
 """
 
 from __future__ import annotations
@@ -30,7 +14,6 @@ from fedlite_jax.datasets import sentencepiece_vocab
 from fedlite_jax.models import lm
 
 TOKENIZERS = ('word', 'sentencepiece')
-MODELS = tuple(lm.PRESETS)
 DEFAULT_SP_MODEL = 'lstm_small'
 
 
@@ -38,8 +21,7 @@ def load_text_data(config: Any, task: str):
   """``(train, test, DatasetInfo)`` of a text task with ``config.tokenizer``.
 
   Raises:
-    ValueError: an unknown tokenizer, or sentencepiece for a task without
-      text (names the allowed values).
+    ValueError: an unknown tokenizer (naming the allowed ones).
     DatasetNotFoundError: the task's files are missing.
   """
   tokenizer = getattr(config, 'tokenizer', 'word')
@@ -58,7 +40,9 @@ def load_text_data(config: Any, task: str):
 
 
 def build_lm(config: Any, info: datasets.DatasetInfo) -> Optional[Any]:
-  """The ``--model`` preset for ``info``'s vocabulary (None: task default).
+  """The ``--model`` preset sized for ``info``'s vocabulary and sequence
+  length; without ``--model``, ``lstm_small`` for SentencePiece data and
+  None (the task's default model) otherwise.
 
   Raises:
     ValueError: an unknown preset (naming the allowed ones) or a task that

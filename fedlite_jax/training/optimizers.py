@@ -15,14 +15,9 @@ ConfigError = spec.ConfigError
 def make_optimizer(name: str, lr: float, *, beta1: float = 0.9,
                    beta2: float = 0.999, eps: Optional[float] = None,
                    clip_norm: float = 0.0) -> optax.GradientTransformation:
-  """optax optimizer by name ('sgd', 'adam', 'adagrad', 'yogi').
-
-  ``eps`` defaults to optax's default for each optimizer. ``clip_norm > 0``
-  prepends ``optax.clip_by_global_norm``.
-
-  Raises:
-    ConfigError: unknown name.
-  """
+  """optax optimizer by name ('sgd', 'adam', 'adagrad', 'yogi'; else
+  ConfigError); ``eps=None``: optax's default; ``clip_norm > 0`` prepends
+  ``optax.clip_by_global_norm``."""
   kw = {} if eps is None else {'eps': eps}
   if name == 'sgd':
     opt = optax.sgd(lr)
@@ -53,12 +48,8 @@ def server_optimizer(config) -> optax.GradientTransformation:
 
 
 def client_batch_hparams(config) -> fedjax.ShuffleRepeatBatchHParams:
-  """Local batching; the shuffle seed derives from each client's key.
-
-  ``--local_steps=s > 0`` (fedavg): exactly ``s`` batches per client per
-  round (its data reshuffled and repeated as needed), instead of
-  ``--client_epochs`` passes.
-  """
+  """Local batching: ``--client_epochs`` passes, or with ``--local_steps=s
+  > 0`` exactly ``s`` batches (data repeated as needed)."""
   steps = int(config.options.get('local_steps') or 0)
   if steps > 0 and config.client_epochs != 1:
     raise ConfigError(f'--local_steps={steps} and --client_epochs='

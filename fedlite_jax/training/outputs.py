@@ -1,23 +1,7 @@
-"""Run outputs: metrics.jsonl, summary.json, TensorBoard events, PNG plot.
-
-Files in ``output_dir``:
-  metrics.jsonl      one JSON object per evaluation: round, the test metrics
-                     (loss, accuracy or perplexity, ...), cumulative
-                     upload/download bytes, seconds per round.
-  communication.csv  one row per client per round (the ledger's rows).
-  summary.json       final metrics, communication totals and ratios, rounds,
-                     seconds per round, and every flag.
-  tb/                TensorBoard event files (tensorboardX, no TensorFlow).
-  curves.png         test metric vs round and vs cumulative upload bytes.
-  run.json           the run's identity: its fingerprint (the flags that
-                     determine the result), written when the run starts.
-  .lock              the pid of the process running into the directory
-                     (held with ``fcntl.flock`` for the whole run).
-
-A run killed at any moment can be started again with the same command: the
-partial last line of metrics.jsonl / communication.csv (killed mid-write) is
-dropped, rows after the resumed checkpoint are removed, and TensorBoard
-discards the events after it (``purge_step``).
+"""Run outputs in ``output_dir``: metrics.jsonl, communication.csv,
+summary.json, tb/ (TensorBoard, tensorboardX), curves.png, run.json (the
+run's fingerprint and code version) and .lock (the running pid, ``flock``).
+Files are written atomically or cut back to complete lines on resume.
 """
 
 from __future__ import annotations
@@ -62,10 +46,7 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-  """Reads metrics.jsonl (missing file -> []).
-
-  A last line without its newline (a writer killed mid-line) is ignored.
-  """
+  """The rows of metrics.jsonl ([] if missing; a partial last line dropped)."""
   path = pathlib.Path(path)
   if not path.exists():
     return []
@@ -73,18 +54,15 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def truncate_metrics(path: str | os.PathLike, max_round: int) -> list[dict]:
-  """Keeps the complete rows with ``round <= max_round`` (used when resuming)."""
+  """Keeps the complete rows with ``round <= max_round`` (for resuming)."""
   rows = [r for r in read_metrics(path) if r['round'] <= max_round]
   _write_atomic(pathlib.Path(path), ''.join(json.dumps(r) + '\n' for r in rows))
   return rows
 
 
 def truncate_csv(path: str | os.PathLike, num_rounds: int) -> None:
-  """Keeps the header and the complete rows of rounds < ``num_rounds``.
-
-  A file without a complete header line is removed (the ledger writes the
-  header into an empty file).
-  """
+  """Keeps the header and complete rows of rounds < ``num_rounds`` (a file
+  without a complete header is removed)."""
   path = pathlib.Path(path)
   if not path.exists():
     return
@@ -98,8 +76,7 @@ def truncate_csv(path: str | os.PathLike, num_rounds: int) -> None:
 
 
 def clear_results(output_dir: str | os.PathLike) -> None:
-  """Removes a previous run's outputs (metrics, CSV, summary, plot, TensorBoard
-  events, checkpoints, run identity) before a run starts from round 0."""
+  """Removes a previous run's outputs (all but the lock)."""
   out = pathlib.Path(output_dir)
   for name in ('metrics.jsonl', 'communication.csv', 'summary.json',
                'curves.png', RUN_FILE):
@@ -115,20 +92,21 @@ def remove_partial_files(output_dir: str | os.PathLike) -> None:
     p.unlink(missing_ok=True)
 
 
-def read_run_identity(output_dir: str | os.PathLike) -> Optional[dict]:
-  """The fingerprint stored in ``run.json``; None if missing or unreadable."""
-  path = pathlib.Path(output_dir) / RUN_FILE
+def _read_run_file(output_dir: str | os.PathLike, key: str) -> Optional[dict]:
   try:
-    saved = json.loads(path.read_text())
-    return dict(saved['fingerprint'])
+    return dict(json.loads(
+        (pathlib.Path(output_dir) / RUN_FILE).read_text())[key])
   except (OSError, ValueError, KeyError, TypeError):
     return None
 
 
+def read_run_identity(output_dir: str | os.PathLike) -> Optional[dict]:
+  """The fingerprint stored in ``run.json``; None if missing or unreadable."""
+  return _read_run_file(output_dir, 'fingerprint')
+
+
 def code_version() -> dict[str, Any]:
-  """The code a run uses: ``{'commit': git HEAD or None, 'dirty': bool or
-  None}`` of the checkout the package is imported from (None outside a git
-  checkout, e.g. an installed wheel)."""
+  """``{'commit', 'dirty'}`` of the package's git checkout (None if none)."""
   root = pathlib.Path(__file__).resolve().parents[2]
 
   def git(*args: str) -> Optional[str]:
@@ -148,21 +126,14 @@ def code_version() -> dict[str, Any]:
 
 def read_code_version(output_dir: str | os.PathLike) -> Optional[dict]:
   """The :func:`code_version` stored in ``run.json`` (None if absent)."""
-  try:
-    return dict(json.loads(
-        (pathlib.Path(output_dir) / RUN_FILE).read_text())['code'])
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
+  return _read_run_file(output_dir, 'code')
 
 
 def write_run_identity(output_dir: str | os.PathLike,
                        fingerprint: Mapping[str, Any],
                        code: Optional[Mapping[str, Any]] = None) -> None:
-  """Writes ``run.json`` (``{'fingerprint': ..., 'code': ...}``) atomically.
-
-  ``code`` (:func:`code_version`) is informational: a run resumed under
-  other code continues (with a warning), unlike one with other flags.
-  """
+  """Writes ``run.json`` (``{'fingerprint', 'code'}``) atomically; ``code``
+  is informational (a resume under other code only warns)."""
   _write_atomic(pathlib.Path(output_dir) / RUN_FILE,
                 json.dumps({'fingerprint': dict(fingerprint),
                             'code': dict(code or {})}, indent=1,
@@ -171,17 +142,11 @@ def write_run_identity(output_dir: str | os.PathLike,
 
 @contextlib.contextmanager
 def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[pathlib.Path]:
-  """Holds an exclusive ``fcntl.flock`` on ``output_dir/.lock`` meanwhile.
-
-  The holder's pid is written into the file. The kernel releases the lock
-  when the process exits, also when it is killed.
-
-  Yields:
-    The lock file's path.
+  """Holds an exclusive ``flock`` on ``output_dir/.lock`` (holding the pid;
+  released when the process exits or is killed); yields its path.
 
   Raises:
-    ConfigError: another process holds the lock (names the directory and
-      that process's pid).
+    ConfigError: another process holds it (naming its pid).
   """
   path = pathlib.Path(output_dir) / LOCK_FILE
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -206,9 +171,8 @@ class MetricsWriter:
 
   Args:
     output_dir: the run's output directory.
-    purge_step: when resuming after round ``r``, ``r + 1``: TensorBoard
-      discards the earlier events of steps >= it (written after the
-      checkpoint by the killed run). None: nothing to discard.
+    purge_step: resuming after round ``r``: ``r + 1`` (TensorBoard drops
+      older events of steps >= it); None: nothing to drop.
   """
 
   def __init__(self, output_dir: str | os.PathLike,

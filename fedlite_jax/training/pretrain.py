@@ -1,22 +1,8 @@
 """Centralized pretraining on another corpus (transfer learning, phase 1).
 
-Ro et al. (2022), Sec. 5 and App. D: pretrain centrally (Adam, batch 16,
-beta 0.9/0.999, eps 1e-8, optional clip norm 16) on a corpus other than the
-federated one (Books, LM1B), then warm-start federated training from the
-pretrained parameters (:mod:`fedlite_jax.training.init_params`,
-``--init_checkpoint``).
-
-Corpora here (real text, no download):
-
-* ``'python_help'``: the help topics shipped with CPython
-  (``pydoc_data.topics.topics``: the language reference's help pages,
-  ~0.46 MB of English prose with code), split into paragraphs. It is a
-  different domain from Shakespeare (technical vs. Early Modern English),
-  like Books/LM1B vs. StackOverflow in the paper, and exists on every
-  machine with Python.
-
-The federated task's tokenizer encodes the corpus (its SentencePiece model
-was trained on the federated TRAINING split only), so the vocabularies match.
+Source: Ro et al. (2022), Sec. 5 and App. D. Corpus ``'python_help'``:
+CPython's help topics (``pydoc_data``; ~0.46 MB of technical English, a
+domain other than Shakespeare), encoded with the federated task's tokenizer.
 """
 
 from __future__ import annotations
@@ -34,11 +20,8 @@ CORPORA = ('python_help',)
 
 
 def python_help_paragraphs() -> list[str]:
-  """Paragraphs of CPython's help topics (blank-line separated, non-empty).
-
-  Returns:
-    Whitespace-normalized paragraphs, in sorted topic order.
-  """
+  """CPython's help topics as whitespace-normalized paragraphs, sorted by
+  topic."""
   from pydoc_data import topics  # pylint: disable=g-import-not-at-top
   out = []
   for name in sorted(topics.topics):
@@ -50,11 +33,7 @@ def python_help_paragraphs() -> list[str]:
 
 
 def corpus_texts(name: str) -> list[str]:
-  """The texts of a named corpus.
-
-  Raises:
-    ValueError: an unknown corpus (naming the allowed ones).
-  """
+  """The texts of a named corpus (ValueError naming the allowed ones)."""
   if name == 'python_help':
     return python_help_paragraphs()
   raise ValueError(f'Unknown pretraining corpus {name!r}; allowed: '
@@ -64,15 +43,9 @@ def corpus_texts(name: str) -> list[str]:
 def encode_chunks(piece_ids: Sequence[Sequence[int]], max_length: int, *,
                   bos_id: int = 1, eos_id: int = 2
                   ) -> dict[str, np.ndarray]:
-  """Cuts each text's ids into next-token examples of ``max_length``.
-
-  A text ``t`` of ids becomes chunks of ``max_length - 1`` ids; chunk ``c``
-  gives ``x = [BOS] + c`` and ``y = c + [EOS]`` (cut to ``max_length`` and
-  PAD-padded), the same convention as the federated pipelines but using the
-  whole text instead of its first ``max_length`` tokens.
-
-  Returns:
-    ``{'x', 'y'}`` int32 [num_chunks, max_length].
+  """Cuts each text's ids into next-token examples: each chunk ``c`` of
+  ``max_length - 1`` ids gives ``x = [BOS] + c`` and ``y = c + [EOS]``,
+  PAD-padded; ``{'x', 'y'}`` int32 [num_chunks, max_length].
 
   Raises:
     ValueError: max_length < 2.
@@ -96,28 +69,23 @@ def encode_chunks(piece_ids: Sequence[Sequence[int]], max_length: int, *,
 
 def pretrain(model: fedjax.Model, params: Any, data: dict[str, np.ndarray],
              *, steps: int, batch_size: int = 16, learning_rate: float = 1e-3,
-             clip_norm: float = 0.0, seed: int = 0,
-             log_every: int = 0,
+             clip_norm: float = 0.0, seed: int = 0, log_every: int = 0,
              log: Callable[[str], None] = print) -> tuple[Any, dict]:
   """Centralized Adam training on shuffled batches (Ro et al., App. D).
 
   Args:
-    model: the ``fedjax.Model``.
-    params: initial parameters.
+    model: the ``fedjax.Model``; ``params`` its initial parameters.
     data: ``{'x', 'y'}`` int32 [N, L].
     steps: optimizer steps (>= 1).
     batch_size: examples per step (paper: 16).
-    learning_rate: Adam step size (paper: 5e-5..1e-4 for 30M steps; larger
-      for short runs).
+    learning_rate: Adam step size (paper: 5e-5..1e-4 for 30M steps).
     clip_norm: global-norm gradient clipping (0 = off; paper: 0 or 16).
     seed: shuffling seed.
-    log_every: print the running loss every N steps (0 = never).
-    log: logging function.
+    log_every: ``log`` the running loss every N steps (0 = never).
 
   Returns:
-    (params, info) with ``info = {'steps', 'examples', 'seconds',
-    'final_train_loss'}`` (mean per-sequence training loss of the last
-    ``min(100, steps)`` steps).
+    ``(params, {'steps', 'examples', 'seconds', 'final_train_loss'})``, the
+    loss averaged over the last ``min(100, steps)`` steps.
 
   Raises:
     ValueError: steps or batch_size < 1, or fewer examples than a batch.

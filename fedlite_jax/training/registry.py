@@ -1,26 +1,9 @@
 """Algorithm registry: how ``--algorithm=<name>`` becomes a FedJAX algorithm.
 
-Each built-in algorithm module (``algo_*.py``) declares its algorithms as
-data, a module constant ``SPECS: tuple[AlgorithmSpec, ...]`` (see
-:mod:`fedlite_jax.training.spec`); this module collects them from the
-explicit list :data:`BUILTIN_MODULES`, in that order. Importing a module
-registers nothing, so no result depends on import order. Each
-:class:`Option` of a spec becomes an absl flag of
-``experiments/run_experiment.py`` and is carried in
-:class:`~fedlite_jax.training.config.RunConfig` ``options``.
-
-Adding an algorithm:
-  * to the library: write ``fedlite_jax/training/algo_<name>.py`` with its
-    builders and ``SPECS``, importing only ``spec``, ``optimizers``,
-    ``compression_options`` and ``fedlite_jax`` packages below ``training``
-    (not another ``algo_*`` module, not this one), and add the module to
-    :data:`BUILTIN_MODULES`;
-  * from your own code, without editing the package: call
-    :func:`register` with an :class:`AlgorithmSpec` before the run is
-    configured (before :func:`fedlite_jax.training.run`, or before the
-    binary defines its flags if you build your own binary).
-
-The contract of a built algorithm is in :mod:`fedlite_jax.training.spec`.
+The built-in algorithms are the ``SPECS`` of :data:`BUILTIN_MODULES`
+(``algo_*.py``, importing only ``spec``, ``optimizers`` and
+``compression_options`` of this package); call :func:`register` for your
+own before the run is configured. Each :class:`Option` becomes a flag.
 """
 
 from __future__ import annotations
@@ -37,8 +20,7 @@ Option = spec_lib.Option
 BuildContext = spec_lib.BuildContext
 AlgorithmSpec = spec_lib.AlgorithmSpec
 
-#: The modules whose ``SPECS`` are the built-in algorithms, in ``--help``
-#: order.
+#: The modules whose ``SPECS`` are the built-in algorithms, in ``--help`` order.
 BUILTIN_MODULES: tuple[types.ModuleType, ...] = (
     algo_lm, algo_baselines, algo_igc, algo_splitfed)
 
@@ -55,15 +37,7 @@ _ADDED: dict[str, AlgorithmSpec] = {}
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
-  """Adds a user-defined algorithm ``spec`` for the rest of the process.
-
-  The built-in algorithms need no call (see :data:`BUILTIN_MODULES`). An
-  option name may be shared with other algorithms only with an identical
-  :class:`Option` (same default, help, choices, bounds): it is one flag
-  (e.g. ``--intrinsic_dim`` for all intrinsic-compression variants).
-
-  Returns:
-    ``spec``.
+  """Adds a user-defined algorithm ``spec`` for the process; returns it.
 
   Raises:
     ValueError: duplicate algorithm name, or an option name defined
@@ -87,11 +61,7 @@ def all_options() -> dict[str, Option]:
 
 
 def get(name: str) -> AlgorithmSpec:
-  """The algorithm called ``name``.
-
-  Raises:
-    ValueError: unknown name (lists the allowed ones).
-  """
+  """The algorithm called ``name`` (ValueError listing the allowed ones)."""
   specs = algorithms()
   if name not in specs:
     raise ValueError(f'--algorithm={name!r}: allowed values are '

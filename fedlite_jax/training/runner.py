@@ -1,31 +1,7 @@
 """The federated training loop: sample, train, account, evaluate, checkpoint.
 
-Determinism: the cohort of round r comes from FedJAX's
-``UniformGetClientSampler(seed)`` (stateless in r), each client's PRNG key is
-``fold_in(fold_in(PRNGKey(seed), r), crc32(client_id))`` (dropout draws and
-the local shuffle derive from it), so the same flags give the same result,
-and a run resumed from a checkpoint ends with exactly the same parameters as
-an uninterrupted one (``tests/test_runner.py``).
-
-Starting and restarting (``tests/test_runner_resume.py``): process 0 holds
-``output_dir/.lock`` for the whole run (a second run into the same directory
-fails at once, naming the holder's pid) and writes ``run.json`` with the
-run's fingerprint. The same command started again after a kill at any moment
-continues from the latest checkpoint, or, when none was written yet and
-``run.json`` holds the same fingerprint, starts over from round 0; either way
-it ends equal to an uninterrupted run. Partial files of a killed write
-(``checkpoints/.tmp_ckpt_*``, a partial last line of metrics.jsonl or
-communication.csv) are removed. Results (evaluations, checkpoints) of a run
-with other flags are replaced only with ``--overwrite``. These decisions are
-taken before any data is loaded.
-
-``--init_checkpoint`` (``tests/test_init_checkpoint.py``): the run starts
-from the parameters of a file of ``init_params.save_params`` or of a runner
-checkpoint (:func:`init_params.load_init_params`) instead of
-``model.init(PRNGKey(seed))``; the file's SHA-256 joins the fingerprint
-(``init_checkpoint_sha256``) and ``summary.json`` (``init_checkpoint``), and
-the starting point is evaluated as a round-0 row of metrics.jsonl. Runs
-without it have no round-0 row (their start is the seed's random init).
+The same flags give the same result, also across kills and restarts; see
+``docs/notes/training.md`` for the determinism and restart rules.
 """
 
 from __future__ import annotations
@@ -64,13 +40,10 @@ from fedlite_jax.rounds import sharding
 RunConfig = config_lib.RunConfig
 ConfigError = config_lib.ConfigError
 
-#: Engine counts each metrics.jsonl row carries for the rounds it covers
-#: (``fedlite_jax.rounds.recording_stats``): useful local steps, steps
-#: executed (masked steps included), compiled-program runs.
+#: Engine counts of a metrics.jsonl row's rounds (``rounds.recording_stats``):
+#: useful local steps, steps executed (incl. masked), compiled-program runs.
 ROW_COUNTS = ('client_steps', 'padded_steps', 'chunks')
-#: Wall-clock fields of a metrics.jsonl row (they differ between identical
-#: runs): mean training seconds per round, and the seconds its rounds spent
-#: waiting for client data, training and evaluating.
+#: Wall-clock fields of a metrics.jsonl row (differ between identical runs).
 ROW_TIMINGS = ('seconds_per_round', 'data_seconds', 'train_seconds',
                'eval_seconds')
 
@@ -86,26 +59,6 @@ def build_algorithm(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
   return registry.get(ctx.config.algorithm).build(ctx)
 
 
-def _default_output_dir(config: RunConfig) -> str:
-  return str(pathlib.Path('runs') / f'{config.task}_{config.algorithm}_seed{config.seed}')
-
-
-def _machine() -> dict[str, Any]:
-  return {
-      'platform': platform.platform(),
-      'python': platform.python_version(),
-      'jax': jax.__version__,
-      'backend': jax.default_backend(),
-      'devices': [str(d) for d in jax.devices()],
-  }
-
-
-def _placement(mesh: sharding.ClientMesh) -> dict[str, Any]:
-  return {'num_devices': mesh.num_devices,
-          'num_processes': mesh.num_processes,
-          'mesh_devices': [str(d) for d in mesh.mesh.devices.flat]}
-
-
 def run(config: RunConfig) -> dict[str, Any]:
   """Runs (or resumes) one federated experiment and returns the summary.
 
@@ -113,16 +66,13 @@ def run(config: RunConfig) -> dict[str, Any]:
     config: the run's settings; ``None`` fields take the task's defaults.
 
   Returns:
-    The summary dict also written to ``output_dir/summary.json``, with keys
-    ``final_eval`` (loss, accuracy or perplexity, ...), ``communication``
-    (total_upload_bytes, total_download_bytes, upload_compression,
-    download_compression, total_compression vs uncompressed FedAvg),
+    The summary also written to ``output_dir/summary.json``: ``final_eval``,
+    ``communication`` (bytes each way, compression vs uncompressed FedAvg),
     ``rounds``, ``seconds_per_round``, ``flags`` and more.
 
   Raises:
-    ConfigError: bad settings, a missing or unfit ``--init_checkpoint``, an
-      ``output_dir`` in use by another process, or holding results of a run
-      with other flags (without ``--overwrite``).
+    ConfigError: bad settings or ``--init_checkpoint``; an ``output_dir`` in
+      use, or holding results of other flags (without ``--overwrite``).
     FileNotFoundError: missing data (the message names the files).
     checkpoint.CheckpointError: a corrupt or mismatched checkpoint.
     FloatingPointError: the model diverged (non-finite updates).
@@ -130,7 +80,9 @@ def run(config: RunConfig) -> dict[str, Any]:
   task = tasks.get_task(config.task)
   config = config_lib.resolve(config, task.defaults)
   if config.output_dir is None:
-    config = dataclasses.replace(config, output_dir=_default_output_dir(config))
+    config = dataclasses.replace(config, output_dir=str(
+        pathlib.Path('runs') /
+        f'{config.task}_{config.algorithm}_seed{config.seed}'))
   if config.num_processes > 1 and not jax.distributed.is_initialized():
     sharding.initialize_distributed(
         config.coordinator_address, config.num_processes, config.process_id,
@@ -167,12 +119,7 @@ def run(config: RunConfig) -> dict[str, Any]:
 
 def _load_init(config: RunConfig, like: Any
                ) -> Optional[init_params.InitParams]:
-  """The ``--init_checkpoint`` parameters, or None without the flag.
-
-  Raises:
-    ConfigError: missing file, not a parameter file or runner checkpoint,
-      or parameters that do not fit the model (one line naming the flag).
-  """
+  """The ``--init_checkpoint`` parameters (None without it), or ConfigError."""
   if not config.init_checkpoint:
     return None
   try:
@@ -187,11 +134,7 @@ def _load_init(config: RunConfig, like: Any
 
 
 def _init_sha256(config: RunConfig) -> Optional[str]:
-  """SHA-256 of the ``--init_checkpoint`` file; None without the flag.
-
-  Raises:
-    ConfigError: no such file.
-  """
+  """SHA-256 of the ``--init_checkpoint`` file (None without it)."""
   if not config.init_checkpoint:
     return None
   try:
@@ -203,20 +146,13 @@ def _init_sha256(config: RunConfig) -> Optional[str]:
 def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
                 out: pathlib.Path, scratch: pathlib.Path
                 ) -> Optional[pathlib.Path]:
-  """Decides where the run starts, before any data is loaded.
-
-  Every process decides alike from the files in ``out``; ``scratch`` is
-  where this process writes (``out`` for process 0). Starting from round 0,
-  the previous results are removed (after all processes decided).
-
-  Returns:
-    The checkpoint to resume from, or None to start from round 0.
+  """The checkpoint to resume from, or None to start over (clearing
+  ``scratch``, this process's output directory), before loading data.
 
   Raises:
-    ConfigError: ``out`` holds results that these flags cannot continue
-      (without ``--overwrite``).
-    checkpoint.CheckpointError: with ``--overwrite``, a corrupt latest
-      checkpoint (else the restore raises it).
+    ConfigError: ``out`` holds results these flags cannot continue (without
+      ``--overwrite``).
+    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint.
   """
   latest = checkpoint.latest_checkpoint(out / 'checkpoints')
   if latest is not None and config.resume:
@@ -352,15 +288,17 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
   ledger.attach_csv(csv)
   batches = evaluation.eval_batches(test_fd, config.eval_batch_size,
                                     config.eval_num_clients, config.seed)
-  if init is not None and start_round == 0:
-    # The starting point: round 0, nothing sent yet.
+
+  def eval_row(round_num: int) -> dict[str, Any]:
     comm = ledger.summary()
-    row = {'round': 0, **evaluation.evaluate(model, spec.eval_params(state),
-                                             batches),
-           'upload_bytes': comm['total_upload_bytes'],
-           'download_bytes': comm['total_download_bytes']}
-    writer.write(row)
-    rows.append(row)
+    return {'round': round_num,
+            **evaluation.evaluate(model, spec.eval_params(state), batches),
+            'upload_bytes': comm['total_upload_bytes'],
+            'download_bytes': comm['total_download_bytes']}
+
+  if init is not None and start_round == 0:  # The start: nothing sent yet.
+    rows.append(eval_row(0))
+    writer.write(rows[-1])
   cohorts = data_path.CohortPrefetcher(
       source, config.clients_per_round, config.seed,
       prefetch=config.prefetch_clients)
@@ -370,10 +308,9 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     engine = 'vmap' if mesh.num_devices > 1 else default_engine_name()
   round_seconds = [r['seconds_per_round'] for r in rows
                    if 'seconds_per_round' in r]
-  recent = []
-  skipped = []  # Clients skipped as non-finite, per round since the last row.
-  # Since the last row: host seconds waiting for data, training seconds, and
-  # the engine's step counts.
+  # Since the last row: training seconds and non-finite clients skipped per
+  # round; seconds waiting for data and training, the engine's step counts.
+  recent, skipped = [], []
   pending = dict.fromkeys(('data_seconds', 'train_seconds') + ROW_COUNTS, 0)
   bar = tqdm.tqdm(range(start_round, config.num_rounds), initial=start_round,
                   total=config.num_rounds,
@@ -401,12 +338,7 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
         done = r + 1
         if done % config.eval_every == 0 or done == config.num_rounds:
           t_eval = time.perf_counter()
-          metrics = evaluation.evaluate(model, spec.eval_params(state),
-                                        batches)
-          comm = ledger.summary()
-          row = {'round': done, **metrics,
-                 'upload_bytes': comm['total_upload_bytes'],
-                 'download_bytes': comm['total_download_bytes'],
+          row = {**eval_row(done),
                  'seconds_per_round': float(np.mean(recent)),
                  'skipped_clients': int(sum(skipped)),
                  **pending,
@@ -416,13 +348,12 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
                 str(done - len(skipped) + 1 + i): n
                 for i, n in enumerate(skipped) if n}
           round_seconds.append(row['seconds_per_round'])
-          recent = []
-          skipped = []
+          recent, skipped = [], []
           pending = dict.fromkeys(pending, 0)
           writer.write(row)
           rows.append(row)
           bar.set_postfix({task.metric:
-                           f'{metrics.get(task.metric, float("nan")):.4f}'})
+                           f'{row.get(task.metric, float("nan")):.4f}'})
         if (config.checkpoint_every and
             done % config.checkpoint_every == 0) or done == config.num_rounds:
           csv.flush()  # The CSV rows of the checkpointed rounds are on disk.
@@ -436,9 +367,7 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     writer.close()
     csv.close()
 
-  final_eval = rows[-1] if rows else evaluation.evaluate(
-      model, spec.eval_params(state), batches)
-  final_eval = {k: v for k, v in final_eval.items()
+  final_eval = {k: v for k, v in (rows[-1] if rows else eval_row(0)).items()
                 if k not in ('round', 'upload_bytes', 'download_bytes',
                              'seconds_per_round', 'skipped_clients',
                              'skipped_clients_by_round') + ROW_TIMINGS +
@@ -452,7 +381,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       'rounds': config.num_rounds,
       'final_eval': final_eval,
       'communication': communication,
-      'seconds_per_round': float(np.mean(round_seconds)) if round_seconds else None,
+      'seconds_per_round': (float(np.mean(round_seconds)) if round_seconds
+                            else None),
       'round_engine': engine,
       # Counts over every round (rows of earlier runs of a resumed one too).
       'engine': {'name': engine_stats['name'],
@@ -464,10 +394,15 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       'model': {'cut_layer': split_model.cut_layer,
                 'cut_size': split_model.cut_size,
                 'num_params': ledger.num_params},
-      'machine': _machine(),
+      'machine': {'platform': platform.platform(),
+                  'python': platform.python_version(), 'jax': jax.__version__,
+                  'backend': jax.default_backend(),
+                  'devices': [str(d) for d in jax.devices()]},
       'code': code,
       'started_with_code': outputs.read_code_version(out),
-      'placement': _placement(mesh),
+      'placement': {'num_devices': mesh.num_devices,
+                    'num_processes': mesh.num_processes,
+                    'mesh_devices': [str(d) for d in mesh.mesh.devices.flat]},
       'init_checkpoint': None if init is None else init.describe(),
       'flags': dataclasses.asdict(config),
   }

@@ -1,18 +1,8 @@
 """What an algorithm of the runner is: :class:`AlgorithmSpec` and its parts.
 
-The contract between the runner and an algorithm module
-(``fedlite_jax/training/algo_*.py``). This module imports no algorithm
-module and no other runner module, so every layer above may import it:
-
-  spec  <-  optimizers, compression_options  <-  algo_*  <-  registry
-        <-  config  <-  tasks, runner  <-  experiments/run_experiment.py
-
-Contract of a built algorithm (``fedjax.FederatedAlgorithm``):
-  * ``init(params) -> state``; ``apply(state, clients) -> (state, diags)``
-    with FedJAX's ``clients = [(client_id, ClientDataset, PRNGKey)]``.
-  * ``diags[client_id]`` holds at least ``upload_bits`` and
-    ``download_bits`` (the communication ledger reads them).
-  * ``spec.eval_params(state)`` gives the model parameters to evaluate.
+Imports no other runner module. A built algorithm is a
+``fedjax.FederatedAlgorithm`` whose ``apply`` gives per-client diagnostics
+with ``upload_bits`` and ``download_bits`` (read by the ledger).
 """
 
 from __future__ import annotations
@@ -32,16 +22,14 @@ class Option:
   """An algorithm-specific setting, exposed as ``--<name>``.
 
   Attributes:
-    name: flag name (globally unique; prefix with the method, e.g. 'igc_dim').
-    default: default value; its type (bool, int, float, str) is the flag type.
+    name: flag name (prefix with the method, e.g. 'igc_dim').
+    default: default value; its type (bool, int, float, str) is the flag's.
     help: flag help text (units, source).
-    choices: allowed values for a string enum, else None.
-    lower_bound: inclusive lower bound for numbers, else None.
-    affects_result: False for options that do not change the trained result
-      (excluded from checkpoint fingerprints).
-    upper_bound: inclusive upper bound for numbers, else None.
-
-  Float options must be finite (NaN and +-inf are rejected).
+    choices: allowed values of a string enum, else None.
+    lower_bound: inclusive lower bound of a number (floats must be finite).
+    affects_result: False if it does not change the trained result (not in
+      checkpoint fingerprints).
+    upper_bound: inclusive upper bound of a number.
   """
   name: str
   default: Any
@@ -61,7 +49,7 @@ class BuildContext:
     split_model: the task's SplitModel (``.model`` is the fedjax.Model).
     num_params: number of scalar model parameters (D).
     train_client_ids: the training clients' ids, in FedJAX order.
-    info: the task's dataset info (``fedlite_jax.training.tasks.LoadedInfo``).
+    info: the task's ``tasks.LoadedInfo``.
   """
   config: Any
   split_model: Any
@@ -75,21 +63,15 @@ class AlgorithmSpec:
   """A runnable algorithm.
 
   Attributes:
-    name: the ``--algorithm`` value.
-    description: one line for ``--help``.
+    name: the ``--algorithm`` value; ``description``: one line for --help.
     build: ``BuildContext -> fedjax.FederatedAlgorithm``.
     options: its own settings (see :class:`Option`).
     eval_params: ``state -> params`` of the model to evaluate.
-    communication_keys: per-client diagnostics keys (bits) that the ledger
-      sums over the run, beside ``upload_bits`` / ``download_bits``.
-    communication_summary: ``totals -> dict`` merged into
-      ``summary['communication']``; ``totals`` maps each of
-      ``communication_keys`` to its sum over all client-rounds.
-    multi_process: runs with ``--num_processes > 1`` (its clients go
-      through a round engine, so each process loads only its own clients'
-      data). Several devices of one process work for every algorithm.
-    ignored_fields: RunConfig fields (flags) the algorithm does not read;
-      setting one explicitly is an error naming the algorithm.
+    communication_keys: more per-client diagnostics keys (bits) to sum.
+    communication_summary: ``{key: run total} -> dict`` merged into
+      ``summary['communication']``.
+    multi_process: runs with ``--num_processes > 1``.
+    ignored_fields: RunConfig fields it does not read (set: an error).
   """
   name: str
   description: str
@@ -111,13 +93,9 @@ def option_value(options: Mapping[str, Any], option: Option) -> Any:
 def check_compatible(specs: Iterable[AlgorithmSpec]) -> None:
   """Checks that ``specs`` can be offered together as one set of flags.
 
-  An option name may be used by several algorithms only with an identical
-  :class:`Option` (same default, help, choices, bounds): it is one flag
-  (e.g. ``--intrinsic_dim`` for all intrinsic-compression variants).
-
   Raises:
-    ValueError: two specs with one name, or an option name defined
-      differently by two algorithms (naming the algorithm and the flag).
+    ValueError: two specs with one name, or one option name with two
+      different :class:`Option` s (one flag needs one definition).
   """
   names: set[str] = set()
   taken: dict[str, Option] = {}

