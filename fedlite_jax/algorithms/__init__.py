@@ -1,10 +1,7 @@
 """Federated algorithms as ``fedjax.FederatedAlgorithm`` builders.
 
-:mod:`fedopt` is the one round of every delta-based method (FedAvg, FedAdam,
-FedProx, SGD with local steps, Top-K, quantized / PVT variants);
-:mod:`mime_lite`, :mod:`igc`, :mod:`fetchsgd` and :mod:`splitfed` add their
-own client or server rules; :mod:`rounds_common` holds the shared round
-pieces.
+:mod:`fedopt` is the round of every delta-based method; :mod:`mime_lite`,
+:mod:`igc`, :mod:`fetchsgd` and :mod:`splitfed` add their own rules.
 """
 
 from fedlite_jax.algorithms.fedopt import Compression

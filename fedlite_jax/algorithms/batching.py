@@ -1,12 +1,12 @@
 """Local batches for a client update, deterministic per (seed, round, client).
 
-FedJAX's ``ClientDataset.shuffle_repeat_batch`` produces the batches (so ours
-are exactly FedJAX's); every batch it yields is full (it wraps into the next
-repetition), so all clients' batches share one shape and compile once.
+FedJAX's ``ClientDataset.shuffle_repeat_batch``: every batch is full, so all
+clients' batches share one shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import fedjax
@@ -17,12 +17,7 @@ from fedlite_jax.rounds import remote
 
 
 def shuffle_seed_from_rng(rng: jax.Array) -> int:
-  """A 31-bit NumPy shuffle seed derived deterministically from a PRNG key.
-
-  FedJAX's default ``ShuffleRepeatBatchHParams.seed=None`` shuffles
-  nondeterministically; deriving the seed from the client's key (itself
-  derived from the run seed, round and client) keeps runs reproducible.
-  """
+  """A 31-bit NumPy shuffle seed derived deterministically from a PRNG key."""
   data = np.asarray(jax.random.key_data(rng) if jax.dtypes.issubdtype(
       rng.dtype, jax.dtypes.prng_key) else rng)
   return zlib.crc32(data.tobytes()) & 0x7FFFFFFF
@@ -35,16 +30,12 @@ def client_batches(dataset: fedjax.ClientDataset,
 
   Args:
     dataset: the client's data.
-    hparams: FedJAX batching hyper-parameters (batch size, epochs, optional
-      step cap). If ``hparams.seed`` is None the shuffle seed is derived from
-      ``rng``; otherwise ``hparams.seed`` is used as is (FedJAX's behaviour:
-      the same order every round).
+    hparams: FedJAX batching; ``seed=None``: derived from ``rng``.
     rng: the client's PRNG key for this round.
 
   Returns:
-    A list of batches (dicts of NumPy arrays, each of ``batch_size`` rows);
-    for a :class:`~fedlite_jax.rounds.remote.RemoteClientDataset` (a client
-    another process runs) a ``RemoteBatches`` of the same length.
+    A list of batches (dicts of NumPy arrays of ``batch_size`` rows); for a
+    ``RemoteClientDataset`` (another process's client) ``RemoteBatches``.
 
   Raises:
     ValueError: if the client has no examples.
@@ -55,11 +46,5 @@ def client_batches(dataset: fedjax.ClientDataset,
   if len(dataset) == 0:
     raise ValueError('Cannot batch a client with 0 examples.')
   if hparams.seed is None:
-    hparams = fedjax.ShuffleRepeatBatchHParams(
-        batch_size=hparams.batch_size,
-        num_epochs=hparams.num_epochs,
-        num_steps=hparams.num_steps,
-        drop_remainder=hparams.drop_remainder,
-        seed=shuffle_seed_from_rng(rng),
-        skip_shuffle=hparams.skip_shuffle)
+    hparams = dataclasses.replace(hparams, seed=shuffle_seed_from_rng(rng))
   return list(dataset.shuffle_repeat_batch(hparams))

@@ -1,27 +1,8 @@
 """One FedOpt round for every delta-based method, and its named configurations.
 
-A round (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Alg. 2):
-the server broadcasts its model through a *download* transform; each sampled
-client takes local steps from the received ``Q(w)`` (FedAvg, McMahan et al.
-2017, Alg. 1; FedProx, Li et al. 2020, Alg. 2, with ``fedprox_mu > 0``; see
-:mod:`rounds_common`) and sends ``delta = Q(w) - w_client`` through an
-*upload* transform (under PVT, Ro et al. 2022 Sec. 4, only the variables its
-mask trained); the server applies its optimizer (SGD 1.0 = FedAvg, Adam =
-FedAdam, ...) to the mean delta as a pseudo-gradient. FedAvg, FedAdam,
-FedProx, SGD with local steps, local Top-K and the quantized / PVT variants
-are configurations of :func:`fedopt`; MimeLite (:mod:`mime_lite`) runs on
-:class:`CompressedRound` too.
-
-Keys: the upload quantizer ``fold_in(k, UPLOAD_STREAM)`` (``k``: the
-client's round key), the download quantizer ``fold_in(fold_in(PRNGKey(seed),
-DOWNLOAD_STREAM), round)``.
-
-Bits per client per round (diagnostics ``upload_bits`` / ``download_bits``):
-upload = the upload chain's message size (32 per float32 uncompressed;
-under PVT the sum over the trained variables,
-:func:`fedlite_jax.transforms.pvt.masked_bits`; 0 for a skipped client);
-download = the download chain's size for the model, or ``'changed'``
-(:func:`rounds_common.download_bits`). Non-finite updates: :mod:`nonfinite`.
+Source: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Alg. 2;
+local steps of FedAvg (McMahan et al. 2017, Alg. 1) or FedProx (Li et al.
+2020, Alg. 2); upload / download chains and PVT as in Ro et al. 2022, Sec. 4.
 """
 
 from __future__ import annotations
@@ -38,10 +19,8 @@ import optax
 from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import rounds_common as rc
-from fedlite_jax.algorithms.rounds_common import DOWNLOAD_ACCOUNTING
-from fedlite_jax.algorithms.rounds_common import DOWNLOAD_STREAM
-from fedlite_jax.algorithms.rounds_common import num_params
-from fedlite_jax.algorithms.rounds_common import UPLOAD_STREAM
+from fedlite_jax.algorithms.rounds_common import (
+    DOWNLOAD_ACCOUNTING, DOWNLOAD_STREAM, num_params, UPLOAD_STREAM)
 from fedlite_jax.rounds import make_engine
 from fedlite_jax.transforms import pvt as pvt_lib
 from fedlite_jax.common import PyTree
@@ -60,27 +39,16 @@ __all__ = [
 class Compression:
   """Communication settings of a FedOpt round.
 
-  Attributes:
-    download: CommTransform for the server model sent to clients, once per
-      round (e.g. ``transforms.uniform_quantization(16)``); clients start
-      from the decoded ``Q(w)``, the server keeps full precision. None: 32
-      bits per float.
-    upload: CommTransform for each client's delta (e.g.
-      ``transforms.chain(transforms.intrinsic_projection(4096),
-      transforms.uniform_quantization(8))``, ``transforms.terngrad()``,
-      ``transforms.chain(transforms.top_k(k), uniform_quantization(8))``).
-      None: 32 bits per float. Under PVT its size must be a sum over
-      variables (true for the quantizers and identity).
-    pvt_fraction: target trainable share of the parameters per client, in
-      (0, 1]; 1 = no PVT (:mod:`fedlite_jax.transforms.pvt`).
-    pvt_freezable: ``(key path, leaf) -> bool``: which variables PVT may
-      freeze (default: the multiplicative ones).
+  Transforms must be stateless or read-only (``transforms.init_read_only``).
 
-  Both transforms must be stateless or have a read-only state (built by
-  ``init``, returned untouched, e.g. the intrinsic projection's Fastfood
-  matrices): clients keep nothing between participations, so
-  ``top_k(error_feedback=True)`` is refused with a ``ValueError``
-  (:func:`fedlite_jax.transforms.init_read_only`).
+  Attributes:
+    download: CommTransform of the model sent (clients start from the
+      decoded ``Q(w)``); None: 32 bits per float.
+    upload: CommTransform of each client's delta (under PVT its size must
+      be a sum over variables); None: 32 bits per float.
+    pvt_fraction: trainable share of the parameters per client, in (0, 1];
+      1 = no PVT.
+    pvt_freezable: ``(key path, leaf) -> bool``: what PVT may freeze.
   """
   download: Optional[tx.CommTransform] = None
   upload: Optional[tx.CommTransform] = None
@@ -94,12 +62,10 @@ class FedOptState:
 
   Attributes:
     params: the server model (full precision).
-    opt_state: the server optimizer's state (MimeLite: the base
-      optimizer's statistics).
-    round: ``int32[]``, rounds completed (keys the download quantizer).
-    last_changed: ``int32[D]``, the last round that changed each weight
-      (-1: never), raveled in ``jax.tree.leaves`` order; ``int32[0]`` unless
-      the download accounting is ``'changed'``.
+    opt_state: the server (MimeLite: base) optimizer's state.
+    round: ``int32[]``, rounds completed.
+    last_changed: ``int32[D]``, last round that changed each weight (-1:
+      never), ``jax.tree.leaves`` order; ``int32[0]`` unless ``'changed'``.
     last_round: ``int32[N]``, each training client's last round (-1: never);
       ``int32[0]`` without ``client_ids``.
   """
@@ -137,8 +103,7 @@ class _Setup:
     self.spec = tx.TreeSpec.of(params)
     self.plan = pvt_lib.make_plan(params, compression.pvt_fraction,
                                   compression.pvt_freezable)
-    self.states = {}
-    self.bits = {}
+    self.states, self.bits = {}, {}
     for what in ('download', 'upload'):
       transform = getattr(compression, what)
       state = None if transform is None else tx.init_read_only(
@@ -146,29 +111,27 @@ class _Setup:
       self.states[what] = state
       self.bits[what] = float(tx.message_bits(
           transform or tx.identity(), example, state))
-    # Per-variable sizes only matter (and need to exist) under PVT.
+    # Per-variable sizes: under PVT only.
     self.leaf_bits = None if self.plan.trains_everything else (
         pvt_lib.leaf_bits(compression.upload, params, name))
 
   def upload_bits(self, mask: Optional[np.ndarray]) -> float:
-    if self.leaf_bits is None:
-      return self.bits['upload']
-    return pvt_lib.masked_bits(self.leaf_bits, mask)
+    return (self.bits['upload'] if self.leaf_bits is None else
+            pvt_lib.masked_bits(self.leaf_bits, mask))
 
 
 class CompressedRound:
-  """What FedOpt and MimeLite rounds share: compression, download accounting,
-  the server state's bookkeeping and the per-client diagnostics.
+  """The compression, accounting and bookkeeping FedOpt and MimeLite share.
 
   Args:
     compression: upload / download chains and PVT.
     name: the algorithm's name in messages.
     seed: run seed (keys the download quantizer).
     weighting: ``'examples'`` or ``'uniform'`` client weights.
-    download_accounting: ``'dense'`` or ``'changed'`` (needs ``client_ids``
-      and no download transform).
+    download_accounting: ``'dense'`` or ``'changed'`` (needs ``client_ids``,
+      no download transform).
     client_ids: the training clients' ids.
-    nonfinite: ``'raise'`` or ``'skip'``.
+    nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
 
   Raises:
     ValueError: an unknown choice or a missing ``client_ids``.
@@ -194,7 +157,6 @@ class CompressedRound:
     self.download = jax.jit(self._download)
 
   def setup(self, params: Params) -> _Setup:
-    """The setup of ``params``' structure (rebuilt when it changes)."""
     if self.s is None or self.s.spec != tx.TreeSpec.of(params):
       self.s = _Setup(self.compression, params, self.name)
     return self.s
@@ -203,7 +165,6 @@ class CompressedRound:
     return self.s.plan
 
   def ones(self) -> jax.Array:
-    """The all-trained mask ``bool[num_leaves]``."""
     return jnp.ones((len(self.s.plan.sizes),), bool)
 
   def upload(self, tree: PyTree, key: jax.Array,
@@ -254,19 +215,18 @@ class CompressedRound:
     """One round: download, client passes, non-finite policy, server update.
 
     Args:
-      state: the server state.
-      clients: FedJAX's ``[(client_id, ClientDataset, PRNGKey)]``.
+      state, clients: as ``FederatedAlgorithm.apply``.
       hparams: local batching of the training pass.
-      passes: ``(Q(w), work) -> [(engine, shared input, work)]``, the
-        training pass first; each output is ``{'delta', 'mask'}``.
-      server_update: jitted ``(state, delta sum, mask sum, ...) ->
-        (new state, finite)`` over the passes' sums in order.
-      extra_download_bits: added to the dense download (e.g. statistics).
+      passes: ``(Q(w), work) -> [(engine, shared input, work)]``, training
+        pass first; each output is ``{'delta', 'mask'}``.
+      server_update: jitted ``(state, delta sum, mask sum, ...) -> (new
+        state, finite)`` over the passes' sums in order.
+      extra_download_bits: added to the dense download (bits).
       upload_factor: uploads per client (the delta's bits each).
 
     Returns:
-      ``(new state, per-client diagnostics)`` (:func:`fedopt`'s Returns);
-      a client is skipped when any of its passes is not finite.
+      ``(new state, diagnostics)`` as :func:`fedopt`; a client is skipped
+      when any of its passes is not finite.
     """
     s = self.setup(state.params)
     round_num = int(state.round)
@@ -282,9 +242,8 @@ class CompressedRound:
         [w.client_id for w in work], [all(f) for f in zip(*ok)],
         self.nonfinite, self.name, round_num)
     sums = [res.weighted_sum for res in results]
-    # Each pass zeroed its own non-finite outputs; a client skipped for
-    # another pass only is still in this pass's sum: rerun this pass without
-    # the skipped clients (rare; same per-client results).
+    # A client skipped for another pass only is still in this pass's sum:
+    # rerun this pass without the skipped clients (rare).
     for i, ((eng, shared, ws), flags) in enumerate(zip(runs, ok)):
       if any(f for w, f in zip(ws, flags) if w.client_id in skipped):
         sums[i] = eng(shared, [w for w in ws if w.client_id not in skipped]
@@ -312,56 +271,42 @@ class CompressedRound:
 
 
 def fedopt(
-    grad_fn: rc.GradFn,
-    client_optimizer: optax.GradientTransformation,
+    grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation,
-    client_batch_hparams: fedjax.ShuffleRepeatBatchHParams,
-    *,
-    fedprox_mu: float = 0.0,
-    compression: Compression = Compression(),
-    weighting: str = 'examples',
-    download_accounting: str = 'dense',
-    client_ids: Optional[Sequence[bytes]] = None,
-    seed: int = 0,
-    name: str = 'fedopt',
-    nonfinite: str = 'raise',
-    engine: str = 'auto',
-    **engine_options,
-) -> fedjax.FederatedAlgorithm:
-  """Builds a FedOpt round (module docstring) as a ``FederatedAlgorithm``.
+    client_batch_hparams: fedjax.ShuffleRepeatBatchHParams, *,
+    fedprox_mu: float = 0.0, compression: Compression = Compression(),
+    weighting: str = 'examples', download_accounting: str = 'dense',
+    client_ids: Optional[Sequence[bytes]] = None, seed: int = 0,
+    name: str = 'fedopt', nonfinite: str = 'raise', engine: str = 'auto',
+    **engine_options) -> fedjax.FederatedAlgorithm:
+  """Builds a FedOpt round as a ``FederatedAlgorithm``.
+
+  The server optimizer steps on the mean ``Q(w) - w_client``.
 
   Args:
-    grad_fn: ``(params, batch, rng) -> grads`` of the mean batch loss (e.g.
-      ``fedjax.model_grad(model)``).
-    client_optimizer: optax transformation of the local steps (chain
-      ``optax.clip_by_global_norm`` for clipping).
+    grad_fn: ``(params, batch, rng) -> grads`` of the mean batch loss.
+    client_optimizer: optax transformation of the local steps.
     server_optimizer: applied to the mean delta (``optax.sgd(1.0)``: FedAvg;
       ``optax.adam(...)``: FedAdam).
-    client_batch_hparams: local batching (``seed=None``: derived per client
-      and round from its key).
+    client_batch_hparams: local batching (``seed=None``: from the key).
     fedprox_mu: FedProx's ``mu >= 0`` (0: FedAvg's local steps).
-    compression: upload / download chains and PVT (:class:`Compression`).
+    compression: upload / download chains and PVT.
     weighting, download_accounting, client_ids, seed, name, nonfinite: as
       :class:`CompressedRound`.
-    engine, engine_options: round engine name and settings
-      (``steps_per_call``, ``step_bucket``, ``clients_per_chunk``;
-      :func:`fedlite_jax.rounds.make_engine`).
+    engine, engine_options: :func:`fedlite_jax.rounds.make_engine`'s.
 
   Returns:
-    ``FederatedAlgorithm(init, apply)`` over :class:`FedOptState`.
-    ``apply(state, clients)`` takes FedJAX's ``[(client_id, ClientDataset,
-    PRNGKey)]`` and returns per-client diagnostics ``upload_bits``,
-    ``download_bits`` (bits), ``num_examples`` (the client's examples, or
-    local steps x batch size under ``'uniform'``), ``delta_l2_norm``,
-    ``finite``, ``skipped`` and, under PVT, ``pvt_trained_fraction`` and
-    ``pvt_mask`` (bool per variable, ``jax.tree.leaves`` order).
+    ``FederatedAlgorithm(init, apply)`` over :class:`FedOptState`;
+    diagnostics ``upload_bits``, ``download_bits``, ``num_examples`` (local
+    steps x batch size under ``'uniform'``), ``delta_l2_norm``, ``finite``,
+    ``skipped``; under PVT ``pvt_trained_fraction``, ``pvt_mask`` (bool per
+    variable).
 
   Raises:
     ValueError: an unknown choice, ``fedprox_mu`` < 0, a missing
       ``client_ids``, bad PVT or transform settings (at ``init``).
-    FloatingPointError: from ``apply``: a non-finite client update
-      (``'raise'``), every update non-finite (``'skip'``), or a non-finite
-      server state (names the clients).
+    FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
+      every update non-finite (``'skip'``), or a non-finite server state.
   """
   if not fedprox_mu >= 0:
     raise ValueError(f'fedprox_mu must be >= 0, got {fedprox_mu!r}.')
@@ -391,19 +336,14 @@ def fedopt(
   return fedjax.FederatedAlgorithm(init, apply)
 
 
-# --------------------------------------------------------------------------
-# Named configurations.
-
 def federated_averaging(
     grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation,
     client_batch_hparams: fedjax.ShuffleRepeatBatchHParams, *,
     name: str = 'fedavg', **kwargs) -> fedjax.FederatedAlgorithm:
-  """FedAvg / FedAdam (McMahan et al. 2017; Reddi et al. 2021), uncompressed.
+  """FedAvg / FedAdam (McMahan et al. 2017; Reddi et al. 2021).
 
-  Same math as ``fedjax.algorithms.fed_avg`` (``tests/test_fedavg.py``
-  checks equality); 32 bits per parameter each way. ``kwargs``: the
-  engine / ``nonfinite`` / ``compression`` arguments of :func:`fedopt`.
+  As ``fedjax.algorithms.fed_avg``; ``kwargs``: as :func:`fedopt`.
   """
   return fedopt(grad_fn, client_optimizer, server_optimizer,
                 client_batch_hparams, name=name, **kwargs)
@@ -415,13 +355,10 @@ def efficient_federated_averaging(
     client_batch_hparams: fedjax.ShuffleRepeatBatchHParams, *,
     fedprox_mu: float = 0.0, name: Optional[str] = None,
     **kwargs) -> fedjax.FederatedAlgorithm:
-  """FedAvg / FedAdam / FedProx with upload + download chains and PVT.
+  """FedAvg / FedAdam / FedProx (``fedprox_mu > 0``) with compression, PVT.
 
-  Ro et al., "Scaling Language Model Size in Cross-Device Federated
-  Learning" (2022), Sec. 4-6: FedProx when ``fedprox_mu > 0`` (Li et al.
-  2020), else FedAvg / FedAdam by ``server_optimizer``. ``kwargs``: as
-  :func:`fedopt` (``compression``, ``seed``, engine settings,
-  ``nonfinite``).
+  Source: Ro et al., "Scaling Language Model Size in Cross-Device Federated
+  Learning" (2022), Sec. 4-6. ``kwargs``: as :func:`fedopt`.
   """
   return fedopt(grad_fn, client_optimizer, server_optimizer,
                 client_batch_hparams, fedprox_mu=fedprox_mu,
@@ -435,14 +372,9 @@ def compressed_sgd(
     name: str = 'compressed_sgd', **kwargs) -> fedjax.FederatedAlgorithm:
   """SGD, FedAvg with ``local_steps`` local iterations, local Top-K.
 
-  Melas-Kyriazi & Wang (2022), Table 2's "Uncompressed", "FedAvg (2 / 5
-  local iters)" and "Local Top-K" rows (FetchSGD's baselines): every client
-  takes ``local_steps`` steps on batches of ``batch_size`` (its data wraps
-  around), weight 1, and uploads its delta through ``upload`` (e.g.
-  ``transforms.top_k(k)``: ``k (32 + ceil(log2 D))`` bits, ``32 k`` with
-  ``index_bits='none'``; ``chain(top_k(k), uniform_quantization(8))``).
-  ``kwargs``: as :func:`fedopt` (``download_accounting``, ``client_ids``,
-  engine settings, ``nonfinite``).
+  Source: Melas-Kyriazi & Wang (2022), Table 2's "Uncompressed", "FedAvg
+  (2 / 5 local iters)" and "Local Top-K" rows. Client weight 1; ``upload``:
+  e.g. ``transforms.top_k(k)``; ``kwargs``: as :func:`fedopt`.
   """
   return fedopt(grad_fn, client_optimizer, server_optimizer,
                 rc.batch_hparams(batch_size, local_steps), weighting='uniform',

@@ -1,34 +1,9 @@
-"""FetchSGD (Rothchild et al., ICML 2020) as a FedJAX algorithm.
+"""FetchSGD as a FedJAX algorithm.
 
-Source: Rothchild, Panda, Ullah, Ivkin, Stoica, Braverman, Gonzalez, Arora,
-"FetchSGD: Communication-Efficient Federated Learning with Sketching", ICML
-2020, Algorithm 1, as implemented in their reference code (CommEfficient,
-``fed_aggregator.py``: ``_server_helper_sketched`` with
-``error_type='virtual'``).
-
-Per round:
-
-1. Each client takes ``local_steps`` local steps (1: the paper's one
-   gradient step; the delta is then ``eta * g``) and uploads the count sketch
-   ``S_i`` (``rows x cols``) of its delta
-   (:func:`fedlite_jax.transforms.sketch_vector`).
-2. The server averages the sketches, ``S = sum_i S_i / W`` (linearity: the
-   sketch of the mean delta), and, in sketch space,
-   ``V <- rho V + S`` (momentum) and ``E <- E + V`` (error accumulation).
-3. Unsketch: estimate every coordinate from ``E`` (median over rows) and
-   keep the ``k`` largest in magnitude: ``Delta`` (k non-zeros, the
-   estimated values; FetchSGD's optional second round of communication for
-   exact values is not implemented, nor is it used by CommEfficient's
-   default).
-4. ``E`` and ``V`` are zeroed at the buckets ``(r, h_r(j))`` of the k chosen
-   coordinates (CommEfficient zeroes where the sketch of ``Delta`` is
-   non-zero: the same buckets barring exact cancellation).
-5. ``theta <- theta - server_lr * Delta``.
-
-Bits: upload ``32 rows cols`` per client; download
-``download_accounting='changed'`` (default; CommEfficient: 4 bytes per
-weight changed since the client last participated, see
-:mod:`rounds_common`) or ``'dense'`` (``32 D``).
+Source: Rothchild et al., "FetchSGD: Communication-Efficient Federated
+Learning with Sketching", ICML 2020, Algorithm 1, as their reference code
+(CommEfficient ``fed_aggregator.py``, ``error_type='virtual'``). Upload
+``32 rows cols`` bits per client; download ``'changed'`` or ``32 D``.
 """
 
 from __future__ import annotations
@@ -61,8 +36,8 @@ class FetchSGDState:
     momentum: ``float32[rows, cols]``, V (momentum, in sketch space).
     error: ``float32[rows, cols]``, E (error accumulation, in sketch space).
     round: ``int32[]``, rounds completed.
-    last_changed: ``int32[D]``, last round whose update changed each weight.
-    last_round: ``int32[N]``, each training client's last participation.
+    last_changed: ``int32[D]``, last round that changed each weight.
+    last_round: ``int32[N]``, each training client's last round.
   """
   params: Params
   momentum: jax.Array
@@ -75,12 +50,13 @@ class FetchSGDState:
 def fetchsgd_server_step(mean_sketch: jax.Array, momentum: jax.Array,
                          error: jax.Array, *, k: int, rho: float, seed: int,
                          D: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Steps 2-4 of the module docstring (pure; jittable with static k/seed/D).
+  """``V <- rho V + S``, ``E <- E + V``, top-k of unsketch(E), zero buckets.
+
+  Jittable with static ``k``, ``seed``, ``D``. Source: FetchSGD Alg. 1.
 
   Args:
     mean_sketch: ``float32[rows, cols]``, the average client sketch S.
-    momentum: V.
-    error: E.
+    momentum, error: V and E, ``float32[rows, cols]``.
     k: coordinates updated per round (1 <= k <= D).
     rho: momentum (0: none).
     seed: the sketch seed.
@@ -102,54 +78,39 @@ def fetchsgd_server_step(mean_sketch: jax.Array, momentum: jax.Array,
 
 
 def fetchsgd(
-    grad_fn: rc.GradFn,
-    client_optimizer: optax.GradientTransformation,
-    *,
-    batch_size: int,
-    rows: int,
-    cols: int,
-    k: int,
-    server_lr: float = 1.0,
-    momentum: float = 0.9,
-    local_steps: int = 1,
-    seed: int = 0,
+    grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation, *,
+    batch_size: int, rows: int, cols: int, k: int, server_lr: float = 1.0,
+    momentum: float = 0.9, local_steps: int = 1, seed: int = 0,
     download_accounting: str = 'changed',
-    client_ids: Optional[Sequence[bytes]] = None,
-    nonfinite: str = 'raise',
-    engine: str = 'auto',
-    **engine_options,
-) -> fedjax.FederatedAlgorithm:
+    client_ids: Optional[Sequence[bytes]] = None, nonfinite: str = 'raise',
+    engine: str = 'auto', **engine_options) -> fedjax.FederatedAlgorithm:
   """Builds FetchSGD as a ``fedjax.FederatedAlgorithm``.
 
   Args:
     grad_fn: ``(params, batch, rng) -> grads``.
     client_optimizer: local optimizer (``optax.sgd(eta)``).
     batch_size: examples per local step.
-    rows: sketch rows (>= 1; odd recommended, FetchSGD used 5..).
+    rows: sketch rows (>= 1; odd recommended).
     cols: sketch columns (>= 1).
     k: coordinates updated per round (1 <= k <= D).
-    server_lr: multiplies Delta (with client SGD at eta, the step is
-      ``eta * server_lr``).
+    server_lr: multiplies Delta (the step is ``eta * server_lr``).
     momentum: rho in [0, 1) (FetchSGD: 0.9).
     local_steps: local steps per round (1: the paper's setting).
-    seed: sketch hash seed in ``[0, 2**32)`` (shared by clients and server).
+    seed: sketch hash seed in ``[0, 2**32)``.
     download_accounting: ``'changed'`` (needs ``client_ids``) or ``'dense'``.
     client_ids: the training clients' ids.
     nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
-    engine, engine_options: round engine name and settings
-      (``steps_per_call``, ``step_bucket``, ``clients_per_chunk``;
-      :func:`fedlite_jax.rounds.make_engine`).
+    engine, engine_options: :func:`fedlite_jax.rounds.make_engine`'s.
 
   Returns:
-    ``FederatedAlgorithm(init, apply)``; per-client diagnostics
-    ``upload_bits``, ``download_bits``, ``num_examples``, ``delta_l2_norm``,
-    ``finite``, ``skipped``.
+    ``FederatedAlgorithm(init, apply)``; diagnostics ``upload_bits``,
+    ``download_bits``, ``num_examples``, ``delta_l2_norm``, ``finite``,
+    ``skipped``.
 
   Raises:
     ValueError: bad settings; k > D (at ``init``).
     FloatingPointError: from ``apply``: a non-finite sketch (``'raise'``),
-      every sketch non-finite (``'skip'``), or a non-finite server state
-      (model, momentum or error accumulator).
+      every sketch non-finite (``'skip'``), or a non-finite server state.
   """
   rows = rc.check_int(rows, 'sketch_rows')
   cols = rc.check_int(cols, 'sketch_cols')
@@ -159,7 +120,7 @@ def fetchsgd(
   if not server_lr > 0:
     raise ValueError(f'server_lr must be > 0; got {server_lr}.')
   rc.check_choice(download_accounting, rc.DOWNLOAD_ACCOUNTING,
-                           'download_accounting')
+                  'download_accounting')
   nonfinite_lib.check_policy(nonfinite)
   index = rc.client_id_index(client_ids)
   if download_accounting == 'changed' and not index:
@@ -189,10 +150,10 @@ def fetchsgd(
         weighted_sum / total_weight, state.momentum, state.error, k=k,
         rho=momentum, seed=seed, D=spec.size)
     new = old - server_lr * delta
-    last_changed = rc.mark_changed(state.last_changed, old, new,
-                                            state.round)
-    new_state = state.replace(params=spec.unravel(new), momentum=v, error=e,
-                              last_changed=last_changed)
+    new_state = state.replace(
+        params=spec.unravel(new), momentum=v, error=e,
+        last_changed=rc.mark_changed(state.last_changed, old, new,
+                                     state.round))
     return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> FetchSGDState:
@@ -211,13 +172,11 @@ def fetchsgd(
     positions = rc.client_positions(index, work)
     download = rc.download_bits(
         download_accounting, rc.FLOAT_BITS * D, len(work),
-        state.last_changed,
-        state.last_round[positions])
+        state.last_changed, state.last_round[positions])
     result = round_engine({'params': state.params}, work)
-    total, skipped = rc.skip_nonfinite(result, work, nonfinite,
-                                                'fetchsgd', round_num)
-    state, finite = server_update(state, result.weighted_sum,
-                                  np.float32(total))
+    total, skipped = rc.skip_nonfinite(result, work, nonfinite, 'fetchsgd',
+                                       round_num)
+    state, finite = server_update(state, result.weighted_sum, np.float32(total))
     nonfinite_lib.check_server_state(finite, 'fetchsgd', skipped, round_num)
     state = rc.participation(state, index, positions, round_num)
     return state, rc.client_diagnostics(

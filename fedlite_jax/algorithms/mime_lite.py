@@ -2,17 +2,7 @@
 
 Source: Karimireddy et al., "Mime: Mimicking Centralized Stochastic
 Algorithms in Federated Learning" (2020), Alg. 1 without SVRG (MimeLite), as
-FedJAX's ``fedjax.algorithms.mime_lite``; compressed as in Ro et al. 2022
-(Sec. 4-6). Per round: clients take local steps of the base optimizer with
-the server's statistics (applied, not updated) from the received ``Q(w)``
-and upload their delta; each also computes its full-batch gradient at
-``Q(w)`` (FedJAX's ``mime.create_grads_for_each_client``, padded batches)
-and uploads it through the same chain (``fold_in(k, GRAD_UPLOAD_STREAM)``);
-the server sets ``w <- w - server_learning_rate * mean delta`` and updates
-the statistics with the example-weighted mean gradient.
-
-Bits per client per round: upload 2 x the delta's (delta + gradient);
-download the model's plus 32 per float of the statistics.
+``fedjax.algorithms.mime_lite``; compressed as in Ro et al. 2022, Sec. 4-6.
 """
 
 from __future__ import annotations
@@ -27,13 +17,9 @@ import optax
 
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import rounds_common as rc
-from fedlite_jax.algorithms.fedopt import Compression
-from fedlite_jax.algorithms.fedopt import CompressedRound
-from fedlite_jax.algorithms.fedopt import FedOptState
-from fedlite_jax.algorithms.fedopt import per_leaf_mean
-from fedlite_jax.rounds import ClientProgram
-from fedlite_jax.rounds import ClientWork
-from fedlite_jax.rounds import make_engine
+from fedlite_jax.algorithms.fedopt import (
+    Compression, CompressedRound, FedOptState, per_leaf_mean)
+from fedlite_jax.rounds import ClientProgram, ClientWork, make_engine
 from fedlite_jax.transforms import pvt as pvt_lib
 
 Params = Any
@@ -50,7 +36,7 @@ class GradState(NamedTuple):
     input: the client input ``{'rng': key}``.
     num: ``float32[]``, examples seen.
     sum: ``sum of num * grad`` (the params' pytree).
-    mask: the PVT mask ``bool[num_leaves]``; None without PVT.
+    mask: the PVT mask ``bool[num_leaves]``, or None.
   """
   params: Params
   rng: jax.Array
@@ -64,10 +50,15 @@ def full_batch_grad_program(grad_fn: rc.GradFn, upload_fn,
                             plan: rc.PlanFn) -> ClientProgram:
   """MimeLite's full-batch gradient at ``Q(w)`` over padded batches.
 
-  ``grad_fn`` must honour FedJAX's ``__mask__`` padding key (as
-  ``fedjax.model_grad`` does). ``upload_fn(sum of num * grad, num, key,
-  mask) -> (sent sum, bool[num_leaves] mask)``; output ``{'delta': sent sum,
-  'mask': num * mask}`` (float32), zeroed when not finite.
+  Args:
+    grad_fn: ``(params, batch, rng) -> grads``; honours FedJAX's
+      ``__mask__`` padding key (as ``fedjax.model_grad``).
+    upload_fn: ``(sum of num * grad, num, key, mask) -> (sent sum, mask)``.
+    plan: returns the PVT plan, or None.
+
+  Returns:
+    A ``ClientProgram``; output ``{'delta': sent sum, 'mask': num * mask}``
+    (float32), zeroed when not finite.
   """
 
   def init(shared, client_input):
@@ -104,30 +95,27 @@ def efficient_mime_lite(
     download_accounting: str = 'dense', client_ids=None, seed: int = 0,
     name: str = 'mime_lite', nonfinite: str = 'raise', engine: str = 'auto',
     **engine_options) -> fedjax.FederatedAlgorithm:
-  """Builds MimeLite (module docstring) as a ``FederatedAlgorithm``.
+  """Builds MimeLite as a ``FederatedAlgorithm``.
 
-  Same round as ``fedjax.algorithms.mime_lite`` (``tests/
-  test_fedprox_mimelite.py``).
+  Uploads the delta and the full-batch gradient (2 x the delta's bits);
+  downloads the model plus 32 bits per float of the statistics.
 
   Args:
-    grad_fn: ``(params, batch, rng) -> grads`` of the mean batch loss; must
-      honour FedJAX's ``__mask__`` padding key (``fedjax.model_grad`` does).
+    grad_fn: ``(params, batch, rng) -> grads`` of the mean batch loss;
+      honours FedJAX's ``__mask__`` padding key (as ``fedjax.model_grad``).
     base_optimizer: the optimizer mimicked (Ro et al.: Adagrad).
     client_batch_hparams: local batching.
     grads_batch_size: the full-batch gradient's batch size (>= 1).
     server_learning_rate: the server step on the mean delta.
     compression, weighting, download_accounting, client_ids, seed, name,
-      nonfinite, engine, engine_options: as
-      :func:`fedlite_jax.algorithms.fedopt.fedopt`.
+      nonfinite, engine, engine_options: as :func:`fedopt.fedopt`.
 
   Returns:
     ``FederatedAlgorithm(init, apply)`` over ``FedOptState`` (``opt_state``:
-    the base optimizer's statistics); diagnostics as ``fedopt``'s, with
-    ``finite`` false when either pass of the client was not finite.
+    the statistics); diagnostics as ``fedopt``'s (``finite``: both passes).
 
   Raises:
-    ValueError: ``grads_batch_size`` not an integer >= 1 (and as
-      ``fedopt``).
+    ValueError: ``grads_batch_size`` not an integer >= 1; as ``fedopt``.
     FloatingPointError: as ``fedopt``.
   """
   grads_batch_size = rc.check_int(grads_batch_size, 'grads_batch_size')
@@ -136,8 +124,7 @@ def efficient_mime_lite(
                       client_ids, nonfinite)
 
   def grad_upload(total, num, key, mask):
-    """The gradient sum as the server receives it: exact when uncompressed,
-    else ``num * decode(encode(mean))``."""
+    """The gradient sum as received: ``num * decode(encode(mean))``."""
     if compression.upload is None:
       return ((total, r.ones()) if mask is None else
               (pvt_lib.apply_mask(total, mask), mask))

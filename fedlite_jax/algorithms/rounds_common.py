@@ -1,20 +1,8 @@
-"""Round pieces shared by the delta-based algorithms (FedOpt, MimeLite, IGC,
-FetchSGD): argument checks, the client program, client work, non-finite
-handling, download accounting and per-client diagnostics.
+"""Round pieces shared by FedOpt, MimeLite, IGC and FetchSGD.
 
-Client program (:func:`delta_client_program`): local steps from the
-received ``Q(w)`` -- FedAvg (McMahan et al. 2017, Alg. 1), FedProx (Li et
-al. 2020, Alg. 2: ``+ mu (w - Q(w))``) or MimeLite's fixed statistics
-(Karimireddy et al. 2020, Alg. 1) -- splitting the client's round key as
-FedJAX's ``fed_avg``; the PVT mask (Ro et al. 2022, Sec. 4) uses
-``fold_in(key, PVT_STREAM)``; then ``compress(Q(w) - w_client)``.
-
-Download accounting ``'changed'`` (FetchSGD / CommEfficient
-``fed_aggregator.py``): the server keeps ``last_changed[j]``, the last round
-whose update changed weight ``j`` (-1: never), and ``last_round[c]``, the
-last round client ``c`` took part in (-1: never); a client that last took
-part in round ``p`` (never: ``p = 0``, it knows the initial model, which
-derives from the seed) downloads ``32 #{j : last_changed[j] >= p}`` bits.
+Source: local steps of FedAvg (McMahan et al. 2017, Alg. 1), FedProx (Li et
+al. 2020, Alg. 2), MimeLite (Karimireddy et al. 2020, Alg. 1); PVT masks (Ro
+et al. 2022, Sec. 4); ``'changed'`` download accounting (FetchSGD's code).
 """
 
 from __future__ import annotations
@@ -31,8 +19,7 @@ from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.checks import check_int
-from fedlite_jax.rounds import ClientProgram
-from fedlite_jax.rounds import ClientWork
+from fedlite_jax.rounds import ClientProgram, ClientWork
 from fedlite_jax.transforms import pvt as pvt_lib
 from fedlite_jax.common import (  # noqa: F401  (re-exported)
     COMPRESS_STREAM, DOWNLOAD_STREAM, FLOAT_BITS, GRAD_UPLOAD_STREAM,
@@ -51,17 +38,13 @@ __all__ = [
     'GRAD_UPLOAD_STREAM', 'LocalState', 'UPLOAD_STREAM', 'WEIGHTINGS',
     'batch_hparams', 'changed_counts', 'check_choice', 'check_int',
     'client_diagnostics', 'client_id_index', 'client_positions',
-    'compression_key', 'delta_client_program', 'download_bits',
-    'make_work', 'mark_changed', 'model_spec', 'num_params', 'participation',
-    'pvt_mask', 'skip_nonfinite',
-]
+    'compression_key', 'delta_client_program', 'download_bits', 'make_work',
+    'mark_changed', 'model_spec', 'num_params', 'participation', 'pvt_mask',
+    'skip_nonfinite']
 
-
-# --------------------------------------------------------------------------
-# Argument checks and static pieces.
 
 def check_choice(value: str, allowed: Sequence[str], name: str) -> str:
-  """Returns ``value`` or raises ``ValueError`` naming ``name`` and ``allowed``."""
+  """``value``, or ``ValueError`` naming ``name`` and ``allowed``."""
   if value not in allowed:
     raise ValueError(f'{name}={value!r}: allowed values are '
                      f'{", ".join(allowed)}.')
@@ -82,22 +65,18 @@ def batch_hparams(batch_size: int,
 
 
 def compression_key(client_input: Mapping[str, jax.Array]) -> jax.Array:
-  """IGC's / FetchSGD's compression key (independent of the local steps)."""
+  """IGC's / FetchSGD's compression key."""
   return jax.random.fold_in(client_input['rng'], COMPRESS_STREAM)
 
 
 def model_spec(params: Params, at_least: int, what: str) -> tx.TreeSpec:
-  """The model's :class:`TreeSpec`; ``ValueError`` if it has fewer than
-  ``at_least`` parameters (``what`` names the setting)."""
+  """The model's TreeSpec; ``ValueError`` if it has < ``at_least`` params."""
   spec = tx.TreeSpec.of(params)
   if at_least > spec.size:
     raise ValueError(f'{what}={at_least} exceeds the number of model '
                      f'parameters D={spec.size}.')
   return spec
 
-
-# --------------------------------------------------------------------------
-# The client program: local steps of a local rule, then compress the delta.
 
 def pvt_mask(plan: Optional[pvt_lib.PVTPlan],
              client_input: Mapping[str, jax.Array]) -> Optional[jax.Array]:
@@ -117,12 +96,11 @@ class LocalState(NamedTuple):
 
   Attributes:
     params: the client model.
-    opt_state: the client optimizer's state (MimeLite: the server's
-      statistics, never updated).
+    opt_state: the client optimizer's state (MimeLite: the server's).
     rng: the key of the next step.
     input: the client input ``{'rng': key}``.
-    anchor: FedProx's ``Q(w)``; None without a proximal term.
-    mask: the PVT mask ``bool[num_leaves]``; None without PVT.
+    anchor: FedProx's ``Q(w)``, or None.
+    mask: the PVT mask ``bool[num_leaves]``, or None.
   """
   params: Params
   opt_state: optax.OptState
@@ -137,24 +115,21 @@ def delta_client_program(grad_fn: GradFn,
                          compress: Callable[..., tuple[PyTree, PyTree]], *,
                          fedprox_mu: float = 0.0, mime: bool = False,
                          plan: PlanFn = lambda: None) -> ClientProgram:
-  """Local steps, then ``compress(shared, client_input, delta, mask)``.
+  """Local steps from ``Q(w)``, then ``compress(.., Q(w) - w_client, ..)``.
 
   Args:
     grad_fn: ``(params, batch, rng) -> grads``.
-    optimizer: the client optimizer (MimeLite: the base optimizer, whose
-      state comes from ``shared['opt_state']`` and is not updated).
+    optimizer: the client optimizer (MimeLite: the base optimizer).
     compress: ``(shared, client_input, delta, mask) -> (output, diag)``;
-      ``mask`` is the PVT mask ``bool[num_leaves]`` or None.
+      ``mask``: ``bool[num_leaves]`` or None.
     fedprox_mu: ``mu >= 0`` of FedProx's proximal term (0: none).
-    mime: MimeLite's fixed server statistics.
-    plan: returns the PVT plan, or None (no PVT).
+    mime: use ``shared['opt_state']``, never updated (MimeLite).
+    plan: returns the PVT plan, or None.
 
   Returns:
-    A :class:`~fedlite_jax.rounds.ClientProgram` over :class:`LocalState`.
-    Shared input: ``{'params': Q(w), ...}``; client input: ``{'rng': key}``.
-    Frozen variables (PVT) get zero gradients and updates. Output:
-    ``compress``'s, zeroed when not finite (:func:`nonfinite.guarded`);
-    diagnostics add ``delta_l2_norm`` and ``finite``.
+    A ``ClientProgram`` over :class:`LocalState` (shared input ``{'params':
+    Q(w), ...}``, client input ``{'rng': key}``); output ``compress``'s,
+    zeroed when not finite; diagnostics add ``delta_l2_norm``, ``finite``.
   """
 
   def init(shared, client_input):
@@ -190,14 +165,7 @@ def delta_client_program(grad_fn: GradFn,
 
 def make_work(clients: Clients, hparams: fedjax.ShuffleRepeatBatchHParams,
               weighting: str = 'uniform') -> list[ClientWork]:
-  """One :class:`ClientWork` per client: its batches and ``{'rng': key}``.
-
-  Weight: the client's number of examples (``'examples'``) or 1
-  (``'uniform'``).
-
-  Raises:
-    ValueError: no client.
-  """
+  """One ClientWork per client (weight: examples or 1); ValueError if none."""
   if not clients:
     raise ValueError('A round needs at least one client; got none.')
   return [ClientWork(cid, batching.client_batches(cds, hparams, rng),
@@ -207,26 +175,14 @@ def make_work(clients: Clients, hparams: fedjax.ShuffleRepeatBatchHParams,
 
 
 def skip_nonfinite(result, work: Sequence[ClientWork], nonfinite: str,
-                   algorithm: str, round_num: int
-                   ) -> tuple[float, list[bytes]]:
-  """The non-finite policy (:func:`nonfinite.resolve`) applied to a round.
-
-  Returns:
-    ``(total weight of the kept clients, skipped client ids)``.
-
-  Raises:
-    FloatingPointError: as :func:`nonfinite.resolve`.
-  """
+                   algorithm: str, round_num: int) -> tuple[float, list[bytes]]:
+  """``(kept clients' total weight, skipped ids)`` (``nonfinite.resolve``)."""
   ids = [w.client_id for w in work]
-  skipped = nonfinite_lib.resolve(
-      ids, [d['finite'] for d in result.diagnostics], nonfinite, algorithm,
-      round_num)
+  finite = [d['finite'] for d in result.diagnostics]
+  skipped = nonfinite_lib.resolve(ids, finite, nonfinite, algorithm, round_num)
   return nonfinite_lib.kept_weight([w.weight for w in work], ids,
                                    skipped), skipped
 
-
-# --------------------------------------------------------------------------
-# Download accounting (module docstring).
 
 def client_id_index(client_ids: Optional[Sequence[bytes]]) -> dict[bytes, int]:
   """``{client_id: position}`` (empty for None)."""
@@ -235,12 +191,8 @@ def client_id_index(client_ids: Optional[Sequence[bytes]]) -> dict[bytes, int]:
 
 def client_positions(index: Mapping[bytes, int],
                      work: Sequence[ClientWork]) -> np.ndarray:
-  """``int32[W]`` positions of the round's clients in ``index`` (empty index:
-  empty array).
-
-  Raises:
-    KeyError: a client that is not among the training clients.
-  """
+  """``int32[W]`` positions of the round's clients in ``index`` (or empty);
+  ``KeyError`` for a client not among the training clients."""
   out = []
   for w in work if index else ():
     if bytes(w.client_id) not in index:
@@ -268,16 +220,15 @@ def mark_changed(last_changed: jax.Array, old_flat: jax.Array,
 
 
 def download_bits(accounting: str, dense_bits: float, num_clients: int,
-                  last_changed: jax.Array, last_round: jax.Array
-                  ) -> np.ndarray:
-  """Download bits of each client of a round, float64 ``[W]``.
+                  last_changed: jax.Array, last_round: jax.Array) -> np.ndarray:
+  """Download bits of each client of a round, ``float64[W]``.
 
   Args:
-    accounting: ``'dense'`` (``dense_bits`` each) or ``'changed'`` (32 x the
-      weights changed since the client last took part).
+    accounting: ``'dense'`` (``dense_bits`` each) or ``'changed'`` (``32
+      #{j : last_changed[j] >= max(last_round, 0)}``).
     dense_bits: the whole model's download message (bits).
     num_clients: W.
-    last_changed: ``int32[D]``; last_round: ``int32[W]`` (``'changed'`` only).
+    last_changed: ``int32[D]``; last_round: ``int32[W]`` (``'changed'``).
   """
   if accounting == 'dense':
     return np.full((num_clients,), float(dense_bits))
@@ -289,9 +240,8 @@ def participation(state: Any, index: Mapping[bytes, int],
                   positions: np.ndarray, round_num: int) -> Any:
   """``state`` with ``round = round_num + 1`` and the participants'
   ``last_round = round_num`` (skipped clients too: they downloaded)."""
-  last_round = state.last_round
-  if index:
-    last_round = last_round.at[positions].set(round_num)
+  last_round = (state.last_round.at[positions].set(round_num) if index else
+                state.last_round)
   return state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
                        last_round=last_round)
 
@@ -301,9 +251,8 @@ def client_diagnostics(work: Sequence[ClientWork], result, *, upload_bits,
                        skipped: Sequence[bytes] = (), extra=None
                        ) -> dict[bytes, dict[str, Any]]:
   """``{client_id: {'upload_bits', 'download_bits', 'num_examples',
-  'delta_l2_norm', 'finite', 'skipped', ...}}`` (bits; upload 0 for the
-  ``skipped`` clients). ``upload_bits``: a number or ``diag -> bits``;
-  ``extra``: ``diag -> dict`` merged in."""
+  'delta_l2_norm', 'finite', 'skipped', **extra(diag)}}``; ``upload_bits``:
+  a number or ``diag -> bits`` (0 for ``skipped`` clients)."""
   out = {}
   for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
     up = upload_bits(diag) if callable(upload_bits) else upload_bits

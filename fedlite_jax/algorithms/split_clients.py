@@ -1,22 +1,8 @@
 """The client side of a split-learning iteration (SplitFed / FedLite).
 
-Source: Wang et al., 2022, "FedLite: A Scalable Approach for Federated
-Learning on Resource-constrained Clients", Section 3 (SplitFed, Thapa et al.
-2020) steps 1, 2 and 4, Sections 4.1-4.2: each client's mini-batch, its
-forward pass through the client-side model ``u(w_c; batch)`` and the VJP
-that turns the returned (corrected) activation gradients into ``g_c``;
-FedLite's quantizer configuration (:class:`QuantizerConfig`) and upload
-(:func:`pq_upload`, through the transform
-:func:`fedlite_jax.transforms.product_quantization`); the mask of the
-activation vectors that carry loss (the gradient correction's ``M_i``).
-
-Mini-batch choice: clients are stateless (FedJAX gives each sampled client a
-fresh PRNG key per round), so "its next batch" is the first batch of a
-shuffle-repeat pass seeded by the client's key
-(``fedjax.ShuffleRepeatBatchHParams(batch_size=B, num_epochs=None,
-num_steps=1)``, seed :func:`fedlite_jax.algorithms.batching.
-shuffle_seed_from_rng`): ``B`` examples uniformly without replacement, or the
-whole dataset plus uniformly re-drawn examples when it has fewer than ``B``.
+Source: FedLite (Wang et al., 2022), Section 3 (SplitFed, Thapa et al. 2020)
+steps 1, 2 and 4; Sections 4.1-4.2 (the quantizer and the mask ``M_i`` of
+the gradient correction).
 """
 
 from __future__ import annotations
@@ -31,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.algorithms import batching
-from fedlite_jax.algorithms import split_accounting
+from fedlite_jax.algorithms import batching, split_accounting
 from fedlite_jax.fedlite import pq
 from fedlite_jax.transforms.product_quantization import product_quantization \
     as pq_transform
@@ -43,21 +28,18 @@ ClientExecution = Literal['auto', 'vmap', 'unroll']
 LambdaScaling = Literal['batch', 'example']
 
 
-
 def loss_vector_mask(batch: Batch, activations: jax.Array) -> jax.Array:
-  """Which activation vectors of one client carry training loss.
+  """Which activation vectors of one client carry training loss (``M_i``).
 
-  For sequence activations ``[B, T, d]`` with integer targets ``batch['y']``
-  of shape ``[B, T]`` (next-word prediction): positions whose target is not
-  PAD (id 0, FedJAX's convention; their loss is masked out of
-  ``train_loss``). Otherwise all vectors.
+  For ``[B, T, d]`` activations with integer targets ``batch['y']`` of shape
+  ``[B, T]``: the positions whose target is not PAD (id 0); else all.
 
   Args:
     batch: one client's batch.
     activations: its activations, ``[B, d]`` or ``[B, T, d]``.
 
   Returns:
-    float32 of shape ``activations.shape[:-1]`` with entries in {0, 1}.
+    float32 0/1 of shape ``activations.shape[:-1]``.
   """
   lead = activations.shape[:-1]
   y = batch.get('y') if hasattr(batch, 'get') else None
@@ -68,11 +50,8 @@ def loss_vector_mask(batch: Batch, activations: jax.Array) -> jax.Array:
 
 
 def stack_batches(batches: Sequence[Batch]) -> dict[str, np.ndarray]:
-  """Stacks the clients' batches along a new leading client axis.
-
-  Raises:
-    ValueError: if the clients' batches have different keys.
-  """
+  """The clients' batches stacked on a new leading axis (ValueError: keys
+  differ)."""
   keys = set(batches[0])
   for b in batches[1:]:
     if set(b) != keys:
@@ -83,15 +62,11 @@ def stack_batches(batches: Sequence[Batch]) -> dict[str, np.ndarray]:
 
 def client_batch(dataset: fedjax.ClientDataset, batch_size: int,
                  rng: jax.Array) -> dict[str, np.ndarray]:
-  """The one mini-batch a client uses in an iteration (module docstring).
+  """The one mini-batch (``B`` rows of NumPy arrays) a client uses.
 
-  Args:
-    dataset: the client's data (at least one example).
-    batch_size: ``B``.
-    rng: the client's PRNG key for this iteration.
-
-  Returns:
-    A dict of NumPy arrays with ``B`` rows each.
+  The first batch of a shuffle-repeat pass seeded from ``rng``
+  (:func:`batching.shuffle_seed_from_rng`): ``B`` examples without
+  replacement, or all plus re-drawn ones if fewer than B.
 
   Raises:
     ValueError: if the client has no examples.
@@ -102,11 +77,8 @@ def client_batch(dataset: fedjax.ClientDataset, batch_size: int,
 
 
 def resolve_client_execution(execution: ClientExecution) -> str:
-  """``'auto'`` -> ``'unroll'`` on CPU, ``'vmap'`` on GPU/TPU.
-
-  Raises:
-    ValueError: for a value other than 'auto', 'vmap', 'unroll'.
-  """
+  """``'auto'`` -> ``'unroll'`` on CPU, ``'vmap'`` on GPU/TPU; ValueError
+  for a value other than 'auto', 'vmap', 'unroll'."""
   if execution not in ('auto', 'vmap', 'unroll'):
     raise ValueError(f"client_execution must be 'auto', 'vmap' or 'unroll', "
                      f'got {execution!r}.')
@@ -118,14 +90,8 @@ def resolve_client_execution(execution: ClientExecution) -> str:
 def client_forward_vjp(client_apply, wc, batch, drop, execution: str):
   """Client forward of all clients and the VJP of their sum w.r.t. ``w_c``.
 
-  Returns ``(z, vjp)``: ``z`` stacks the clients' activations ``[C, ...]``;
-  ``vjp(cotangent[C, ...])`` returns ``(sum_i cot_i^T dz_i/dw_c,)``.
-
-  ``'vmap'``: one ``jax.vmap`` over clients with the shared ``w_c`` (a
-  convolution is one convolution over all clients' images). ``'unroll'``: a
-  Python loop over clients inside the same jitted program (one forward and
-  one VJP per client, then a sum), because XLA:CPU's convolution-kernel and
-  max-pool gradients scale badly with the batch.
+  Returns ``(z [C, ...], vjp)``, ``vjp(cot[C, ...]) = (sum_i cot_i^T
+  dz_i/dw_c,)``; ``execution``: ``'vmap'`` or ``'unroll'`` (a Python loop).
   """
   if execution == 'vmap':
     return jax.vjp(
@@ -153,18 +119,18 @@ class QuantizerConfig:
 
   Attributes:
     num_subvectors: ``q``, subvectors per activation vector (divides ``d``).
-    num_groups: ``R``, groups sharing one codebook (divides ``q``; 1 is the
-      paper's default, ``R = q`` vanilla product quantization).
-    num_centroids: ``L``, k-means centroids per group
-      (``1 <= L <= N q / R`` with ``N`` vectors per client).
-    correction_lambda: ``lambda >= 0`` of equation 5
-      (:mod:`fedlite_jax.algorithms.splitfed`); 0 is straight-through.
-    lambda_scaling: ``'example'`` (default; ``lambda / B``: equation 5 per
-      example, averaged as in Appendix B eq. 36) or ``'batch'`` (``lambda
-      (Z - Z~)`` added to the gradient of the client's batch-mean loss).
+    num_groups: ``R``, groups sharing one codebook (divides ``q``; 1: the
+      paper's default; ``q``: vanilla product quantization).
+    num_centroids: ``L``, centroids per group (``1 <= L <= N q / R``).
+    correction_lambda: ``lambda >= 0`` of equation 5; 0: straight-through.
+    lambda_scaling: ``'example'`` (``lambda / B``: equation 5 per example,
+      averaged as in Appendix B eq. 36) or ``'batch'``.
     kmeans_iters: Lloyd iterations per k-means (``>= 0``).
-    empty_cluster: ``'farthest'`` or ``'keep'`` (see
-      :mod:`fedlite_jax.fedlite.kmeans`).
+    empty_cluster: ``'farthest'`` or ``'keep'``
+      (:mod:`fedlite_jax.fedlite.kmeans`).
+
+  Raises:
+    ValueError: a value out of range.
   """
   num_subvectors: int
   num_groups: int = 1
@@ -204,11 +170,7 @@ class QuantizerConfig:
                                     self.num_centroids)
 
   def validate(self, cut_size: int, num_vectors: int) -> None:
-    """Checks ``q | d``, ``R | q`` and ``L <= N q / R``.
-
-    Raises:
-      ValueError: naming the offending value (``pq.validate_pq_config``).
-    """
+    """Checks ``q | d``, ``R | q`` and ``L <= N q / R`` (ValueError)."""
     pq.validate_pq_config(cut_size, num_vectors, self.num_subvectors,
                           self.num_groups, self.num_centroids)
 
@@ -217,11 +179,8 @@ def pq_upload(quantizer: QuantizerConfig, phi: float = pq.DEFAULT_PHI
               ) -> Callable[[jax.Array, jax.Array], jax.Array]:
   """FedLite's upload of one client as ``(z [N, d], key) -> Z~ [N, d]``.
 
-  The message is :func:`fedlite_jax.transforms.product_quantization` of the
-  client's ``N`` vectors (one array whose k-means key is ``key`` itself:
-  split learning passes ``fold_in(client key, 2)``), encoded, then decoded
-  as the server rebuilds it. Jittable and vmappable over clients (one
-  k-means per client, folded into one program).
+  ``transforms.product_quantization`` encoded then decoded (k-means key
+  ``key``); jittable, vmappable.
 
   Args:
     quantizer: ``q, R, L``, Lloyd iterations and the empty-cluster rule.

@@ -1,72 +1,9 @@
 """SplitFed and FedLite as FedJAX algorithms (one iteration per round).
 
-Sources: Wang et al., 2022, "FedLite: A Scalable Approach for Federated
+Source: Wang et al., 2022, "FedLite: A Scalable Approach for Federated
 Learning on Resource-constrained Clients": Section 3 (SplitFed, Thapa et al.
 2020), Section 4.1 (grouped product quantization of the uploaded
 activations), Section 4.2 / equation 5 (gradient correction), Appendix A.
-
-One ``apply`` is one iteration of Section 3 for the sampled clients ``S``:
-
-1. **Client forward.** Client ``i`` takes one mini-batch of ``B`` examples
-   and computes ``Z_i = u(w_c; batch_i)`` (``[B, d]``, or ``[B, T, d]`` for
-   the NWP LSTM: ``N = B T`` vectors of size ``d``, one per token position).
-2. **Upload.** SplitFed sends ``Z_i``; FedLite sends the grouped-PQ message
-   of ``Z_i`` (codebook + codewords, through the transform
-   :func:`fedlite_jax.transforms.product_quantization`, a fresh codebook
-   every iteration), from which the server rebuilds ``Z~_i``. Labels go up
-   as well.
-3. **Server update.** The server evaluates its part on the concatenation of
-   all clients' (quantized) activations; its objective is
-   ``F_s = sum_i p_i l_i / sum_i p_i`` with ``l_i`` the mean training loss of
-   client ``i``'s batch (``model.train_loss``, averaged over the ``B``
-   examples, as ``fedjax.model_grad``). It steps ``w_s`` with its own
-   optimizer on ``dF_s/dw_s`` and returns ``G_i = dl_i/dZ~_i`` to client ``i``.
-4. **Client backward.** Equation 5 for every example, averaged like the
-   loss: ``g_i = [G_i + lambda' M_i (Z_i - Z~_i)]^T dZ_i/dw_c``.
-   ``lambda_scaling='example'`` (default): ``lambda' = lambda / B``, the
-   corrected per-example gradients averaged over the batch as in the
-   paper's analysis (Appendix B, equation 36; the Appendix A surrogate
-   ``(lambda/2) ||z_j - z~_j||^2`` added to every example's loss, summed
-   over its vectors for sequences, before the batch mean). ``'batch'``: ``lambda' = lambda``, ``lambda (Z - Z~)`` added
-   to the gradient of the client's batch-mean loss (``lambda_batch =
-   lambda_example / B``; the paper does not say which its code used).
-   ``M_i`` masks vectors that carry no loss (NWP PAD targets,
-   :func:`loss_vector_mask`); ``lambda = 0`` is straight-through and
-   SplitFed has no correction (``Z~ = Z``). The server's objective reads
-   ``Z`` through :func:`fedlite_jax.fedlite.vq_layer.vq_with_correction`
-   (forward ``Z~``, ``vector_weights = (p_i / sum p) M_i``), so its gradient
-   w.r.t. ``Z`` is the corrected cotangent.
-5. **Client-model synchronization.** ``g_c = sum_i p_i g_i / sum_i p_i`` is
-   applied to ``w_c`` with the client optimizer.
-
-Weights ``p_i``: ``'uniform'`` (default, ``p_i = 1``; with SGD and no
-quantization the iteration IS one step of mini-batch SGD on the whole model
-over the ``B |S|`` examples, rate ``eta_c`` on ``w_c`` and ``eta_s`` on
-``w_s``, checked in ``tests/test_splitfed.py``) or ``'num_examples'`` (``p_i
-= |D_i|``; exact SGD on that weighted loss).
-
-The client's mini-batch and forward/backward pass:
-:mod:`fedlite_jax.algorithms.split_clients`. Dropout (client and server
-part) uses ``fold_in(key, 1)`` of the client's key -- the same key for both
-parts, so the split model draws exactly the masks
-``model.apply_for_train(params, batch_i, fold_in(key, 1))`` would -- and the
-k-means initialization ``fold_in(key, 2)``.
-
-Execution: the whole iteration of all clients is ONE jitted program (per
-chunk of clients): the clients' forward passes, the quantizer vmapped over
-clients, the server step on all clients' activations, and the VJP of the
-client forward with the per-client cotangents ``(p_i / sum p) [G_i +
-correction_i]``, which yields ``g_c`` directly (by linearity). Communication
-per client per iteration: :mod:`fedlite_jax.algorithms.split_accounting`.
-
-Non-finite clients (:mod:`fedlite_jax.algorithms.nonfinite`): a client
-whose activations, batch loss or returned gradient ``G_i`` is NaN/Inf
-raises (``nonfinite='raise'``) or is dropped (``'skip'``): the iteration is
-recomputed with that client's slot holding a zero-weight copy of a kept
-client (``p_i = 0``, as the padding of a device mesh), so the result equals
-the iteration without it; it downloaded the client-side model but sent
-nothing and received no gradient
-(:func:`split_accounting.skipped_client_bits`).
 """
 
 from __future__ import annotations
@@ -82,6 +19,7 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
+from fedlite_jax.algorithms.rounds_common import Clients, num_params
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.algorithms import split_clients
 # Re-exported: the client side as users and tests reach it.
@@ -110,86 +48,62 @@ class SplitState:
 
   Attributes:
     params: the whole model ``{'client': w_c, 'server': w_s}``.
-    client_opt_state: optax state of the client-side model's optimizer (the
-      synchronized client model is updated centrally, step 5).
-    server_opt_state: optax state of the server-side model's optimizer.
+    client_opt_state: optax state of ``w_c``'s optimizer (applied centrally).
+    server_opt_state: optax state of ``w_s``'s optimizer.
   """
   params: Params
   client_opt_state: optax.OptState
   server_opt_state: optax.OptState
 
 
-def _num_params(tree: Params) -> int:
-  return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
-
-
 def split_learning(
     split_model: split_lib.SplitModel,
     client_optimizer: optax.GradientTransformation,
-    server_optimizer: optax.GradientTransformation,
-    batch_size: int,
-    *,
-    quantizer: Optional[QuantizerConfig] = None,
-    phi: float = pq.DEFAULT_PHI,
+    server_optimizer: optax.GradientTransformation, batch_size: int, *,
+    quantizer: Optional[QuantizerConfig] = None, phi: float = pq.DEFAULT_PHI,
     label_bits: float = AUTO_LABEL_BITS,
     client_weighting: ClientWeighting = 'uniform',
     vector_mask_fn: VectorMaskFn = loss_vector_mask,
     client_execution: ClientExecution = 'auto',
-    clients_per_chunk: int | str | None = 'auto',
-    nonfinite: str = 'raise',
+    clients_per_chunk: int | str | None = 'auto', nonfinite: str = 'raise',
 ) -> fedjax.FederatedAlgorithm:
   """Builds SplitFed (``quantizer=None``) or FedLite as a FedJAX algorithm.
 
+  One ``apply`` is one iteration of Section 3; client ``i``'s backward is
+  equation 5, ``[G_i + lambda' M_i (Z_i - Z~_i)]^T dZ_i/dw_c``.
+
   Args:
     split_model: the task's :class:`~fedlite_jax.models.SplitModel`.
-    client_optimizer: optax transformation for ``w_c`` (applied once per
-      iteration to the synchronized client gradient ``g_c``; its learning
-      rate is the paper's ``eta_c``).
-    server_optimizer: optax transformation for ``w_s`` (``eta_s``).
+    client_optimizer: for ``w_c`` (``eta_c``), on the mean client gradient.
+    server_optimizer: for ``w_s`` (``eta_s``).
     batch_size: ``B``, examples per client per iteration.
     quantizer: FedLite's quantizer and ``lambda``; None for SplitFed.
     phi: bits per float for the ``paper_*`` accounting (paper: 64).
-    label_bits: bits per uploaded label entry; -1 (default) for
-      ``ceil(log2 C)`` with ``C`` the number of model outputs (1 bit per
-      entry for multi-hot labels shaped like the predictions), 0 when labels
-      are not uploaded (vertical FL).
+    label_bits: bits per uploaded label entry; -1: ``ceil(log2 C)``, ``C``
+      the number of model outputs (1 for multi-hot labels); 0: not sent.
     client_weighting: ``'uniform'`` or ``'num_examples'`` (``p_i``).
     vector_mask_fn: ``(client_batch, client_activations) -> mask`` of the
       vectors that get the gradient correction (:func:`loss_vector_mask`).
-    client_execution: how the clients' forward/backward passes are laid out
-      in the one compiled program: ``'vmap'``, ``'unroll'`` or ``'auto'``
-      (:func:`resolve_client_execution`). Same result to float tolerance.
-    clients_per_chunk: clients per device of one compiled program: the
-      iteration's gradient is summed over chunks of this many clients on
-      the device (peak memory follows the chunk), then applied once; an int
-      > 0, 0/None (the whole cohort in one program), or 'auto'
-      (:func:`fedlite_jax.rounds.chunking.resolve_clients_per_chunk` from the
-      client model's size). Same result to float tolerance.
-    nonfinite: ``'raise'`` or ``'skip'`` (module docstring).
+    client_execution: ``'vmap'``, ``'unroll'`` or ``'auto'``
+      (:func:`resolve_client_execution`); same result to float tolerance.
+    clients_per_chunk: clients per device of one compiled program: > 0,
+      0/None (all), or 'auto' (``chunking.resolve_clients_per_chunk``).
+    nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
 
   Returns:
-    ``fedjax.FederatedAlgorithm(init, apply)``; ``init(params)`` takes the
-    whole model's ``{'client', 'server'}`` parameters and returns a
-    :class:`SplitState`; ``apply(state, [(client_id, ClientDataset, key)])``
-    runs one iteration and returns ``(state, {client_id: diagnostics})``.
-    Diagnostics (floats): ``num_examples`` (``B``), ``loss`` (the client's
-    mean training loss on its batch before the update), for FedLite
-    ``quantization_error`` (mean squared error per vector) and
+    ``FederatedAlgorithm(init, apply)`` over :class:`SplitState`; diagnostics
+    ``num_examples`` (``B``), ``loss`` (batch mean before the update), for
+    FedLite ``quantization_error`` (mean squared error per vector) and
     ``relative_quantization_error`` (``||Z - Z~||_F^2 / ||Z||_F^2``), the
-    bit counts of :data:`split_accounting.BIT_KEYS` (``upload_bits``,
-    ``download_bits``, ``activation_bits``, ...), and the booleans
-    ``finite`` and ``skipped``.
+    bits of :data:`split_accounting.BIT_KEYS`, ``finite``, ``skipped``.
 
   Raises:
-    ValueError: for ``batch_size < 1``, an unknown ``client_weighting``, a
-      negative ``label_bits`` other than -1, an unknown ``client_execution``,
-      or (from ``apply``) a quantizer
-      that does not fit the activations (``q`` not dividing ``d``, ``L``
-      larger than the subvectors of a group, ...), a client without data or
-      clients with different batch keys, an unknown ``nonfinite`` policy.
+    ValueError: ``batch_size < 1``, an unknown ``client_weighting``,
+      ``client_execution`` or ``nonfinite``, a negative ``label_bits`` other
+      than -1, or (from ``apply``) a quantizer that does not fit the
+      activations, a client without data, clients with different batch keys.
     FloatingPointError: from ``apply``: a non-finite client (``'raise'``),
-      every client non-finite (``'skip'``), or a non-finite server state
-      (names the clients).
+      every client non-finite (``'skip'``), or a non-finite server state.
   """
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or \
       batch_size < 1:
@@ -201,9 +115,7 @@ def split_learning(
     raise ValueError(f'label_bits must be >= 0 or -1 (auto), got '
                      f'{label_bits!r}.')
   nonfinite_lib.check_policy(nonfinite)
-  if quantizer is not None:
-    # q | d and R | q are known now; L <= N q / R is checked on the first
-    # batch, when N (B, or B T for sequences) is known.
+  if quantizer is not None:  # L <= N q / R: checked on the first batch.
     d = split_model.cut_size
     if d % quantizer.num_subvectors:
       raise ValueError(
@@ -212,12 +124,10 @@ def split_learning(
   execution = resolve_client_execution(client_execution)
   if clients_per_chunk != 'auto':
     chunking.resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates.
-  model = split_model.model
-  client_apply = split_model.client_apply
-  server_apply = split_model.server_apply
+  model, client_apply, server_apply = (
+      split_model.model, split_model.client_apply, split_model.server_apply)
   name = 'SplitFed' if quantizer is None else 'FedLite'
-  # Several devices (single process): the client axis of the iteration's
-  # inputs is split over the mesh (fedlite_jax.rounds.sharding).
+  # Several devices (one process): the client axis is split over the mesh.
   mesh = sharding.current_client_mesh()
   if mesh is not None and mesh.num_devices == 1:
     mesh = None
@@ -229,15 +139,13 @@ def split_learning(
     upload = split_clients.pq_upload(quantizer, phi)
 
   def objective_and_grads(params, batch, rngs, weights, total=None):
-    """Steps 1-4 for the given clients; returns the sum of their gradients
-    and per-client diagnostics. ``total``: the weight of the whole cohort
-    (default: of these clients)."""
+    """Steps 1-4: ``(gradient sum, diagnostics)``; ``total``: cohort weight."""
     wc, ws = split_model.split_params(params)
     drop = jax.vmap(lambda k: jax.random.fold_in(k, _DROPOUT_FOLD))(rngs)
     p = weights / (jnp.sum(weights) if total is None else total)
 
-    z, client_vjp = split_clients.client_forward_vjp(client_apply, wc, batch,
-                                                     drop, execution)  # [C, B, (T,) d]
+    z, client_vjp = split_clients.client_forward_vjp(  # z: [C, B, (T,) d]
+        client_apply, wc, batch, drop, execution)
     num_clients = z.shape[0]
     diag = {}
     if quantizer is not None:
@@ -250,8 +158,7 @@ def split_learning(
            pq.quantization_errors)(flat, z_up)
       z_up = z_up.reshape(z.shape)
 
-      # Equation 5 via the custom_vjp layer: forward Z~, backward
-      # G + lambda' w (Z - Z~) with w = p_i M_i (p normalized; step 4).
+      # Equation 5: forward Z~, backward G + lambda' p_i M_i (Z - Z~).
       mask = jax.vmap(vector_mask_fn)(batch, z)  # [C, B, (T)]
       vector_weights = p.reshape((num_clients,) + (1,) * (mask.ndim - 1)) * mask
       example = quantizer.lambda_scaling == 'example'
@@ -269,8 +176,7 @@ def split_learning(
       client_loss = jnp.mean(losses, axis=1)
       return jnp.sum(p * client_loss), client_loss
 
-    # cotangent[i] = p_i [G_i + lambda' M_i (Z_i - Z~_i)] (p normalized), with
-    # G_i = dl_i / dZ~_i the download of client i.
+    # cotangent[i] = p_i [G_i + lambda' M_i (Z_i - Z~_i)], G_i = dl_i / dZ~_i.
     (_, client_loss), (g_server, cotangent) = jax.value_and_grad(
         server_objective, argnums=(0, 1), has_aux=True)(ws, z)
     (g_client,) = client_vjp(cotangent)
@@ -284,13 +190,11 @@ def split_learning(
   def update(state: SplitState, grads):
     wc, ws = split_model.split_params(state.params)
     gc, gs = split_model.split_params(grads)
-    uc, client_opt_state = client_optimizer.update(gc, state.client_opt_state,
-                                                   wc)
-    us, server_opt_state = server_optimizer.update(gs, state.server_opt_state,
-                                                   ws)
+    uc, c_opt = client_optimizer.update(gc, state.client_opt_state, wc)
+    us, s_opt = server_optimizer.update(gs, state.server_opt_state, ws)
     params = split_model.merge_params(optax.apply_updates(wc, uc),
                                       optax.apply_updates(ws, us))
-    new_state = SplitState(params, client_opt_state, server_opt_state)
+    new_state = SplitState(params, c_opt, s_opt)
     return new_state, nonfinite_lib.all_finite(new_state)
 
   @jax.jit
@@ -299,8 +203,7 @@ def split_learning(
     grads, diag = objective_and_grads(state.params, batch, rngs, weights)
     return (*update(state, grads), diag)
 
-  # The cohort in chunks: gradient sums accumulated on the device (the
-  # objective is a p-weighted sum over clients), then one update.
+  # Chunks: gradient sums accumulated on the device, then one update.
   chunk_grads = jax.jit(objective_and_grads)
   apply_update = jax.jit(update)
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
@@ -336,14 +239,10 @@ def split_learning(
       else:
         per_label = float(math.ceil(math.log2(max(preds.shape[-1], 2))))
     bits = split_accounting.iteration_bits(
-        cut_size=split_model.cut_size,
-        num_vectors=num_vectors,
-        num_client_params=_num_params(wc),
-        num_params=_num_params(state.params),
-        quantizer=None if quantizer is None else quantizer.shape,
-        phi=phi,
-        label_elements=elements,
-        bits_per_label=per_label)
+        cut_size=split_model.cut_size, num_vectors=num_vectors,
+        num_client_params=num_params(wc), num_params=num_params(state.params),
+        quantizer=None if quantizer is None else quantizer.shape, phi=phi,
+        label_elements=elements, bits_per_label=per_label)
     bits_cache[sig] = bits
     return bits
 
@@ -352,8 +251,7 @@ def split_learning(
     return SplitState(params, client_optimizer.init(wc),
                       server_optimizer.init(ws))
 
-  def apply(state: SplitState,
-            clients: Sequence[tuple[bytes, fedjax.ClientDataset, jax.Array]]):
+  def apply(state: SplitState, clients: Clients):
     if not clients:
       raise ValueError(f'{name}: apply needs at least one client.')
     batches, weights = [], []
@@ -378,9 +276,8 @@ def split_learning(
     slots_total = -(-len(clients) // lanes) * lanes
 
     def run(keep: Sequence[bool]):
-      # Slots not kept, and the padding to whole chunks (of a multiple of
-      # the device count), hold zero-weight copies of the first kept client
-      # (p_i = 0: no effect on the update or the loss).
+      # Slots not kept and the padding to whole chunks hold zero-weight
+      # copies of the first kept client (p_i = 0: no effect).
       fill = list(keep).index(True)
       extra = slots_total - len(clients)
       slots = [i if k else fill for i, k in enumerate(keep)] + [fill] * extra
@@ -409,8 +306,8 @@ def split_learning(
                          for k in diags[0]}, finite
 
     chunking.record('split', per_chunk_ref[0], clients=len(clients),
-                      client_steps=len(clients), padded_steps=slots_total,
-                      chunks=slots_total // lanes)
+                    client_steps=len(clients), padded_steps=slots_total,
+                    chunks=slots_total // lanes)
     ids = [cid for cid, _, _ in clients]
     new_state, diag, finite = run([True] * len(clients))
     skipped = nonfinite_lib.resolve(ids, diag['finite'][:len(clients)],
@@ -436,9 +333,8 @@ def splitfed(split_model: split_lib.SplitModel,
              server_optimizer: optax.GradientTransformation,
              batch_size: int, **kwargs) -> fedjax.FederatedAlgorithm:
   """SplitFed (Section 3): :func:`split_learning` without quantization."""
-  if kwargs.get('quantizer') is not None:
+  if kwargs.pop('quantizer', None) is not None:
     raise ValueError('splitfed takes no quantizer; use fedlite.')
-  kwargs.pop('quantizer', None)
   return split_learning(split_model, client_optimizer, server_optimizer,
                         batch_size, **kwargs)
 
@@ -450,9 +346,7 @@ def fedlite(split_model: split_lib.SplitModel,
             **kwargs) -> fedjax.FederatedAlgorithm:
   """FedLite (Section 4): SplitFed + grouped PQ upload + equation-5 gradient.
 
-  Raises:
-    ValueError: if ``quantizer`` is not a :class:`QuantizerConfig`, and as
-      :func:`split_learning`.
+  ValueError if ``quantizer`` is not a :class:`QuantizerConfig`.
   """
   if not isinstance(quantizer, QuantizerConfig):
     raise ValueError(f'fedlite needs a QuantizerConfig, got {quantizer!r}.')
