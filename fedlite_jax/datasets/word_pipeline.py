@@ -197,8 +197,7 @@ class NextWordTask:
       self,
       data_dir: str | os.PathLike[str] | None = None,
       *,
-      sequence_length: int = 20,
-      vocab_size: int = 10000,
+      sequence_length: int = 20, vocab_size: int = 10000,
       vocab_ranking: str = 'occurrences',
       allow_download: bool = False,
       cache_dir: str | os.PathLike[str] | None = None

@@ -126,15 +126,8 @@ def _unravel(subspace: IntrinsicSubspace, flat: jax.Array) -> PyTree:
 
 def intrinsic_lift(subspace: IntrinsicSubspace,
                    theta_prime: jax.Array) -> PyTree:
-  """``unravel(A theta')``: decompression (paper Eq. 5, the server's ``A C``).
-
-  Args:
-    subspace: from :func:`intrinsic_subspace`.
-    theta_prime: ``float32[d]``.
-
-  Returns:
-    Pytree like ``params0`` (its leaf dtypes).
-  """
+  """``unravel(A theta')`` (paper Eq. 5, the server's ``A C``): ``float32[d]``
+  -> a pytree like ``params0`` (its leaf dtypes)."""
   return _unravel(subspace, ff.fastfood_lift(subspace.fastfood, theta_prime))
 
 

@@ -162,18 +162,9 @@ def project_subspaces(fastfood: ff.FastfoodParams,
 
 def lift_subspaces(fastfood: ff.FastfoodParams,
                    sigma: jax.Array) -> jax.Array:
-  """``sum_k A^(k) sigma_k``: K subspaces' coordinates -> R^D (Alg. 2).
-
-  Args:
-    fastfood: stacked ``FastfoodParams`` ([K, ...]).
-    sigma: ``float32[K, d]``.
-
-  Returns:
-    ``float32[D]``.
-
-  Raises:
-    ValueError: if ``sigma`` is not ``[K, d]``.
-  """
+  """``sum_k A^(k) sigma_k`` (Alg. 2): ``sigma`` ``float32[K, d]`` ->
+  ``float32[D]``; ``fastfood`` stacked ([K, ...]). ValueError if ``sigma`` is
+  not ``[K, d]``."""
   return functools.reduce(operator.add, _each_subspace(
       ff.fastfood_lift, fastfood, sigma, 'sigma', fastfood.d))
 
