@@ -53,7 +53,7 @@ A configuration that cannot run (out of memory, engine error, time budget:
 and the first timed round) prints a row with the reason. The table goes to
 ``benchmarks/results/rounds_<device>.md`` (``--output``).
 
-  python benchmarks/bench_rounds.py            # GPU: the full grid, < 10 min
+  python benchmarks/bench_rounds.py            # GPU: 10, 100, 500 clients, < 30 min
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_rounds.py \\
       --models=femnist --engines=loop --cohorts=10
 """
@@ -518,12 +518,21 @@ def _run_isolated(args, model: str, engine: str, budget: float
 # --------------------------------------------------------------------------
 # Report.
 
-def _fmt_row(row: dict) -> str:
+def _speedups(rows: list[dict]) -> dict[int, str]:
+  """Row index -> FedJAX ``jit`` s/round / this row's s/round, same run."""
+  ref = {(r['model'], r['cohort']): r['s_per_round'] for r in rows
+         if r['engine'] == 'fedjax_jit' and 'skip' not in r}
+  return {i: f'{ref[(r["model"], r["cohort"])] / r["s_per_round"]:.2f}x'
+          for i, r in enumerate(rows)
+          if 'skip' not in r and (r['model'], r['cohort']) in ref}
+
+
+def _fmt_row(row: dict, speedup: str = '') -> str:
   head = f'| {row["model"]} | {row["engine"]} | {row["cohort"]:,} |'
   if 'skip' in row:
-    return head + f' skipped: {row["skip"]} | | | | | |'
+    return head + f' skipped: {row["skip"]} | | | | | | |'
   return head + (
-      f' {row["rounds_per_s"]:.3g} | {row["s_per_round"]:.3g} |'
+      f' {row["rounds_per_s"]:.3g} | {row["s_per_round"]:.3g} | {speedup} |'
       f' {row["peak_mem_bytes"] / 2**20:,.0f} |'
       f' {row["padded_steps"]:,} / {row["useful_steps"]:,}'
       f' ({row["padded_steps"] / row["useful_steps"]:.2f}x) |'
@@ -532,9 +541,15 @@ def _fmt_row(row: dict) -> str:
          if row['peak_source'].startswith('measured') else '') + ' |')
 
 
-TABLE_HEAD = ('| model | engine | cohort | rounds/s | s/round | peak mem (MiB) '
-              '| padded / useful steps | host share | MFU |\n'
-              '|---|---|---:|---:|---:|---:|---:|---:|---:|')
+def _table(rows: list[dict]) -> str:
+  ups = _speedups(rows)
+  return '\n'.join([TABLE_HEAD] + [_fmt_row(r, ups.get(i, ''))
+                                   for i, r in enumerate(rows)])
+
+
+TABLE_HEAD = ('| model | engine | cohort | rounds/s | s/round | vs FedJAX jit '
+              '| peak mem (MiB) | padded / useful steps | host share | MFU |\n'
+              '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
 
 
 def _version(package: str) -> str:
@@ -564,13 +579,13 @@ def _defaults(args) -> None:
     args.models = ('femnist,lstm_tiny,transformer_tiny' if cpu else
                    'femnist,lstm_small,transformer_large')
   if args.cohorts is None:
-    args.cohorts = '10' if cpu else '10,100,1000'
+    args.cohorts = '10' if cpu else '10,100,500'
   if args.rounds is None:
     args.rounds = 2 if cpu else 3
   if args.max_seconds is None:
-    args.max_seconds = 120.0 if cpu else 12.0
+    args.max_seconds = 120.0 if cpu else 150.0
   if args.total_seconds is None:
-    args.total_seconds = 3600.0 if cpu else 540.0
+    args.total_seconds = 3600.0 if cpu else 1800.0
   args.cohorts = [int(c) for c in str(args.cohorts).split(',')]
   bad = [c for c in args.cohorts if c < 1]
   if bad:
@@ -590,12 +605,12 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument('--engines', default=','.join(ENGINES),
                       help=f'comma list of {", ".join(ENGINES)}')
   parser.add_argument('--cohorts', default=None,
-                      help='clients per round, comma list (default 10,100,1000; '
+                      help='clients per round, comma list (default 10,100,500; '
                       '10 on CPU)')
   parser.add_argument('--rounds', type=int, default=None,
                       help='timed rounds (default 3; 2 on CPU)')
   parser.add_argument('--max_seconds', type=float, default=None,
-                      help='time budget per configuration (default 12; 120 on '
+                      help='time budget per configuration (default 150; 120 on '
                       'CPU)')
   parser.add_argument('--clients_per_chunk', default='auto',
                       help="vmap engine: clients per chunk, int (0: whole "
@@ -614,12 +629,23 @@ def main(argv: Optional[list[str]] = None) -> None:
                       'per configuration; survives crashes)')
   parser.add_argument('--total_seconds', type=float, default=None,
                       help='time budget of the whole run, shared fairly by '
-                      'the (model, engine) processes (default 540; 3600 on '
+                      'the (model, engine) processes (default 1800; 3600 on '
                       'CPU)')
+  parser.add_argument('--merge', default=None,
+                      help='comma list of results files of this script: '
+                      'writes them as one file (--output), one section '
+                      'each, and runs nothing')
   parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--deadline', type=float, default=0,
                       help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.merge:
+    if not args.output or args.output == '-':
+      raise SystemExit('--merge needs --output=<file>.')
+    _write_report(args.output, [run for path in args.merge.split(',')
+                                for run in read_report(path)])
+    print(f'wrote {args.output}')
+    return
   _defaults(args)
   if args.worker:
     print('ROWS ' + json.dumps(run_worker(args, emit=True)), flush=True)
@@ -659,16 +685,29 @@ def main(argv: Optional[list[str]] = None) -> None:
                                   'deadline': end})
       got = run_worker(sub)
     for row in got:
-      print(_fmt_row(row), flush=True)
+      print(_fmt_row(row), flush=True)  # Ratios: in the file.
     rows.extend(got)
+  for n in _notes(rows):
+    print(n)
+  output = args.output or os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), 'results',
+      f'rounds_{device_name()}.md')
+  if output != '-':
+    _write_report(output, [(header, rows)])
+    print(f'wrote {output}')
+
+
+def _notes(rows: list[dict]) -> list[str]:
   done = [r for r in rows if 'skip' not in r]
   notes = []
   if done:
     r0 = done[0]
     notes.append(f'peak memory: {r0["mem_source"]}; MFU against '
                  f'{r0["peak_flops"] / 1e12:.3g} TFLOP/s ({r0["peak_source"]}); '
-                 'data: ' + ', '.join(sorted({f'{r["model"]}: {r["data"]}'
-                                              for r in done})))
+                 'vs FedJAX jit: FedJAX\'s `jit` s/round at the same model and '
+                 'cohort in the same run / this row\'s; data: ' +
+                 ', '.join(sorted({f'{r["model"]}: {r["data"]}'
+                                   for r in done})))
     for r in done:
       if r['data'] != 'synthetic':
         notes.append(
@@ -681,21 +720,35 @@ def main(argv: Optional[list[str]] = None) -> None:
         notes.append(f'{r["model"]} vmap cohort {r["cohort"]}: '
                      f'clients_per_chunk={r["clients_per_chunk"]}, '
                      f'{r["chunks"]} chunk(s)')
-  for n in notes:
-    print(n)
-  output = args.output or os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), 'results',
-      f'rounds_{device_name()}.md')
-  if output != '-':
-    pathlib.Path(output).parent.mkdir(parents=True, exist_ok=True)
-    with open(output, 'w') as f:
-      f.write('# Rounds at accelerator scale: bench_rounds.py\n\n')
-      f.write('\n'.join(f'- {h}' for h in header) + '\n\n')
-      f.write(TABLE_HEAD + '\n')
-      f.write('\n'.join(_fmt_row(r) for r in rows) + '\n\n')
-      f.write('\n'.join(f'- {n}' for n in notes) + '\n')
-      f.write('\n<!-- rows: ' + json.dumps(rows) + ' -->\n')
-    print(f'wrote {output}')
+  return notes
+
+
+def _write_report(output: str, runs: list[tuple[list[str], list[dict]]]
+                  ) -> None:
+  """Writes one section per (header lines, rows) run, rows kept as JSON."""
+  pathlib.Path(output).parent.mkdir(parents=True, exist_ok=True)
+  parts = ['# Rounds at accelerator scale: bench_rounds.py\n']
+  for i, (header, rows) in enumerate(runs):
+    if len(runs) > 1:
+      parts.append(f'## Run {i + 1}\n')
+    parts += ['\n'.join(f'- {h}' for h in header) + '\n', _table(rows) + '\n',
+              '\n'.join(f'- {n}' for n in _notes(rows)) + '\n',
+              '<!-- header: ' + json.dumps(header) + ' -->\n'
+              '<!-- rows: ' + json.dumps(rows) + ' -->\n']
+  with open(output, 'w') as f:
+    f.write('\n'.join(parts))
+
+
+def read_report(path: str) -> list[tuple[list[str], list[dict]]]:
+  """The (header lines, rows) runs of a file that :func:`main` wrote."""
+  text = pathlib.Path(path).read_text()
+  rows = [json.loads(m) for m in re.findall(r'<!-- rows: (.*) -->', text)]
+  heads = [json.loads(m) for m in re.findall(r'<!-- header: (.*) -->', text)]
+  if not heads:  # Files written before headers were stored: the bullets.
+    heads = [[l[2:] for l in text.split('\n\n')[1].splitlines()]]
+  if not rows or len(heads) != len(rows):
+    raise SystemExit(f'--merge: {path} holds no bench_rounds.py rows.')
+  return list(zip(heads, rows))
 
 
 if __name__ == '__main__':

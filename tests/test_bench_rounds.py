@@ -79,6 +79,25 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
     if r['engine'] == 'vmap':
       # One client per chunk (--clients_per_chunk=1): one chunk per client.
       assert r['clients_per_chunk'] == 1 and r['chunks'] == 2
+  # vs FedJAX jit: FedJAX's s/round / the row's, 1.00x on FedJAX's own row.
+  ref = next(r for r in rows if r['engine'] == 'fedjax_jit' and
+             r['cohort'] == 2)
+  for r in rows:
+    if r['cohort'] == 2:
+      ratio = f'{ref["s_per_round"] / r["s_per_round"]:.2f}x'
+      assert f'| {r["s_per_round"]:.3g} | {ratio} |' in text, (r, ratio)
+  # --merge: two files -> one file with both runs' rows and headers.
+  merged = tmp_path / 'merged.md'
+  proc = subprocess.run(
+      [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
+       f'--merge={out_file},{out_file}', f'--output={merged}'],
+      cwd=repo_root, env=env, capture_output=True, text=True, timeout=300,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  bench = _load(repo_root)
+  runs = bench.read_report(str(merged))
+  assert [r for _, r in runs] == [rows, rows]
+  assert '## Run 2' in merged.read_text()
 
 
 def test_peak_flops_table_and_device_name(repo_root, monkeypatch):
