@@ -28,6 +28,7 @@ differences, a ``check`` that re-runs the 8-bit upload row for 5 rounds),
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 from absl import app
@@ -84,14 +85,28 @@ def _rates(client: float, server: float) -> tuple[str, str]:
 
 
 def _sweep() -> list[dict]:
+  """Sweep points; one whose run diverged (the runner stops a run worse than
+  chance, summary status 'failed') has perplexity None and its reason."""
   out = []
   for client, server in SWEEP:
     rel = f'{FLAGS.runs_dir}/sweep_lstm_c{client:g}_s{server:g}'
-    rec = provenance.seeded_run(
-        _flags('lstm', 0, FLAGS.sweep_rounds, rel, _rates(client, server)),
-        FLAGS.sweep_rounds, 0, METRIC)
-    out.append({'client_lr': client, 'server_lr': server,
-                'perplexity': rec['curve'][-1][METRIC], 'run': rec})
+    point = {'client_lr': client, 'server_lr': server}
+    summary = provenance.REPO / rel / 'summary.json'
+    try:
+      rec = provenance.seeded_run(
+          _flags('lstm', 0, FLAGS.sweep_rounds, rel, _rates(client, server)),
+          FLAGS.sweep_rounds, 0, METRIC)
+    except RuntimeError:
+      if not summary.exists() or json.loads(
+          summary.read_text()).get('status') != 'failed':
+        raise
+    status = json.loads(summary.read_text())
+    if status.get('status') == 'failed':
+      failure = status['failure']
+      out.append({**point, 'perplexity': None, 'diverged': failure})
+      print(f'sweep ({client:g}, {server:g}): diverged: {failure}')
+      continue
+    out.append({**point, 'perplexity': rec['curve'][-1][METRIC], 'run': rec})
   return out
 
 
@@ -152,8 +167,10 @@ def _report(data: dict, out: pathlib.Path) -> None:
       '', f'CIFG-LSTM learning rates: a sweep of {len(data["sweep"])} '
       f'(client, server) points at {data["meta"]["sweep_rounds"]} rounds, '
       'seed 0, picked by final test perplexity: '
-      + ', '.join(f'({s["client_lr"]:g}, {s["server_lr"]:g}): '
-                  f'{s["perplexity"]:.1f}' for s in data['sweep'])
+      + ', '.join(f'({s["client_lr"]:g}, {s["server_lr"]:g}): ' + (
+          f'{s["perplexity"]:.1f}' if s['perplexity'] is not None else
+          f'diverged ({s["diverged"].split(" is ")[0]})')
+                  for s in data['sweep'])
       + f'; chosen ({best[0]:g}, {best[1]:g}).', '',
       '![perplexity by round](lm_seeds.png)', '',
       'Figure: test perplexity by round, mean over seeds with error bars of '
@@ -170,7 +187,8 @@ def main(argv):
     return
   seeds, out = started
   sweep = _sweep()
-  best = min(sweep, key=lambda s: s['perplexity'])
+  best = min((s for s in sweep if s['perplexity'] is not None),
+             key=lambda s: s['perplexity'])
   rates = _rates(best['client_lr'], best['server_lr'])
 
   def train(name: str, seed: int) -> dict:
