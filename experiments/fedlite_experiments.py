@@ -27,10 +27,13 @@ run, and every number read from the runs' ``summary.json`` /
 ``metrics.jsonl``), ``fedlite_tables.md``, ``fedlite_fig3.png``,
 ``fedlite_fig4.png``, ``fedlite_fig5_lambda.png``, ``fedlite_nwp.png``.
 ``fedlite.md`` is the hand-written reading of these results.
+``--report_only`` redraws the plots from the stored ``fedlite_results.json``
+without training (both its layouts: this script's and the previous one's).
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 
@@ -58,6 +61,10 @@ flags.DEFINE_integer('iterations', None, 'FEMNIST iterations (default 120).',
                      lower_bound=1)
 flags.DEFINE_integer('nwp_iterations', None, 'NWP iterations (default 100).',
                      lower_bound=1)
+flags.DEFINE_bool('report_only', False, 'No training: redraw the four plots '
+                  'from --output_dir\'s fedlite_results.json. The .md files '
+                  'are left as they are (the stored tables were written by '
+                  'the previous version of this script).')
 FLAGS = flags.FLAGS
 
 FEMNIST = 'experiments/configs/fedlite_femnist_small.flags'
@@ -144,57 +151,206 @@ def _fig3(runs: dict) -> dict:
           'wall_seconds': time.perf_counter() - t0}
 
 
+def _run_points(runs: dict) -> dict[str, dict]:
+  """name -> q, L, lambda per example, ratio, accuracy of each stored run.
+
+  Reads both record layouts of ``fedlite_results.json``: this script's
+  (``communication.activation_compression``, ``lambda`` per example) and the
+  previous script's, which the stored file holds (``activation_compression``,
+  ``lambda_per_example``; its ``lambda`` is the batch-mean value).
+  """
+  pts = {}
+  for name, r in runs.items():
+    comm = r.get('communication', r)
+    pts[name] = {
+        'q': r.get('q'), 'L': r.get('L'),
+        'lambda': r.get('lambda_per_example', r.get('lambda')),
+        'ratio': comm.get('activation_compression'),
+        'accuracy': r['final']['accuracy'],
+        'iterations': r.get('iterations', r.get('rounds')),
+        'seed': r.get('seed')}
+  return pts
+
+
 def _plots(data: dict, out: pathlib.Path) -> None:
+  """fedlite_fig3/fig4/fig5_lambda/nwp.png from ``data`` (the .json's)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  runs = data['runs']
+  from matplotlib import patches  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  plt.rcParams.update({'font.size': 9, 'axes.titlesize': 10,
+                       'legend.fontsize': 8})
+  pts = _run_points(data['runs'])
 
-  def save(ax, name, xlabel, ylabel, title):
-    ax.set(xscale='log', xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.legend(fontsize=7)
-    ax.figure.tight_layout()
-    ax.figure.savefig(out / name, dpi=120)
-    plt.close(ax.figure)
+  def annotate(ax, xs, ys, texts):
+    """Labels each point of a line on the side its segments leave free."""
+    for i, (x, y, text) in enumerate(zip(xs, ys, texts)):
+      nb = [(j - i, ys[j]) for j in (i - 1, i + 1) if 0 <= j < len(ys)]
+      if all(v < y for _, v in nb):
+        kw = {'xytext': (0, 6), 'ha': 'center', 'va': 'bottom'}
+      elif all(v > y for _, v in nb):
+        kw = {'xytext': (0, -7), 'ha': 'center', 'va': 'top'}
+      else:  # Monotone through the point: above-right if it falls.
+        falls = any((v - y) * d < 0 for d, v in nb)
+        kw = {'xytext': (6, 5 if falls else -5), 'ha': 'left',
+              'va': 'bottom' if falls else 'top'}
+      ax.annotate(text, (x, y), textcoords='offset points', fontsize=7.5,
+                  **kw)
 
-  def acc(r):
-    return r['final']['accuracy']
+  def frame(ax, ys, pad=0.08):
+    lo, hi = min(ys), max(ys)
+    ax.set_ylim(lo - pad * (hi - lo), hi + pad * (hi - lo))
+
+  def ratio_axis(ax, xs):
+    ax.set_xscale('log')
+    ax.set_xlim(min(xs) / 1.6, max(xs) * 1.6)
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(
+        lambda x, _: f'{x:,.0f}x' if x >= 1 else f'{x:g}x'))
+
+  def save(fig, name):
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=150)
+    plt.close(fig)
 
   if 'fig3' in data:
-    _, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = plt.subplots(figsize=(6.8, 4.6))
     rows = data['fig3']['rows']
+    kinds = {'k': ('k-means (whole vector, q = 1)', 's--'),
+             'v': ('vanilla PQ (q = R = {q:,})', 'o:'),
+             'g': ('grouped PQ (q = {q:,}, R = {R:,})', 'x-')}
     for curve in dict.fromkeys(r['curve'] for r in rows):
-      pts = sorted((r['compression'], r['relative_error']) for r in rows
-                   if r['curve'] == curve)
-      ax.plot(*zip(*pts), 'x-' if 'grouped' in curve else 'o:', label=curve)
-    save(ax, 'fedlite_fig3.png', 'compression ratio (phi = 64)',
-         'relative quantization error', 'FEMNIST client activations')
-  for part, name in (('femnist', 'fedlite_fig4.png'), ('nwp',
-                                                       'fedlite_nwp.png')):
-    fl = [r for n, r in runs.items() if n.startswith(f'{part}_fedlite')
-          and r['lambda'] == (LAMBDA if part == 'femnist' else NWP_LAMBDA)]
-    if not fl:
-      continue
-    _, ax = plt.subplots(figsize=(6.5, 4.5))
-    for q in sorted({r['q'] for r in fl}):
-      pts = sorted((r['communication']['activation_compression'], acc(r))
-                   for r in fl if r['q'] == q)
-      ax.plot(*zip(*pts), 'o-', label=f'FedLite q={q}, R=1')
-    for ref, style in ((f'{part}_splitfed', '--'), ('femnist_fedavg', ':')):
-      if ref in runs and ref.startswith(part):
-        ax.axhline(acc(runs[ref]), color='k', ls=style, label=ref)
-    save(ax, name, 'activation compression ratio (phi = 64)',
-         'test accuracy', f'{part}: accuracy vs compression')
-  fem = [r for n, r in runs.items() if n.startswith('femnist_fedlite')]
+      mine = sorted((r for r in rows if r['curve'] == curve),
+                    key=lambda r: r['compression'])
+      label, style = kinds[curve[0]]
+      ax.plot([r['compression'] for r in mine],
+              [r['relative_error'] for r in mine], style,
+              label=label.format(q=mine[0]['q'], R=mine[0]['R']))
+    for r in (mine[0], mine[-1]):  # L at the ends of the last curve.
+      ax.annotate(f'L = {r["L"]}', (r['compression'], r['relative_error']),
+                  textcoords='offset points', xytext=(6, -2), ha='left',
+                  va='top', fontsize=7.5)
+    ratio_axis(ax, [r['compression'] for r in rows])
+    ax.set_ylim(0, None)
+    ax.set(xlabel='activation compression ratio (phi = 64 bits per float)',
+           ylabel='relative quantization error\n'
+                  '||Z - Z~||$_F^2$ / ||Z||$_F^2$')
+    seed = data['runs'].get('femnist_splitfed', {}).get('seed')
+    ax.set_title(f'FEMNIST client activations (one client model, seed '
+                 f'{seed}): error vs compression')
+    ax.legend(title='q subvectors, R codebook groups\n(points: L codewords)',
+              title_fontsize=7.5, fontsize=7.5)
+    save(fig, 'fedlite_fig3.png')
+
+  def fedlite(part, lam):
+    return {n: p for n, p in pts.items()
+            if n.startswith(f'{part}_fedlite') and p['lambda'] == lam}
+
+  split = pts.get('femnist_splitfed')
+  fem = fedlite('femnist', LAMBDA)
   if fem:
-    _, ax = plt.subplots(figsize=(6.5, 4.5))
-    for q, L in sorted({(r['q'], r['L']) for r in fem}):
-      pts = sorted((max(r['lambda'], 1e-5), acc(r)) for r in fem
-                   if (r['q'], r['L']) == (q, L))
-      if len(pts) > 1:
-        ax.plot(*zip(*pts), 'o-', label=f'q={q}, L={L}')
-    save(ax, 'fedlite_fig5_lambda.png', 'lambda per example (0 drawn at '
-         '1e-5)', 'test accuracy', 'FEMNIST: gradient correction')
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ys = [p['accuracy'] for p in fem.values()]
+    for L, style in ((32, 's-'), (2, 'o-')):
+      mine = sorted((p for p in fem.values() if p['L'] == L),
+                    key=lambda p: p['ratio'])
+      if not mine:
+        continue
+      xs, acc = [p['ratio'] for p in mine], [p['accuracy'] for p in mine]
+      ax.plot(xs, acc, style, label=f'FedLite, L = {L} codewords (R = 1)')
+      annotate(ax, xs, acc, [f'q = {p["q"]:,}' for p in mine])
+    if split:
+      ax.axhline(split['accuracy'], color='k', ls='--',
+                 label='SplitFed (no compression)')
+      ys.append(split['accuracy'])
+    ratio_axis(ax, [p['ratio'] for p in fem.values()])
+    frame(ax, ys, pad=0.15)
+    p = next(iter(fem.values()))
+    ax.set(xlabel='activation compression ratio (phi = 64)',
+           ylabel='test accuracy',
+           title=f'FEMNIST-105 after {p["iterations"]} iterations, one seed '
+                 f'({p["seed"]}), lambda = {LAMBDA:g} per example')
+    ax.legend(loc='lower left')
+    save(fig, 'fedlite_fig4.png')
+
+  nwp = fedlite('nwp', NWP_LAMBDA)
+  if nwp:
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    mine = sorted(nwp.values(), key=lambda p: p['ratio'])
+    xs, ys = [p['ratio'] for p in mine], [p['accuracy'] for p in mine]
+    ax.plot(xs, ys, 'o-',
+            label=f'FedLite (R = 1, lambda = {NWP_LAMBDA:g} per example)')
+    annotate(ax, xs, ys, [f'q = {p["q"]}, L = {p["L"]}' for p in mine])
+    if 'nwp_splitfed' in pts:
+      ax.axhline(pts['nwp_splitfed']['accuracy'], color='k', ls='--',
+                 label='SplitFed (no compression)')
+      ys.append(pts['nwp_splitfed']['accuracy'])
+    ratio_axis(ax, [p['ratio'] for p in mine])
+    frame(ax, ys, pad=0.2)
+    ax.set(xlabel='activation compression ratio (phi = 64)',
+           ylabel='test next-word accuracy\n(PAD, EOS, OOV excluded)',
+           title=f'Shakespeare next-word prediction after '
+                 f'{mine[0]["iterations"]} iterations, one seed '
+                 f'({mine[0]["seed"]})')
+    ax.legend(loc='lower right')
+    save(fig, 'fedlite_nwp.png')
+
+  fem = {n: p for n, p in pts.items() if n.startswith('femnist_fedlite')}
+  series = {}
+  for p in fem.values():
+    series.setdefault((p['ratio'], p['q'], p['L']), []).append(p)
+  series = {k: sorted(v, key=lambda p: p['lambda']) for k, v in
+            sorted(series.items()) if len(v) > 1}
+  if series:
+    # lambda = 0 has its own panel: a log axis has no 0, and drawing it at a
+    # small lambda would put it on a value the paper uses.
+    fig, (ax0, ax) = plt.subplots(
+        1, 2, sharey=True, figsize=(6.8, 4.4),
+        gridspec_kw={'width_ratios': [1, 5], 'wspace': 0.06})
+    ys = []
+    for i, ((ratio, q, L), mine) in enumerate(series.items()):
+      color, marker = f'C{i}', 'os^v'[i % 4]
+      zero = [p for p in mine if p['lambda'] == 0]
+      pos = [p for p in mine if p['lambda'] > 0]
+      label = f'FedLite, {ratio:,.0f}x (q = {q:,}, L = {L})'
+      ax.plot([p['lambda'] for p in pos], [p['accuracy'] for p in pos],
+              '-', marker=marker, color=color, label=label)
+      ax0.plot([0] * len(zero), [p['accuracy'] for p in zero], marker,
+               color=color)
+      if zero and pos:  # Dotted across the break: 0 to the smallest lambda.
+        fig.add_artist(patches.ConnectionPatch(
+            (0, zero[0]['accuracy']), (pos[0]['lambda'], pos[0]['accuracy']),
+            ax0.transData, ax.transData, ls=':', color=color, lw=1.2))
+      ys += [p['accuracy'] for p in mine]
+    if split:
+      for a in (ax0, ax):
+        a.axhline(split['accuracy'], color='k', ls='--',
+                  label='SplitFed (no compression)' if a is ax else None)
+      ys.append(split['accuracy'])
+    frame(ax, ys, pad=0.1)
+    lams = [p['lambda'] for v in series.values() for p in v if p['lambda']]
+    ax.set_xscale('log')
+    ax.set_xlim(min(lams) / 2.5, max(lams) * 2.5)
+    ax.set_xticks(sorted(set(lams)), [f'{x:g}' for x in sorted(set(lams))])
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax0.set_xlim(-1, 1)
+    ax0.set_xticks([0], ['0\n(straight-\nthrough)'])
+    ax0.set_ylabel('test accuracy')
+    ax.set_xlabel('gradient-correction lambda per example (log scale)')
+    ax.tick_params(left=False)
+    ax0.spines['right'].set_visible(False)
+    ax.spines['left'].set_visible(False)
+    for a in (ax0, ax):  # Break marks (//) where the x axis is cut.
+      a.plot([1 if a is ax0 else 0] * 2, [0, 1], transform=a.transAxes,
+             marker=[(-1, -1.5), (1, 1.5)], markersize=8, ls='none',
+             color='k', mec='k', mew=1, clip_on=False)
+    p = next(iter(fem.values()))
+    fig.suptitle(f'FEMNIST-105 after {p["iterations"]} iterations, one seed '
+                 f'({p["seed"]}): gradient correction', fontsize=10)
+    ax.legend(loc='lower right')
+    fig.subplots_adjust(left=0.11, right=0.98, bottom=0.19, top=0.91)
+    fig.savefig(out / 'fedlite_fig5_lambda.png', dpi=150)
+    plt.close(fig)
 
 
 def _tables(data: dict, out: pathlib.Path) -> None:
@@ -233,6 +389,11 @@ def _tables(data: dict, out: pathlib.Path) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  out = pathlib.Path(FLAGS.output_dir)
+  if FLAGS.report_only:
+    _plots(json.loads((out / 'fedlite_results.json').read_text()), out)
+    print(f'wrote the plots in {out} from its fedlite_results.json')
+    return
   unknown = set(FLAGS.parts) - {'femnist', 'fig3', 'nwp'}
   if unknown:
     raise app.UsageError(f'--parts: unknown {sorted(unknown)}; allowed: '
@@ -253,7 +414,6 @@ def main(argv):
       data['runs']['femnist_splitfed'] = _train(
           *_split_runs('femnist', FEMNIST)[0], FLAGS.iterations)
     data['fig3'] = _fig3(data['runs'])
-  out = pathlib.Path(FLAGS.output_dir)
   out.mkdir(parents=True, exist_ok=True)
   provenance.write_json(out / 'fedlite_results.json', data)
   _tables(data, out)

@@ -22,6 +22,11 @@ command of the file and of every run, and each run's numbers from its
 ``efficient_lm_partial.*``. Groups: quant, pvt, algo, arch, transfer (the
 overview) and grid (Figure 5: download {32, 16, 12, 8, 6, 4} x upload
 {32, 8, 6, 4} bits and TernGrad with / without clipping).
+
+``--report_only`` trains nothing: it rewrites the .md and plots from
+``efficient_lm.json``, or, where only the previous version's per-run files
+``efficient_lm_runs/*.json`` are stored (as now), redraws the plots from
+them and leaves the hand-maintained ``efficient_lm.md`` as it is.
 """
 
 from __future__ import annotations
@@ -45,7 +50,10 @@ flags.DEFINE_string('runs_dir', 'runs/efficient_lm', 'Per-run output '
                     'directories (relative to the repository root).')
 flags.DEFINE_string('results_dir', str(provenance.REPO / 'experiments' /
                                        'results'), 'Where results go.')
-flags.DEFINE_bool('report_only', False, 'Rewrite the .md/.png from the .json.')
+flags.DEFINE_bool('report_only', False, 'No training: rewrite the .md/.png '
+                  'from <stem>.json; without one, redraw only the .png from '
+                  'the previous version\'s per-run files <stem>_runs/*.json '
+                  '(its .md is then hand-maintained and left as it is).')
 FLAGS = flags.FLAGS
 
 BASE = 'experiments/configs/shakespeare_sp_fedadam_transformer.flags'
@@ -54,6 +62,8 @@ OVERVIEW = ('quant', 'pvt', 'algo', 'arch', 'transfer')
 GRID_DOWN = (32, 16, 12, 8, 6, 4)
 UPLOADS = ('32', '8', '6', '4', 'TernGrad clip', 'TernGrad no clip')
 _MARKER = '<!-- hand-written findings below: kept when regenerating -->'
+_UP_WORDS = {'TernGrad clip': 'TernGrad upload (clipped at 2.5 std)',
+             'TernGrad no clip': 'TernGrad upload (no clipping)'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +91,18 @@ class Run:
     return f + list(self.extra)
 
 
+def _grid_label(down: int, up: str) -> str:
+  """A legend name: 'FedAdam, no compression (32 / 32 bits)',
+  '16-bit download, 8-bit uniform upload', 'TernGrad upload (no clipping)'.
+  """
+  parts = [f'{down}-bit download'] if down != 32 else []
+  if up.isdigit() and up != '32':
+    parts.append(f'{up}-bit uniform upload')
+  elif up != '32':
+    parts.append(_UP_WORDS[up])
+  return ', '.join(parts) or 'FedAdam, no compression (32 / 32 bits)'
+
+
 def _grid(down: int, up: str, *groups: str) -> Run:
   """A Figure 5 cell, named like 'down16_up8', 'upload8', 'down16_terngrad'."""
   parts = [f'down{down}'] if down != 32 else []
@@ -88,7 +110,7 @@ def _grid(down: int, up: str, *groups: str) -> Run:
     parts.append(f'up{up}' if parts else f'upload{up}')
   elif up.startswith('TernGrad'):
     parts.append('terngrad' if up == 'TernGrad clip' else 'terngrad_noclip')
-  return Run('_'.join(parts) or 'fedadam', f'download {down} / upload {up}',
+  return Run('_'.join(parts) or 'fedadam', _grid_label(down, up),
              groups + ('grid',), down, up)
 
 
@@ -96,18 +118,20 @@ RUNS = [
     _grid(32, '32', *OVERVIEW), _grid(32, '8', 'quant'),
     _grid(32, '4', 'quant'), _grid(32, 'TernGrad clip', 'quant'),
     _grid(32, 'TernGrad no clip', 'quant'), _grid(16, '8', 'quant'),
-    Run('pvt40', 'PVT 40%', ('pvt',), extra=('--pvt_fraction=0.4',)),
-    Run('pvt20', 'PVT 20%', ('pvt',), extra=('--pvt_fraction=0.2',)),
-    Run('fedprox', 'FedProx mu=0.01 (server Adam)', ('algo',),
+    Run('pvt40', 'PVT, 40% of the variables trained', ('pvt',),
+        extra=('--pvt_fraction=0.4',)),
+    Run('pvt20', 'PVT, 20% of the variables trained', ('pvt',),
+        extra=('--pvt_fraction=0.2',)),
+    Run('fedprox', 'FedProx (mu = 0.01, server Adam)', ('algo',),
         extra=('--algorithm=fedprox', '--fedprox_mu=0.01')),
-    Run('mime_lite', 'MimeLite (Adagrad base 0.1, eps 1e-3, server 1.0)',
+    Run('mime_lite', 'MimeLite (Adagrad base, lr 0.1)',
         ('algo',), extra=('--algorithm=mime_lite', '--mime_base_eps=0.001',
                           '--server_lr=1.0')),
-    Run('lstm', 'CIFG-LSTM tiny, FedAdam', ('arch',),
+    Run('lstm', 'CIFG-LSTM (tiny), FedAdam', ('arch',),
         extra=('--model=lstm_tiny',)),
-    Run('pretrained', 'FedAdam from pretrained', ('transfer',),
+    Run('pretrained', 'FedAdam from a pretrained start', ('transfer',),
         pretrained=True),
-    Run('efficient', 'pretrained + PVT 40% + upload 8-bit', ('transfer',),
+    Run('efficient', 'pretrained + PVT 40% + 8-bit upload', ('transfer',),
         up='8', extra=('--pvt_fraction=0.4',), pretrained=True),
     _grid(32, '6'), _grid(16, '32'), _grid(16, '6'), _grid(16, '4'),
     _grid(12, '32'), _grid(12, '8'), _grid(12, '6'), _grid(12, '4'),
@@ -132,7 +156,8 @@ def _record(run: Run, flags_: list[str], rec: dict) -> dict:
   s = rec.pop('summary')
   comm = s['communication']
   return {'name': run.name, 'label': run.label, 'groups': run.groups,
-          'down': run.down, 'up': run.up, 'flags': flags_[1:], **rec,
+          'down': run.down, 'up': run.up, 'pretrained': run.pretrained,
+          'flags': flags_[1:], **rec,
           'model': s['flags']['model'], 'rounds': s['rounds'],
           'seed': s['flags']['seed'],
           'clients_per_round': s['flags']['clients_per_round'],
@@ -154,31 +179,91 @@ def _ppl(r: dict) -> float:
   return r['final']['perplexity']
 
 
+def _readable_model(r: dict) -> str:
+  name = {'transformer_tiny': 'Transformer', 'lstm_tiny': 'CIFG-LSTM'}.get(
+      r['model'], r['model'])
+  return f'{name} (tiny, {r["num_params"]:,} parameters)'
+
+
+def _frame(ax, ys: list[float], pad: float = 0.06) -> None:
+  """y axis on the data: linear below a 10x range, else log."""
+  lo, hi = min(ys), max(ys)
+  if hi >= 10 * lo:
+    ax.set_yscale('log')
+  else:
+    ax.set_ylim(lo - pad * (hi - lo), hi + pad * (hi - lo))
+
+
+def _after_start(r: dict) -> list[dict]:
+  """Evaluations after round 0 (the start, ~6,000 perplexity, would squeeze
+  the range where the runs differ)."""
+  return [c for c in r['curve'] if c['round'] > 0]
+
+
 def _plots(runs: dict[str, dict], out: pathlib.Path, stem: str) -> None:
+  """``<stem>.png`` (overview), ``<stem>_fig5.png`` (download x upload
+  grid), ``<stem>_lstm_vs_transformer.png``. Curves by round leave round 0
+  out; y axes are framed on the plotted data (linear below a 10x range)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  plt.rcParams.update({'font.size': 9, 'axes.titlesize': 10,
+                       'legend.fontsize': 7.5})
+  base = runs.get('fedadam')
+  any_r = next(iter(runs.values()))
+  setting = (f'{any_r["clients_per_round"]} clients x {any_r["rounds"]} '
+             f'rounds, seed {any_r["seed"]} (one seed, no spread)')
 
-  def curve(ax, r, x='round', **kw):
-    rows = [c for c in r['curve'] if c['upload_bytes'] > 0 or x == 'round']
-    xs = [c[x] / (r['clients_per_round'] if x != 'round' else 1)
-          for c in rows]
-    ax.plot(xs, [c['perplexity'] for c in rows], marker='.', **kw)
+  # One color per run across panels (a), (e) and (f); the baseline black,
+  # thick and underneath, so a run equal to it stays visible.
+  colors = {}
+  for r in runs.values():
+    if {'quant', 'transfer'} & set(r['groups']) and r is not base:
+      colors[r['name']] = f'C{len(colors) % 10}'
 
-  fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+  def style(r, i):
+    if r is base:
+      return {'color': 'k', 'lw': 2.6, 'zorder': 1}
+    return {'color': colors.get(r['name'], f'C{i}'), 'zorder': 2}
+
+  def curve(ax, r, key='perplexity', **kw):
+    rows = _after_start(r)
+    ax.plot([c['round'] for c in rows], [c[key] for c in rows],
+            marker='o', ms=3, **kw)
+    return [c[key] for c in rows]
+
+  titles = {'quant': '(a) Upload / download quantization',
+            'pvt': '(b) Partial variable training (PVT)',
+            'algo': '(c) Federated optimizer',
+            'arch': '(d) Architecture',
+            'transfer': '(e) Pretraining and the efficient combination'}
+  fig, axes = plt.subplots(2, 3, figsize=(15, 8.6))
   for ax, g in zip(axes.flat, OVERVIEW):
-    for r in runs.values():
-      if g in r['groups']:
-        curve(ax, r, label=r['label'])
-    ax.set(title=g, xlabel='round', ylabel='test perplexity', yscale='log')
-    ax.legend(fontsize=7)
-  ax = axes.flat[5]
+    ys = []
+    for i, r in enumerate(r for r in runs.values() if g in r['groups']):
+      ys += curve(ax, r, label=_readable_model(r) + ', FedAdam'
+                  if g == 'arch' else r['label'], **style(r, i - 1))
+    _frame(ax, ys)
+    ax.set(title=titles[g], xlabel='round', ylabel='test perplexity')
+    ax.legend(loc='upper right')
+  ax, ys = axes.flat[5], []
   for r in runs.values():
     if {'quant', 'transfer'} & set(r['groups']):
-      curve(ax, r, 'upload_bytes', label=r['label'])
-  ax.set(xscale='log', yscale='log', ylabel='test perplexity',
-         xlabel='cumulative upload bytes per client slot')
-  ax.legend(fontsize=7)
+      rows = _after_start(r)
+      ax.plot([c['upload_bytes'] / r['clients_per_round'] / 1e6
+               for c in rows], [c['perplexity'] for c in rows], marker='o',
+              ms=3, label=r['label'], **style(r, 0))
+      ys += [c['perplexity'] for c in rows]
+  _frame(ax, ys)
+  ax.set_xscale('log')
+  ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f'{x:g}'))
+  ax.set(title='(f) Perplexity vs cumulative upload',
+         xlabel='cumulative upload per client slot (MB, log scale)',
+         ylabel='test perplexity')
+  ax.legend(loc='upper right', fontsize=7)
+  fig.suptitle(f'Tiny Transformer LM on Shakespeare, FedAdam unless named; '
+               f'{setting}; round 0 not drawn', fontsize=10)
   fig.tight_layout()
   fig.savefig(out / f'{stem}.png', dpi=110)
   plt.close(fig)
@@ -186,29 +271,99 @@ def _plots(runs: dict[str, dict], out: pathlib.Path, stem: str) -> None:
   cells = {(r['down'], r['up']): r for r in runs.values()
            if 'grid' in r['groups']}
   if cells:
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for d in GRID_DOWN:
-      pts = [cells[(d, u)] for u in UPLOADS if (d, u) in cells]
-      ax.plot([_total(p) / 1e3 for p in pts], [_ppl(p) for p in pts], 'o-',
-              label=f'download {d} bits')
-      for p in pts:
-        ax.annotate(f'{d}/{p["up"]}', (_total(p) / 1e3, _ppl(p)), fontsize=6)
-    ax.set(xscale='log', xlabel='KB per client-round (upload + download)',
-           ylabel='final test perplexity',
-           title='Figure 5 shape (labels: download/upload bits)')
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.2),
+                             gridspec_kw={'width_ratios': [1.4, 1, 1]})
+    ax, ys = axes[0], []
+    uniform = [u for u in UPLOADS if u.isdigit()]
+    lines = [(f'download {d} bits, uniform upload 32 / 8 / 6 / 4 bits',
+              [(d, u) for u in uniform]) for d in GRID_DOWN]
+    lines = [(label, [c for c in keys if c in cells]) for label, keys in lines]
+    extra = [c for label, keys in lines if len(keys) == 1 for c in keys]
+    lines = [(label, keys) for label, keys in lines if len(keys) > 1]
+    if extra:  # Download-only sweeps (one cell per download level).
+      ups = sorted({u for _, u in extra})
+      lines.append((f'uniform upload {" / ".join(ups)} bits, download '
+                    f'{" / ".join(str(d) for d, _ in extra)} bits',
+                    [(d, u) for d, u in extra]))
+    for i, (label, keys) in enumerate(lines):
+      keys.sort(key=lambda k: _total(cells[k]))
+      xs = [_total(cells[k]) / 1e3 for k in keys]
+      ys = [_ppl(cells[k]) for k in keys]
+      ax.plot(xs, ys, 'o-', color=f'C{i}', label=label)
+      for j, (x, y, (d, u)) in enumerate(zip(xs, ys, keys)):
+        # Falling lines: labels above-right; the right ends alternate below
+        # and above (their points sit close together at ~180).
+        end = j == len(keys) - 1 and ys[j - 1] > y
+        off = ((0, 5 if i % 2 else -6) if end else
+               (4, 3) if j == 0 or ys[j - 1] > y else (4, -9))
+        ax.annotate(f'{d}/{u}', (x, y), textcoords='offset points',
+                    xytext=off, fontsize=6.5, ha='center' if end else 'left',
+                    va='bottom' if off[1] > 0 else 'top')
+    for up, marker in (('TernGrad clip', 'X'), ('TernGrad no clip', 'P')):
+      keys = [(d, up) for d in GRID_DOWN if (d, up) in cells]
+      if keys:
+        ax.plot([_total(cells[k]) / 1e3 for k in keys],
+                [_ppl(cells[k]) for k in keys], marker, ms=8, color='0.3',
+                ls='none', label=f'{_UP_WORDS[up]}, download '
+                f'{" / ".join(str(d) for d, _ in keys)} bits')
+        for d, _ in keys:
+          ax.annotate(f'{d}/T{"" if up == "TernGrad clip" else "-nc"}',
+                      (_total(cells[(d, up)]) / 1e3, _ppl(cells[(d, up)])),
+                      textcoords='offset points', xytext=(5, 3),
+                      fontsize=6.5)
+    ys = [_ppl(c) for c in cells.values()]
+    _frame(ax, ys)
+    ax.set_xscale('log')
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(
+        lambda x, _: f'{x:,.0f}'))
+    ax.xaxis.set_minor_formatter(ticker.FuncFormatter(
+        lambda x, _: f'{x:,.0f}' if str(int(x))[0] in '2357' else ''))
+    ax.tick_params(axis='x', which='minor', labelsize=7)
+    ax.set(xlabel='KB per client-round, upload + download (log scale)',
+           ylabel=f'test perplexity after {any_r["rounds"]} rounds',
+           title='(a) Final perplexity vs communication\n'
+                 '(labels: download / upload bits; T = TernGrad, '
+                 'nc = no clipping)')
+    ax.legend(loc='upper center', bbox_to_anchor=(0.5, -0.15), ncol=2,
+              fontsize=7)
+    for ax, keys, title in (
+        (axes[1], [(d, '8') for d in GRID_DOWN],
+         '(b) Download bits, 8-bit uniform upload'),
+        (axes[2], [(16, u) for u in UPLOADS],
+         '(c) Upload, 16-bit download')):
+      ys = []
+      for i, k in enumerate(k for k in keys if k in cells):
+        d, u = k
+        ys += curve(ax, cells[k], color=f'C{i}', label=(
+            f'{d}-bit download' if ax is axes[1] else
+            f'{u}-bit uniform upload' if u.isdigit() else _UP_WORDS[u]))
+      if base:
+        ys += curve(ax, base, color='k', ls='--', lw=1.2,
+                    label='no compression (32 / 32 bits)')
+      _frame(ax, ys)
+      ax.set(title=title, xlabel='round', ylabel='test perplexity')
+      ax.legend(loc='upper right')
+    fig.suptitle(f'Download x upload quantization grid (Figure 5 shape), '
+                 f'tiny Transformer, FedAdam; {setting}; round 0 not drawn',
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out / f'{stem}_fig5.png', dpi=110)
     plt.close(fig)
 
   arch = [r for r in runs.values() if 'arch' in r['groups']]
   if len(arch) == 2:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in arch:
-      curve(ax, r, label=f'{r["model"]} ({r["num_params"]:,} params)')
-    ax.set(yscale='log', xlabel='round', ylabel='test perplexity',
-           title='Tiny Transformer vs tiny CIFG-LSTM, FedAdam')
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
+    for ax, key, ylabel in ((axes[0], 'perplexity', 'test perplexity'),
+                            (axes[1], 'accuracy',
+                             'test next-token accuracy')):
+      ys = []
+      for i, r in enumerate(arch):
+        ys += curve(ax, r, key, color=f'C{i}', label=_readable_model(r))
+      _frame(ax, ys)
+      ax.set(xlabel='round', ylabel=ylabel)
+      ax.legend(loc='upper right' if key == 'perplexity' else 'lower right')
+    fig.suptitle('Tiny Transformer vs tiny CIFG-LSTM, FedAdam, same learning '
+                 f'rates; {setting}; round 0 not drawn', fontsize=10)
     fig.tight_layout()
     fig.savefig(out / f'{stem}_lstm_vs_transformer.png', dpi=110)
     plt.close(fig)
@@ -216,6 +371,85 @@ def _plots(runs: dict[str, dict], out: pathlib.Path, stem: str) -> None:
 
 def _total(r: dict) -> float:
   return r['upload_per_client_round'] + r['download_per_client_round']
+
+
+def _stored_runs(path: pathlib.Path) -> dict[str, dict]:
+  """The previous script's per-run files (``<stem>_runs/*.json``: ``spec``,
+  ``rows``, bytes per client-round) as this script's run records, in the
+  order of ``RUNS``, labelled as ``RUNS`` labels them. A transformer_tiny
+  FedAdam run without PVT or pretraining is a cell of the grid."""
+  labels = {r.name: r.label for r in RUNS}
+  order = {r.name: i for i, r in enumerate(RUNS)}
+  ups = {'none': '32', 'terngrad': 'TernGrad clip',
+         'terngrad_noclip': 'TernGrad no clip'}
+  runs = []
+  files = sorted(path.glob('*.json'))
+  if not files:
+    raise FileNotFoundError(f'{path}: no per-run .json files (and no '
+                            f'{path.name[:-5]}.json) to plot.')
+  for f in files:
+    d = json.loads(f.read_text())
+    s = d['spec']
+    cell = (s['algorithm'], s['model'], s['pvt'], s['pretrained']) == (
+        'fedavg', 'transformer_tiny', 1.0, False)
+    runs.append({
+        'name': s['name'], 'label': labels.get(s['name'], s['label']),
+        'groups': tuple(dict.fromkeys(s['group'] + ['grid'] * cell)),
+        'down': s['download_bits'],
+        'up': ups.get(s['upload'], str(s['upload_bits'])),
+        'pretrained': s['pretrained'], 'model': s['model'],
+        'rounds': d['rounds'], 'seed': d['seed'],
+        'clients_per_round': d['clients_per_round'],
+        'num_params': d['num_params'], 'curve': d['rows'],
+        'final': {k: d['rows'][-1][k] for k in ('perplexity', 'accuracy')},
+        'upload_per_client_round': d['upload_bytes_per_client_round'],
+        'download_per_client_round': d['download_bytes_per_client_round']})
+  runs.sort(key=lambda r: order.get(r['name'], len(order)))
+  return {r['name']: r for r in runs}
+
+
+def _captions(runs: dict[str, dict]) -> dict[str, str]:
+  """Caption of each plot (stem suffix -> text), written under it."""
+  r = next(iter(runs.values()))
+
+  def start(subset):  # Round-0 perplexity, the curves' omitted start.
+    names = {}
+    for x in subset:
+      c = x['curve'][0]
+      if c['round'] == 0:
+        name = _readable_model(x).split(' (')[0]
+        if x.get('pretrained', any(f.startswith('--init_checkpoint=')
+                                   for f in x.get('flags', ()))):
+          name = f'pretrained {name}'
+        names.setdefault(name, f'{name} {c["perplexity"]:,.1f}')
+    return (f'Curves start at round {_after_start(r)[0]["round"]}; round 0 '
+            f'is omitted (its test perplexity: {", ".join(names.values())}).'
+            if names else '')
+
+  seed = (f'{r["clients_per_round"]} clients x {r["rounds"]} rounds, seed '
+          f'{r["seed"]} only: one seed, no spread, so no difference between '
+          'runs is resolved here. Linear y axes where a panel\'s range is '
+          'under 10x, else log.')
+  grid = [x for x in runs.values() if 'grid' in x['groups']]
+  arch = [x for x in runs.values() if 'arch' in x['groups']]
+  return {
+      '': 'Test perplexity by round, one panel per study: (a) upload / '
+          'download quantization, (b) partial variable training, (c) '
+          'FedAdam / FedProx / MimeLite, (d) Transformer vs CIFG-LSTM, (e) '
+          'pretraining and pretrained + PVT 40% + 8-bit upload; (f) '
+          'perplexity against cumulative upload per client slot (log x). '
+          f'FedAdam without compression in black. {seed} '
+          f'{start(runs.values())}',
+      '_fig5': '(a) Final test perplexity against bytes per client-round '
+               '(upload + download, log x), every cell of the grid (point '
+               'labels: download / upload bits); (b) perplexity by round at '
+               '8-bit upload for each download width; (c) perplexity by '
+               f'round at 16-bit download for each upload. {seed} '
+               f'{start(grid)}',
+      '_lstm_vs_transformer': 'Test perplexity (left) and next-token '
+                              'accuracy (right) by round, tiny Transformer '
+                              'and tiny CIFG-LSTM with the same learning '
+                              f'rates. {seed} {start(arch)}'}
 
 
 def _markdown(data: dict, path: pathlib.Path, stem: str) -> None:
@@ -275,8 +509,12 @@ def _markdown(data: dict, path: pathlib.Path, stem: str) -> None:
       lines.append(f'| {d} | ' + ' | '.join(
           f'{_ppl(cells[(d, u)]):.1f} / {_kb(_total(cells[(d, u)]))}'
           if (d, u) in cells else '-' for u in UPLOADS) + ' |')
-  lines += ['', f'![curves]({stem}.png)', f'![Figure 5 grid]({stem}_fig5.png)',
-            f'![Transformer vs LSTM]({stem}_lstm_vs_transformer.png)', '']
+  caps = _captions(runs)
+  for suffix, alt in (('', 'curves'), ('_fig5', 'Figure 5 grid'),
+                      ('_lstm_vs_transformer', 'Transformer vs LSTM')):
+    lines += ['', f'![{alt}]({stem}{suffix}.png)', '',
+              f'*{stem}{suffix}.png: {caps[suffix]}*']
+  lines.append('')
   text = '\n'.join(lines)
   if path.exists() and _MARKER in path.read_text():
     text += '\n' + _MARKER + path.read_text().split(_MARKER, 1)[1]
@@ -309,6 +547,11 @@ def main(argv):
     data['total_wall_seconds'] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     provenance.write_json(out / f'{stem}.json', data)
+  if FLAGS.report_only and not (out / f'{stem}.json').exists():
+    _plots(_stored_runs(out / f'{stem}_runs'), out, stem)
+    print(f'wrote the plots of {out / stem}_runs/*.json; {stem}.md left as '
+          'it is')
+    return
   data = json.loads((out / f'{stem}.json').read_text())
   _markdown(data, out / f'{stem}.md', stem)
   _plots({r['name']: r for r in data['runs']}, out, stem)
