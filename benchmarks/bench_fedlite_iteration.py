@@ -66,6 +66,9 @@ def main() -> None:
   parser.add_argument('--repeats', type=int, default=7)
   parser.add_argument('--warmup', type=int, default=1)
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--reverse', action='store_true',
+                      help='run the algorithms in reverse order on each '
+                      'timed cohort (order effects)')
   parser.add_argument('--smoke', action='store_true',
                       help='tiny run for the tests: 2 clients, L = 2, '
                       '1 warm-up and 1 timed iteration')
@@ -117,8 +120,9 @@ def main() -> None:
       if r == 0:
         first_ms[name] = t
   times = {name: [] for name in algs}
+  order = list(algs)[::-1] if args.reverse else list(algs)
   for cohort in cohorts[args.warmup:]:
-    for name in algs:
+    for name in order:
       times[name].append(run(name, cohort))
 
   # The quantizer alone on the same batches' activations (eval mode).

@@ -71,16 +71,20 @@ def build(grad_fn, local_steps: int, batch_size: int, d: int, lr: float,
   return {'sgd': sgd, 'igc_static': igc_static, 'igc_server': igc_server}
 
 
-def time_round_pair(algs, params, cohorts, warmup: int) -> dict[str, list]:
-  """Runs warm-up rounds, then alternates timed rounds; seconds per round."""
+def time_round_pair(algs, params, cohorts, warmup: int,
+                    reverse: bool = False) -> dict[str, list]:
+  """Runs warm-up rounds, then alternates timed rounds; seconds per round.
+  ``reverse``: the algorithms run in reverse order on each cohort (to see
+  whether the first one on a cohort pays for something the others reuse)."""
   states = {name: alg.init(params) for name, alg in algs.items()}
   for cohort in cohorts[:warmup]:
     for name, alg in algs.items():
       states[name], _ = alg.apply(states[name], cohort)
       jax.block_until_ready(states[name].params)
   times = {name: [] for name in algs}
+  order = list(algs.items())[::-1] if reverse else list(algs.items())
   for cohort in cohorts[warmup:]:
-    for name, alg in algs.items():
+    for name, alg in order:
       t0 = time.perf_counter()
       states[name], _ = alg.apply(states[name], cohort)
       jax.block_until_ready(states[name].params)
@@ -117,6 +121,9 @@ def main() -> None:
   parser.add_argument('--client_lr', type=float, default=0.1)
   parser.add_argument('--rounds', type=int, default=7, help='timed rounds')
   parser.add_argument('--warmup', type=int, default=2, help='untimed rounds')
+  parser.add_argument('--reverse', action='store_true',
+                      help='run the algorithms in reverse order on each '
+                      'timed cohort (order effects)')
   parser.add_argument('--smoke', action='store_true',
                       help='2 clients, 1 step, 1+1 rounds, d=1024 (tests)')
   args = parser.parse_args()
@@ -158,7 +165,7 @@ def main() -> None:
   for steps in steps_list:
     algs = build(grad_fn, steps, args.batch_size, d, args.client_lr,
                  client_ids)
-    times = time_round_pair(algs, params, cohorts, warmup)
+    times = time_round_pair(algs, params, cohorts, warmup, args.reverse)
     t_sgd = statistics.median(times['sgd'])
     t_igc = statistics.median(times['igc_static'])
     # Per-round paired ratios (same cohort, adjacent in time) as a check.

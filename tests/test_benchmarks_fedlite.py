@@ -76,7 +76,8 @@ def test_bench_pq_smoke_without_faiss_on_real_activations(
 
 
 def test_bench_fedlite_iteration_smoke(repo_root, femnist_dir):
-  proc = _run(repo_root, femnist_dir, 'bench_fedlite_iteration.py')
+  proc = _run(repo_root, femnist_dir, 'bench_fedlite_iteration.py',
+              '--reverse')
   lines = _ratio_lines(proc.stdout, 'RATIO FedLite/SplitFed L=2:')
   assert len(lines) == 1
   assert 'quantization overhead' in lines[0]

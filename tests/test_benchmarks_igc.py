@@ -53,7 +53,7 @@ def test_bench_fastfood_smoke():
 
 
 def test_bench_igc_round_smoke(data_dir):  # skips without the data
-  out = _run('bench_igc_round.py', f'--data_dir={data_dir}')
+  out = _run('bench_igc_round.py', f'--data_dir={data_dir}', '--reverse')
   lines = [l for l in out.splitlines() if l.startswith('ratio igc_round ')]
   assert len(lines) == 1, out
   assert 'ratio igc_round_project_on_server local_steps=1' in out, out
