@@ -1,69 +1,51 @@
 #!/usr/bin/env python3
-"""Bandwidth vs accuracy on FEMNIST-105: intrinsic gradient compression and
-baselines (the shape of Melas-Kyriazi & Wang 2022, Figure 1 / Table 2).
+"""Bandwidth vs accuracy on FEMNIST-105 over seeds: intrinsic gradient
+compression (static, time-varying, K-subspace) against uncompressed SGD,
+FedAvg (2 and 5 local steps), local Top-K and FetchSGD (the shape of
+Melas-Kyriazi & Wang 2022, Figure 1 / Table 2).
 
   FEDLITE_DATA_DIR=/path/to/data python experiments/igc_bandwidth_accuracy.py
 
-Each row is one ``experiments/run_experiment.py`` invocation on a flagfile
-``experiments/configs/igc_femnist_*.flags`` (plus the row's options, e.g.
-``--intrinsic_dim=1024``): uncompressed SGD (one local step per round),
-FedAvg with 2 and 5 local steps (for R/2 and R/5 rounds: the same number of
-examples as R one-step rounds), local Top-K, FetchSGD, and static /
-time-varying / K-subspace / K-subspace + time-varying intrinsic compression
-at several d. Every method takes one local SGD step per round on a batch of
-20 examples per client (10 clients per round), the paper's protocol. Every
-run starts from scratch (``--noresume --overwrite``), so the results are
-those of the code at the recorded commit.
-
-Writes ``experiments/results/igc_femnist.{md,png,json}``: the JSON holds the
-commit and command of the file and of every run (its run_experiment.py
-command line), the numbers read from each run's ``summary.json`` and
-``metrics.jsonl``, and a ``check`` run (``CHECK_LABEL``, a compressed row,
-for ``--check_rounds`` rounds) that ``tests/test_experiment_results.py``
-re-runs. Per-run outputs go to ``--runs_dir``.
-
-Compression columns: ``up`` / ``down`` / ``total`` from the communication
-ledger (against 32 bits x D per client-round each way; total = 2 / (1/up +
-1/down)); ``vs SGD`` = total bits of the uncompressed-SGD run / this run's
-total bits, at the same number of examples processed (equals ``total`` for
-one-step methods; s for FedAvg with s local steps and R/s rounds -- the
-paper's FedAvg accounting).
+Each row (``setups()``) is one ``experiments/run_experiment.py`` run per seed
+(0-2) of an ``experiments/configs/igc_femnist_*.flags`` file plus the row's
+options, in ``--runs_dir/<row>_seed<s>`` (a finished run is read back).
+FedAvg with s local steps runs R/s rounds (the examples of R one-step
+rounds). Writes ``igc_femnist.json`` (per row: seeds, accuracy over seeds,
+bits, per-seed runs; paired comparisons; a ``check`` that re-runs the
+time-varying d = 1,024 row for 5 rounds), ``igc_femnist.md`` and
+``igc_femnist.png``; with ``--only``, ``igc_femnist_partial.*``.
+``--report_only`` rewrites the .md and .png from the JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
-import time
 
 from absl import app
 from absl import flags
 
-import numpy as np
-
 import provenance
+import stats
 
-flags.DEFINE_integer('rounds', None, 'R: rounds of the one-step methods '
-                     '(default: the flagfiles\' 100).', lower_bound=1)
-flags.DEFINE_integer('seed', None, 'Run seed (default: the flagfiles\' 0).')
-flags.DEFINE_string('runs_dir', 'runs/igc_femnist',
-                    'Per-run output directories (relative to the repository '
-                    'root).')
-flags.DEFINE_string('results_dir', str(provenance.REPO / 'experiments' /
-                                       'results'),
-                    'Where igc_femnist.{md,png,json} go.')
-flags.DEFINE_list('only', [], 'Run only these labels or slugs (writes '
-                  'igc_femnist_partial.*).')
-flags.DEFINE_integer('check_rounds', 5, 'Rounds of the stored check run (0: '
-                     'none).', lower_bound=0)
-flags.DEFINE_bool('report_only', False,
-                  'Rewrite the .md/.png from the saved .json (no training).')
+provenance.define_study_flags('igc_femnist', range(3))
+flags.DEFINE_integer('rounds', 100, 'R: rounds of the one-step rows (FedAvg '
+                     'with s local steps runs R/s).', lower_bound=1)
+flags.DEFINE_integer('eval_every', 20, 'Evaluate every this many one-step '
+                     'rounds (FedAvg with s local steps: every eval_every/s '
+                     'rounds, the same examples).', lower_bound=1)
+flags.DEFINE_list('only', [], 'Run only these rows, by slug (e.g. '
+                  'igc_static_d4096; an unknown one lists them); writes '
+                  'igc_femnist_partial.*.')
 FLAGS = flags.FLAGS
 
-_NOTES_MARKER = '<!-- hand-written findings below: kept when regenerating -->'
 _CONFIGS = 'experiments/configs'
+#: Families whose download bits depend on the run: the weights changed since
+#: a client last took part (``--download_accounting=changed``).
+_RUN_DEPENDENT_BITS = ('topk', 'fetchsgd')
+#: Protocol flags of the flagfiles that the .md states.
+_PROTOCOL = ('task', 'clients_per_round', 'client_batch_size', 'client_lr',
+             'server_lr')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +84,21 @@ def setups() -> list[Setup]:
   return s
 
 
+#: (row a, row b): the comparisons "a - b" the .md reports (row labels).
+PAIRS = (
+    ('IGC time-varying (d=1,024)', 'IGC static (d=1,024)'),
+    ('IGC time-varying (d=4,096)', 'IGC static (d=4,096)'),
+    ('IGC K-subspace (d=4,096, K=8)', 'IGC static (d=4,096)'),
+    ('FetchSGD (5x50,000, k=12,000)', 'Local Top-K (k=12,000)'),
+    ('IGC static (d=65,536)', 'Local Top-K (k=12,000)'),
+    ('IGC static (d=65,536)', 'Local Top-K (k=60,000)'),
+    ('IGC static (d=16,384)', 'Local Top-K (k=12,000)'),
+    ('IGC static (d=65,536)', 'SGD (uncompressed)'),
+)
+#: The row the stored check re-runs (compressed, so it exercises IGC code).
+CHECK_LABEL, CHECK_ROUNDS = 'IGC time-varying (d=1,024)', 5
+
+
 def _slug(label: str) -> str:
   """'IGC static (d=4,096)' -> 'igc_static_d4096'."""
   out = ''.join(c if c.isalnum() else ('' if c in ',=' else '_')
@@ -111,210 +108,243 @@ def _slug(label: str) -> str:
   return out.strip('_')
 
 
-def run_flags(setup: Setup, slug: str, rounds: int | None) -> list[str]:
-  """run_experiment.py flags of ``setup`` (``rounds``: R, else the file's)."""
-  flags_ = [f'--flagfile={_CONFIGS}/{setup.flagfile}.flags']
-  flags_ += [f'--{k}={v}' for k, v in setup.options.items()]
-  if rounds is not None:
-    flags_.append(f'--num_rounds={max(1, rounds // setup.round_divisor)}')
-  if FLAGS.seed is not None:
-    flags_.append(f'--seed={FLAGS.seed}')
-  return flags_ + [f'--output_dir={FLAGS.runs_dir}/{slug}', '--noresume',
-                   '--overwrite', '--checkpoint_every=0', '--noprogress']
+def _setup(label: str) -> Setup:
+  return next(s for s in setups() if s.label == label)
 
 
-def _row(setup: Setup, run: dict) -> dict:
-  summary = run['summary']
-  comm = summary['communication']
-  return {
-      'label': setup.label, 'family': setup.family,
-      'options': setup.options, 'rounds': summary['rounds'],
-      'seed': summary['flags']['seed'],
-      'client_lr': summary['flags']['client_lr'],
-      'accuracy': summary['final_eval']['accuracy'],
-      'loss': summary['final_eval']['loss'],
-      'upload_compression': comm['upload_compression'],
-      'download_compression': comm['download_compression'],
-      'total_compression': comm['total_compression'],
-      'total_bits': 8 * (comm['total_upload_bytes'] +
-                         comm['total_download_bytes']),
-      'seconds_per_round': summary['seconds_per_round'],
-      'wall_seconds': run['wall_seconds'],
-      'command': run['command'], 'commit': run['commit'],
-      'dirty': run['dirty'], 'curve': run['curve'],
-  }
+def run_flags(setup: Setup, seed: int, rounds: int, eval_every: int,
+              out: str) -> list[str]:
+  """run_experiment.py flags of ``setup`` (``rounds``, ``eval_every``: its
+  own rounds, already divided by the round divisor)."""
+  return ([f'--flagfile={_CONFIGS}/{setup.flagfile}.flags'] +
+          [f'--{k}={v}' for k, v in setup.options.items()] +
+          [f'--num_rounds={rounds}', f'--seed={seed}',
+           f'--eval_every={eval_every}', '--checkpoint_every=0',
+           f'--output_dir={out}', '--noprogress'])
 
 
-def _fmt(x: float) -> str:
-  if not np.isfinite(x):
-    return str(x)
-  if x >= 100:
-    return f'{x:,.0f}'
-  return f'{x:.3g}'
+def _rounds(setup: Setup) -> tuple[int, int]:
+  """``setup``'s rounds and evaluation interval (R/s, eval_every/s)."""
+  return (max(1, FLAGS.rounds // setup.round_divisor),
+          max(1, FLAGS.eval_every // setup.round_divisor))
 
 
-def _write_table(data: dict, path: pathlib.Path) -> None:
+def _train(label: str, seed: int) -> dict:
+  setup = _setup(label)
+  rounds, eval_every = _rounds(setup)
+  return provenance.seeded_run(
+      run_flags(setup, seed, rounds, eval_every,
+                f'{FLAGS.runs_dir}/{_slug(label)}_seed{seed}'), rounds, seed)
+
+
+def _bits(run: dict) -> dict:
+  c = run['communication']
+  return {'upload_compression': c['upload_compression'],
+          'download_compression': c['download_compression'],
+          'total_compression': c['total_compression'],
+          'total_bits': 8 * (c['total_upload_bytes'] +
+                             c['total_download_bytes'])}
+
+
+def _row(setup: Setup, seeds: list[int], runs: dict[int, dict]) -> dict:
+  """One row of ``results``: accuracy over seeds, seed 0's bits (asserted
+  equal across seeds unless the family's download depends on the run)."""
+  per_seed = [_bits(runs[s]) for s in seeds]
+  same = all(b == per_seed[0] for b in per_seed)
+  if not same and setup.family not in _RUN_DEPENDENT_BITS:
+    raise ValueError(f'{setup.label}: bits differ across seeds {seeds}: '
+                     f'{per_seed}')
+  return {'run': _slug(setup.label), 'label': setup.label,
+          'family': setup.family, 'options': setup.options,
+          'round_divisor': setup.round_divisor,
+          'rounds': runs[seeds[0]]['rounds'], 'seeds': seeds,
+          'accuracy': stats.summarize([runs[s]['accuracy'] for s in seeds]),
+          **per_seed[0], 'same_bits_every_seed': same,
+          'total_bits_by_seed': [b['total_bits'] for b in per_seed],
+          'runs': [runs[s] for s in seeds]}
+
+
+def _comparisons(results: list[dict]) -> list[dict]:
+  """Paired per-seed accuracy differences of ``PAIRS`` (rows present)."""
+  acc = {r['label']: {x['seed']: x['accuracy'] for x in r['runs']}
+         for r in results}
+  return [{'label': f'{a} − {b}', 'a': a, 'b': b,
+           **stats.paired(acc[a], acc[b])}
+          for a, b in PAIRS if a in acc and b in acc]
+
+
+def _num(x: float) -> str:
+  """Whole from 100 up ('77,222'), else 3 significant figures ('65.5')."""
+  return f'{x:,.0f}' if abs(x) >= 100 else f'{x:.3g}'
+
+
+def _x(x: float) -> str:
+  """A compression ratio: '1,178x', '18.4x', '5.88x'."""
+  return f'{_num(x)}x'
+
+
+def _mbit(r: dict) -> str:
+  """Total bits in Mbit; mean (min-max) over seeds when they differ."""
+  b = [v / 1e6 for v in r['total_bits_by_seed']]
+  if r['same_bits_every_seed']:
+    return _num(b[0])
+  return f'{_num(sum(b) / len(b))} ({_num(min(b))}–{_num(max(b))})'
+
+
+def _tail_rounds(r: dict) -> str:
+  rounds = [p['round'] for p in r['runs'][0]['curve']][-stats.TAIL:]
+  return f'{r["rounds"]} ({", ".join(map(str, rounds))})'
+
+
+def _report(data: dict, out: pathlib.Path) -> None:
+  """Writes ``<name>.md`` and ``<name>.png`` from ``data`` (and stores its
+  ``comparisons``)."""
+  name = data['meta']['name']
   results = data['results']
-  meta = data['meta']
-  base = next((r for r in results if r['family'] == 'uncompressed'), None)
+  data['comparisons'] = _comparisons(results)
+  meta, p = data['meta'], data['meta']['protocol']
+  labels = {r['label'] for r in results}
+  varying = [r['label'] for r in results if not r['same_bits_every_seed']]
   lines = [
-      '# Intrinsic gradient compression on FEMNIST-105: bandwidth vs accuracy',
-      '',
+      '# Intrinsic gradient compression on FEMNIST-105: bandwidth vs '
+      'accuracy, over seeds', '',
       provenance.markdown_header(data['provenance']),
-      'Each row is one `experiments/run_experiment.py` run; its exact command '
-      'and commit are in `igc_femnist.json` (`results[i].command`). '
-      f'R = {meta["rounds"]} one-step rounds, seed {meta["seed"]}, client '
-      f'learning rate {meta["client_lr"]}. Task `emnist` on FEMNIST-105 (105 '
-      'real writers, 62 classes; FedJAX EMNIST CNN, D = 1,206,590), 10 '
-      'clients per round, one local SGD step on a batch of 20 examples per '
-      'client per round (the paper\'s protocol), server SGD at rate 1, test '
-      'accuracy on all 1,685 test examples after the last round. One seed: '
-      'differences of ~1 point are within run-to-run noise.',
-      '',
-      f'Machine: {meta["machine"]}. Total wall time '
-      f'{data["total_wall_seconds"] / 60:.1f} min (includes start-up, '
-      'compilation and evaluation of every run).',
-      '',
-      '| method | rounds | test acc. | test loss | up | down | total | vs SGD '
-      '| s/round | wall s |',
-      '|---|---|---|---|---|---|---|---|---|---|',
-  ]
+      f'R = {meta["rounds"]} one-step rounds of the `igc_femnist_*.flags` '
+      f'files (task `{p["task"]}`, D = {meta["num_params"]:,} parameters; '
+      f'{p["clients_per_round"]} clients per round, one local SGD step on a '
+      f'batch of {p["client_batch_size"]} per client, client learning rate '
+      f'{p["client_lr"]} for every method, server SGD at rate '
+      f'{p["server_lr"]}); FedAvg with s local steps runs R/s rounds, the '
+      f'same number of examples. Seeds {", ".join(map(str, meta["seeds"]))}:'
+      ' same seed = same initialisation, cohorts and subspaces across rows. '
+      f'Test accuracy on all test examples every {meta["eval_every"]} '
+      'one-step rounds (FedAvg with s local steps: every '
+      f'{meta["eval_every"]}/s rounds, the same examples); a run\'s accuracy is the '
+      f'mean of its last {meta["tail_evaluations"]} evaluations (the rounds '
+      'in brackets), then mean ± sample std over seeds. Each run\'s '
+      '`run_experiment.py` command and commit are in '
+      f'`{name}.json` (`results[i].runs[j].command`).', '',
+      '| row | rounds (evaluations averaged) | compression up / down / total '
+      '| total bits (Mbit) | accuracy (%) |', '|---|---|---|---|---|']
   for r in results:
-    vs = base['total_bits'] / r['total_bits'] if base else float('nan')
+    mark = ' †' if not r['same_bits_every_seed'] else ''
     lines.append(
-        f"| {r['label']} | {r['rounds']} | {100 * r['accuracy']:.1f}% | "
-        f"{r['loss']:.3f} | {_fmt(r['upload_compression'])}x | "
-        f"{_fmt(r['download_compression'])}x | "
-        f"{_fmt(r['total_compression'])}x | {_fmt(vs)}x | "
-        f"{r['seconds_per_round']:.2f} | {r['wall_seconds']:.0f} |")
-  lines += ['', 'One seed per row: the table gives each method\'s accuracy and '
-            'bandwidth; comparisons between rows are made over seeds in '
-            '`igc_seeds.md`.']
+        f'| {r["label"]} | {_tail_rounds(r)} | '
+        f'{_x(r["upload_compression"])} / {_x(r["download_compression"])} / '
+        f'{_x(r["total_compression"])}{mark} | {_mbit(r)} | '
+        f'{stats.fmt(r["accuracy"], 1, 100)} |')
   lines += [
-      '',
-      'Columns: `up` / `down` / `total`: compression from the communication '
-      'ledger against 32 bits x D per client-round each way (total = 2 / '
-      '(1/up + 1/down), Table 2\'s definition). `vs SGD`: bits of the '
-      'uncompressed-SGD run / bits of this run, at equal examples processed '
-      '(FedAvg with s local steps runs R/s rounds). Top-K upload counts 32 + '
-      'ceil(log2 D) = 53 bits per kept entry (value + index); Top-K and '
-      'FetchSGD download the weights changed since the client last '
-      'participated (FetchSGD\'s accounting); IGC bits follow Table 1 '
-      '(static d/d, time-varying d/2d, K-subspace d(+index)/dK). '
-      '`s/round`: mean wall time of a round (client work + server update; '
-      'the first round includes compilation).',
-  ]
-  text = '\n'.join(lines) + '\n'
-  if path.exists() and _NOTES_MARKER in path.read_text():
-    # Keep hand-written findings below the marker across regenerations.
-    text += '\n' + _NOTES_MARKER + path.read_text().split(_NOTES_MARKER, 1)[1]
-  path.write_text(text)
+      '', 'Compression: from the communication ledger, against 32 bits x D '
+      'per client-round each way; total = 2 / (1/up + 1/down). Total bits: '
+      'upload + download of the whole run.' + (
+          ' † Bits differ across seeds (the download counts the weights '
+          'changed since a client last took part): compression of seed '
+          f'{meta["seeds"][0]}, bits as mean (min–max) over seeds.'
+          if varying else ' Bits are the same for every seed.')]
+  if data['comparisons']:
+    lines += ['', '| comparison (a − b) | total bits a / b (Mbit) | accuracy '
+              'difference (points, per seed) |', '|---|---|---|']
+    rows = {r['label']: r for r in results}
+    for c in data['comparisons']:
+      lines.append(f'| {c["label"]} | {_mbit(rows[c["a"]])} / '
+                   f'{_mbit(rows[c["b"]])} | {stats.fmt_paired(c, 1, 100)} |')
+    lines += ['', 'Comparisons: per-seed differences of the two rows\' '
+              'accuracies, mean ± sample std, and how many seeds share the '
+              'sign of the mean.']
+  missing = [f'{a} − {b}' for a, b in PAIRS
+             if a not in labels or b not in labels]
+  if missing:
+    lines += ['', f'Not compared (rows not run): {"; ".join(missing)}.']
+  lines += ['', f'![accuracy vs bits]({name}.png)', '',
+            'Figure: test accuracy (mean over seeds, error bars ± one sample '
+            'standard deviation) against the total upload + download bits of '
+            'a run (log scale), one marker per method family.', '']
+  (out / f'{name}.md').write_text('\n'.join(lines))
+  _plot(data, out / f'{name}.png')
 
 
-def _plot(results: list[dict], path: pathlib.Path, meta: dict) -> None:
+#: family -> (matplotlib colormap, marker).
+_STYLES = {
+    'uncompressed': ('Greys', '*'), 'fedavg': ('Greys', 's'),
+    'topk': ('Oranges', 'v'), 'fetchsgd': ('Reds', '^'),
+    'igc_static': ('Blues', 'o'), 'igc_time_varying': ('Greens', 'D'),
+    'igc_k_subspace': ('Purples', 'P'),
+    'igc_k_subspace_time_varying': ('RdPu', 'X'),
+}
+
+
+def _plot(data: dict, path: pathlib.Path) -> None:
+  """Accuracy (mean ± std over seeds) against total bits, log x."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  base = next((r for r in results if r['family'] == 'uncompressed'), None)
-  styles = {
-      'uncompressed': ('k', '*'), 'fedavg': ('tab:gray', 's'),
-      'topk': ('tab:orange', 'v'), 'fetchsgd': ('tab:red', '^'),
-      'igc_static': ('tab:blue', 'o'), 'igc_time_varying': ('tab:green', 'D'),
-      'igc_k_subspace': ('tab:purple', 'P'),
-      'igc_k_subspace_time_varying': ('tab:brown', 'X'),
-  }
-  fig, ax = plt.subplots(figsize=(7.5, 4.8))
-  for family, (color, marker) in styles.items():
-    rs = sorted((r for r in results if r['family'] == family),
-                key=lambda r: r['total_bits'], reverse=True)
-    if not rs:
-      continue
-    xs = [base['total_bits'] / r['total_bits'] if base else
-          r['total_compression'] for r in rs]
-    ys = [100 * r['accuracy'] for r in rs]
-    ax.plot(xs, ys, color=color, marker=marker, label=family,
-            linestyle='-' if len(rs) > 1 else 'none')
-    for r, x, y in zip(rs, xs, ys):
-      d = r['options'].get('intrinsic_dim') or r['options'].get('topk_k') or (
-          int(r['options']['upload'].split(':')[1])
-          if str(r['options'].get('upload', '')).startswith('top_k:')
-          else None)
-      if d:
-        ax.annotate(f'{d:,}', (x, y), textcoords='offset points',
-                    xytext=(4, 4), fontsize=7, color=color)
-  ax.set_xscale('log')
-  ax.set_xlabel('total compression vs uncompressed SGD (same examples)')
-  ax.set_ylabel('test accuracy (%)')
-  ax.set_title(f'FEMNIST-105, {meta["rounds"]} one-step rounds, seed '
-               f'{meta["seed"]}')
-  ax.grid(True, which='both', alpha=0.3)
-  ax.legend(fontsize=8, loc='best')
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(9, 4.8))
+  lo, hi = [], []
+  for family, (cmap, marker) in _STYLES.items():
+    rs = sorted((r for r in data['results'] if r['family'] == family),
+                key=lambda r: r['total_bits'])
+    shades = plt.get_cmap(cmap)(np.linspace(0.85, 0.45, max(len(rs), 1)))
+    if len(rs) > 1:
+      ax.plot([np.mean(r['total_bits_by_seed']) for r in rs],
+              [100 * r['accuracy']['mean'] for r in rs],
+              color=shades[0], alpha=0.4, lw=1)
+    for r, color in zip(rs, shades):
+      mean, std = 100 * r['accuracy']['mean'], 100 * r['accuracy']['std']
+      ax.errorbar(np.mean(r['total_bits_by_seed']), mean, yerr=std,
+                  marker=marker, ms=8 if marker == '*' else 6, capsize=3,
+                  color=color, linestyle='none', label=r['label'])
+      lo.append(mean - std)
+      hi.append(mean + std)
+  pad = 0.1 * (max(hi) - min(lo)) if max(hi) > min(lo) else 1.0
+  meta = data['meta']
+  ax.set(xscale='log', ylim=(min(lo) - pad, max(hi) + pad),
+         xlabel='total upload + download bits of a run',
+         ylabel='test accuracy (%)',
+         title=f'FEMNIST-105, R = {meta["rounds"]} one-step rounds (mean ± '
+               f'std over {len(meta["seeds"])} seeds)')
+  ax.grid(True, which='major', alpha=0.3)
+  ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
-def _meta(results: list[dict]) -> dict:
-  """R, seed, client lr and machine of the table (from its first row)."""
-  first = results[0]
-  m = first['machine']
-  return {'rounds': first['rounds'] * first['round_divisor'],
-          'seed': first['seed'], 'client_lr': first['client_lr'],
-          'machine': f'{m["platform"]}, {os.cpu_count()} cores, jax '
-                     f'{m["jax"]} ({m["backend"]})'}
-
-
-#: The row the stored check re-runs: compressed, so it exercises IGC code.
-CHECK_LABEL = 'IGC time-varying (d=1,024)'
-
-
-def _check_run(setup: Setup) -> dict:
-  """``setup`` for ``--check_rounds`` rounds: the row the test re-runs."""
-  run = provenance.run_experiment(
-      run_flags(setup, 'check', FLAGS.check_rounds) +
-      [f'--eval_every={FLAGS.check_rounds}'])
-  return {'label': setup.label, 'command': run['command'],
-          'commit': run['commit'], 'dirty': run['dirty'],
-          'curve': run['curve']}
-
-
-def _write_outputs(data: dict, out: pathlib.Path, stem: str) -> None:
-  _write_table(data, out / f'{stem}.md')
-  _plot(data['results'], out / f'{stem}.png', data['meta'])
+def _protocol(flagfile: str) -> dict:
+  """The ``_PROTOCOL`` flags of ``flagfile`` (as written there)."""
+  lines = (provenance.REPO / _CONFIGS / f'{flagfile}.flags').read_text()
+  values = dict(line[2:].split('=', 1) for line in lines.splitlines()
+                if line.startswith('--') and '=' in line)
+  return {k: values[k] for k in _PROTOCOL}
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  out = pathlib.Path(FLAGS.results_dir)
-  stem = 'igc_femnist' if not FLAGS.only else 'igc_femnist_partial'
-  if FLAGS.report_only:
-    _write_outputs(json.loads((out / f'{stem}.json').read_text()), out, stem)
-    print(f'rewrote {out / stem}.md/.png from {stem}.json')
+  name = 'igc_femnist_partial' if FLAGS.only else 'igc_femnist'
+  started = provenance.start_study(argv, name, _report)
+  if started is None:
     return
-  prov = provenance.file_provenance()
+  seeds, out = started
   todo = [s for s in setups() if not FLAGS.only or s.label in FLAGS.only
           or _slug(s.label) in FLAGS.only]
-  t0 = time.perf_counter()
-  results = []
-  for s in todo:
-    run = provenance.run_experiment(run_flags(s, _slug(s.label), FLAGS.rounds))
-    r = {**_row(s, run), 'round_divisor': s.round_divisor,
-         'machine': run['summary']['machine']}
-    results.append(r)
-    print(f"{r['label']:<40} acc {100 * r['accuracy']:5.1f}%  total "
-          f"{r['total_compression']:8.1f}x  {r['seconds_per_round']:.2f} "
-          f"s/round  wall {r['wall_seconds']:.0f} s", flush=True)
-  data = {'provenance': prov, 'meta': _meta(results),
-          'total_wall_seconds': time.perf_counter() - t0, 'results': results}
-  if FLAGS.check_rounds:
-    data['check'] = _check_run(next((s for s in todo if s.label == CHECK_LABEL),
-                                    todo[0]))
-  out.mkdir(parents=True, exist_ok=True)
-  provenance.write_json(out / f'{stem}.json', data)
-  _write_outputs(data, out, stem)
-  print(f'wrote {out / stem}.md/.png/.json; total '
-        f'{data["total_wall_seconds"] / 60:.1f} min')
+  unknown = set(FLAGS.only) - {s.label for s in todo} - {
+      _slug(s.label) for s in todo}
+  if not todo or unknown:
+    raise app.UsageError(f'--only: unknown rows {sorted(unknown)}; rows: '
+                         f'{[_slug(s.label) for s in setups()]}')
+  data = {'provenance': provenance.file_provenance(),
+          'meta': {'name': name, 'rounds': FLAGS.rounds,
+                   'eval_every': FLAGS.eval_every, 'seeds': seeds,
+                   'tail_evaluations': stats.TAIL,
+                   'protocol': _protocol(setups()[0].flagfile)}}
+  runs = provenance.seed_major([s.label for s in todo], seeds, _train)
+  data['meta']['num_params'] = runs[todo[0].label][seeds[0]][
+      'communication']['num_params']
+  data['results'] = [_row(s, seeds, runs[s.label]) for s in todo]
+  data['check'] = provenance.check_record(
+      run_flags(_setup(CHECK_LABEL), 0, CHECK_ROUNDS, CHECK_ROUNDS,
+                f'{FLAGS.runs_dir}/check'),
+      f'{CHECK_LABEL} seed 0, {CHECK_ROUNDS} rounds')
+  provenance.write_study(out, name, data, _report)
 
 
 if __name__ == '__main__':

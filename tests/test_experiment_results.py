@@ -1,10 +1,11 @@
 """The stored experiment results: provenance, and a re-run that reproduces.
 
 Every results file under ``experiments/results/`` must say which commit and
-command produced it. ``igc_femnist.json`` stores a cheap ``check`` run (its
-first row for a few rounds, with the exact ``experiments/run_experiment.py``
-command): re-running that command must give the stored test loss and
-accuracy (to 1e-5) and byte counts (exactly).
+command produced it. Files with a ``check`` store a cheap run (e.g.
+``igc_femnist.json``: its time-varying d = 1,024 row, seed 0, for 5 rounds,
+with the exact ``experiments/run_experiment.py`` command): re-running that
+command must give the stored test loss and accuracy (to 1e-5) and byte
+counts (exactly).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ _COMMIT = re.compile(r'`([0-9a-f]{40})`')
 # Results written by the current scripts (experiments/provenance.py).
 _JSON_FILES = ('igc_femnist.json', 'efficient_lm.json', 'fedlite_results.json')
 # Results over seeds (experiments/stats.py): every row aggregates >= 3.
-_SEEDED_FILES = ('fedlite_convergence.json', 'igc_seeds.json',
-                 'igc_privacy.json', 'lm_seeds.json')
+_SEEDED_FILES = ('fedlite_convergence.json', 'igc_femnist.json',
+                 'igc_seeds.json', 'igc_privacy.json', 'lm_seeds.json')
 # Not regenerated since the scripts record provenance (their .md headers say
 # so and give the command); drop a name once its file is regenerated.
 _NOT_REGENERATED = {'fedlite_results.json'}
@@ -67,6 +68,8 @@ def test_json_results_record_commit_and_commands(name):
   assert prov['command'].startswith('python experiments/'), prov['command']
   runs = data.get('runs', data.get('results'))
   runs = list(runs.values() if isinstance(runs, dict) else runs)
+  # Rows over seeds (igc_femnist.json): each of their runs.
+  runs = [run for row in runs for run in row.get('runs', [row])]
   assert runs
   for run in runs:
     assert re.fullmatch(r'[0-9a-f]{40}', run['commit'])
@@ -76,20 +79,22 @@ def test_json_results_record_commit_and_commands(name):
 
 def test_igc_check_run_is_a_compressed_row_for_fewer_rounds():
   data = _load('igc_femnist.json')
-  varied = ('num_rounds', 'eval_every', 'output_dir')
+  varied = ('num_rounds', 'eval_every', 'output_dir', 'resume', 'noresume',
+            'overwrite')
   check = {k: v for k, v in _flags(data['check']['command']).items()
            if k not in varied}
-  rows = [r for r in data['results'] if check == {
-      k: v for k, v in _flags(r['command']).items() if k not in varied}]
-  assert len(rows) == 1, data['check']['command']
-  assert rows[0]['label'].startswith('IGC'), rows[0]['label']
-  assert rows[0]['commit'] == data['check']['commit']
-  assert int(_flags(data['check']['command'])['num_rounds']) < rows[0][
-      'rounds']
+  matches = [(row, run) for row in data['results'] for run in row['runs']
+             if check == {k: v for k, v in _flags(run['command']).items()
+                          if k not in varied}]
+  assert len(matches) == 1, data['check']['command']
+  row, run = matches[0]
+  assert row['label'].startswith('IGC'), row['label']
+  assert run['commit'] == data['check']['commit']
+  assert int(_flags(data['check']['command'])['num_rounds']) < run['rounds']
 
 
-@pytest.mark.parametrize('name', [n for n in _JSON_FILES + _SEEDED_FILES
-                                  if (_RESULTS / n).exists() and
+@pytest.mark.parametrize('name', [n for n in dict.fromkeys(
+    _JSON_FILES + _SEEDED_FILES) if (_RESULTS / n).exists() and
                                   'check' in _load(n)])
 def test_check_run_reproduces(name, data_dir, tmp_path):
   del data_dir  # Only for the skip: the run reads $FEDLITE_DATA_DIR.
