@@ -26,14 +26,17 @@ rows of the first seed before the next seed.
   word-level Shakespeare, ``--nwp_iterations`` 100, Adam 0.01, lambda 0.016
   per example).
 
-A run's accuracy (and loss) is the mean of its last 3 evaluations; rows give
-mean ± sample std over seeds. Writes to ``--output_dir`` (default
-``experiments/results``): ``fedlite_results.json`` (``provenance``,
-``meta``, ``results``: one row per run name with its ``seeds``, accuracy,
-exact bits and per-seed ``runs``; ``fig3``; ``comparisons``: per-seed paired
-differences; a ``check`` that re-runs FedLite at 490x, lambda 1e-3, seed 0
-for ``--check_iterations``, 20), ``fedlite_tables.md``, ``fedlite_fig3.png``,
-``fedlite_fig4.png``, ``fedlite_fig5_lambda.png``, ``fedlite_nwp.png``.
+Test accuracy (and loss) every ``--eval_every`` / ``--nwp_eval_every`` (20)
+iterations; a run's is the mean of its last 3 evaluations (iterations
+80-120, NWP 60-100), rows give mean ± sample std over seeds.
+
+Writes to ``--output_dir`` (default ``experiments/results``):
+``fedlite_results.json`` (``provenance``, ``meta``, ``results``: one row per
+run name with its ``seeds``, accuracy, exact bits and per-seed ``runs``;
+``fig3``; ``comparisons``: per-seed paired differences; a ``check`` that
+re-runs FedLite at 490x, lambda 1e-3, seed 0 for ``--check_iterations``,
+20), ``fedlite_tables.md``, ``fedlite_fig3.png``, ``fedlite_fig4.png``,
+``fedlite_fig5_lambda.png``, ``fedlite_nwp.png``.
 ``fedlite.md`` is the hand-written reading of the results.
 ``--report_only`` rewrites the .md and plots from the stored
 ``fedlite_results.json``; on the one-seed layouts of the previous versions
@@ -367,11 +370,18 @@ def _plots(data: dict, out: pathlib.Path) -> list[str]:
         a.axhspan(p['accuracy'] - p['std'], p['accuracy'] + p['std'],
                   color='k', alpha=0.08, lw=0)
 
-  def annotate(ax, xs, ys, texts):
-    """Labels each point of a line on the side its segments leave free."""
+  def annotate(ax, xs, ys, texts, bars=False):
+    """Labels each point of a line on the side its segments leave free;
+    beside the point (clear of its error bar) when ``bars``."""
     for i, (x, y, text) in enumerate(zip(xs, ys, texts)):
       nb = [(j - i, ys[j]) for j in (i - 1, i + 1) if 0 <= j < len(ys)]
-      if all(v < y for _, v in nb):
+      if bars:  # Right of the point (left of the last), away from the line.
+        last = i == len(xs) - 1
+        up = ys[i - 1 if last else i + 1] < y if len(ys) > 1 else True
+        kw = {'xytext': (-5 if last else 5, 3 if up else -3),
+              'ha': 'right' if last else 'left',
+              'va': 'bottom' if up else 'top'}
+      elif all(v < y for _, v in nb):
         kw = {'xytext': (0, 6), 'ha': 'center', 'va': 'bottom'}
       elif all(v > y for _, v in nb):
         kw = {'xytext': (0, -7), 'ha': 'center', 'va': 'top'}
@@ -449,7 +459,8 @@ def _plots(data: dict, out: pathlib.Path) -> list[str]:
       xs, acc = [p['ratio'] for p in mine], [p['accuracy'] for p in mine]
       draw(ax, xs, acc, [p['std'] for p in mine], style,
            label=f'FedLite, L = {L} codewords (R = 1)')
-      annotate(ax, xs, acc, [f'q = {p["q"]:,}' for p in mine])
+      annotate(ax, xs, acc, [f'q = {p["q"]:,}' for p in mine],
+               bars=any(p['std'] for p in mine))
     if split:
       splitfed([ax], split)
       ys += spans([split])
@@ -470,7 +481,8 @@ def _plots(data: dict, out: pathlib.Path) -> list[str]:
     xs, acc = [p['ratio'] for p in mine], [p['accuracy'] for p in mine]
     draw(ax, xs, acc, [p['std'] for p in mine], 'o-',
          label=f'FedLite (R = 1, lambda = {NWP_LAMBDA:g} per example)')
-    annotate(ax, xs, acc, [f'q = {p["q"]}, L = {p["L"]}' for p in mine])
+    annotate(ax, xs, acc, [f'q = {p["q"]}, L = {p["L"]}' for p in mine],
+             bars=any(p['std'] for p in mine))
     ys = spans(mine)
     if 'nwp_splitfed' in pts:
       splitfed([ax], pts['nwp_splitfed'])
@@ -480,7 +492,7 @@ def _plots(data: dict, out: pathlib.Path) -> list[str]:
     ax.set(xlabel='activation compression ratio (phi = 64)',
            ylabel='test next-word accuracy\n(PAD, EOS, OOV excluded)',
            title=f'Shakespeare next-word prediction after '
-                 f'{mine[0]["iterations"]} iterations, {seeds}')
+                 f'{mine[0]["iterations"]} iterations,\n{seeds}')
     ax.legend(loc='lower right')
     save(fig, 'fedlite_nwp.png')
 
