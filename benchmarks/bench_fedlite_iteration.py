@@ -4,8 +4,8 @@ Real FEMNIST-105 data (task ``emnist``, ``FEDLITE_DATA_DIR``), the EMNIST CNN
 split after ``flatten`` (d = 9,216), a cohort of ``--clients`` (10) clients,
 ``--batch_size`` (20) examples per client, SGD 10^-1.5 on both sides. FedLite:
 grouped PQ with q = ``--q`` (1,152), R = ``--R`` (1), L in ``--L`` (2, 8, 32),
-20 Lloyd iterations, lambda = 5e-5 ('batch' scaling, as
-``experiments/fedlite_experiments.py``).
+20 Lloyd iterations, lambda = 5e-5 on the batch-mean loss ('batch'
+scaling; = 1e-3 per example, as ``experiments/fedlite_experiments.py``).
 
 Every algorithm gets the same cohorts (FedJAX's
 ``UniformGetClientSampler(seed)``), the same client keys
