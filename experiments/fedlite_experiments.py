@@ -39,8 +39,7 @@ re-runs FedLite at 490x, lambda 1e-3, seed 0 for ``--check_iterations``,
 ``fedlite_fig5_lambda.png``, ``fedlite_nwp.png``.
 ``fedlite.md`` is the hand-written reading of the results.
 ``--report_only`` rewrites the .md and plots from the stored
-``fedlite_results.json``; on the one-seed layouts of the previous versions
-of this script it redraws the plots only.
+``fedlite_results.json``.
 """
 
 from __future__ import annotations
@@ -292,40 +291,17 @@ def _comparisons(results: list[dict]) -> list[dict]:
 
 def _run_points(data: dict) -> dict[str, dict]:
   """name -> q, L, lambda per example, ratio, accuracy (mean, and its std
-  over seeds; None for one seed), iterations of each stored row.
-
-  Reads this script's layout (``results`` rows over seeds) and the one-seed
-  layouts of its previous versions (``runs``): ``communication``
-  ``.activation_compression`` and ``lambda`` per example, or, in the oldest,
-  ``activation_compression`` and ``lambda_per_example`` (its ``lambda`` is
-  the batch-mean value).
-  """
-  if 'results' in data:
-    return {r['run']: {
-        'q': r['q'], 'L': r['L'], 'lambda': r['lambda'],
-        'ratio': r['bits']['activation_compression'],
-        'accuracy': r['accuracy']['mean'], 'std': r['accuracy']['std'],
-        'iterations': r['rounds']} for r in data['results']}
-  pts = {}
-  for name, r in data['runs'].items():
-    comm = r.get('communication', r)
-    pts[name] = {
-        'q': r.get('q'), 'L': r.get('L'),
-        'lambda': r.get('lambda_per_example', r.get('lambda')),
-        'ratio': comm.get('activation_compression'),
-        'accuracy': r['final']['accuracy'], 'std': None,
-        'iterations': r.get('iterations', r.get('rounds'))}
-  return pts
+  over seeds), iterations of each stored row."""
+  return {r['run']: {
+      'q': r['q'], 'L': r['L'], 'lambda': r['lambda'],
+      'ratio': r['bits']['activation_compression'],
+      'accuracy': r['accuracy']['mean'], 'std': r['accuracy']['std'],
+      'iterations': r['rounds']} for r in data['results']}
 
 
 def _seed_text(data: dict) -> str:
-  """'mean ± std over 3 seeds' (or 'one seed (0)' for the old layouts)."""
-  if 'results' in data:
-    return f'mean ± std over {len(data["results"][0]["seeds"])} seeds'
-  runs = data['runs']
-  seed = next(iter(runs.values())).get('seed', data.get('flags', {}).get(
-      'seed'))
-  return f'one seed ({seed})'
+  """'mean ± std over 3 seeds'."""
+  return f'mean ± std over {len(data["results"][0]["seeds"])} seeds'
 
 
 def _error(r: dict) -> tuple[float, float | None]:
@@ -720,12 +696,7 @@ def _tables(data: dict, out: pathlib.Path, figures: list[str]) -> None:
 
 def _report(data: dict, out: pathlib.Path) -> None:
   """Rewrites ``fedlite_tables.md`` and the plots from ``data`` (and stores
-  its ``comparisons``); the one-seed layouts: the plots only."""
-  if 'results' not in data:
-    _plots(data, out)
-    print(f'{NAME}.json has a one-seed layout: redrew the plots in {out}; '
-          'fedlite_tables.md left as it is')
-    return
+  its ``comparisons``)."""
   data['comparisons'] = _comparisons(data['results'])
   _tables(data, out, _plots(data, out))
 
