@@ -304,10 +304,9 @@ def _seed_text(data: dict) -> str:
   return f'mean ± std over {len(data["results"][0]["seeds"])} seeds'
 
 
-def _error(r: dict) -> tuple[float, float | None]:
-  """A Figure 3 row's relative error: (mean, std over seeds or None)."""
-  e = r['relative_error']
-  return (e['mean'], e['std']) if isinstance(e, dict) else (e, None)
+def _error(r: dict) -> tuple[float, float]:
+  """A Figure 3 row's relative error: (mean, std over seeds)."""
+  return r['relative_error']['mean'], r['relative_error']['std']
 
 
 def _plots(data: dict, out: pathlib.Path) -> list[str]:
@@ -401,7 +400,7 @@ def _plots(data: dict, out: pathlib.Path) -> list[str]:
       label, style = kinds[curve[0]]
       errs = [_error(r) for r in mine]
       draw(ax, [r['compression'] for r in mine], [e[0] for e in errs],
-           None if errs[0][1] is None else [e[1] for e in errs], style,
+           [e[1] for e in errs], style,
            label=label.format(q=mine[0]['q'], R=mine[0]['R']))
     for r in (mine[0], mine[-1]):  # L at the ends of the last curve.
       ax.annotate(f'L = {r["L"]}', (r['compression'], _error(r)[0]),
