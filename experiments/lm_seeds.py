@@ -113,17 +113,9 @@ def _sweep() -> list[dict]:
 def _equal_bytes(rows: dict[str, dict]) -> dict:
   """PVT 40% at its last evaluation vs FedAdam at the evaluation whose
   cumulative upload is closest to PVT's, per seed."""
-  pvt, base, rounds = {}, {}, {}
-  for run in rows['pvt40']['runs']:
-    last = run['curve'][-1]
-    other = next(r for r in rows['fedadam']['runs']
-                 if r['seed'] == run['seed'])['curve']
-    near = min(other, key=lambda e: abs(e['upload_bytes'] -
-                                        last['upload_bytes']))
-    pvt[run['seed']], base[run['seed']] = last[METRIC], near[METRIC]
-    rounds[run['seed']] = (last['round'], near['round'])
   return {'label': 'PVT 40% - FedAdam, equal upload bytes', 'a': 'pvt40',
-          'b': 'fedadam', 'rounds': rounds, **stats.paired(pvt, base)}
+          'b': 'fedadam', **stats.paired_at_equal_upload(
+              rows['pvt40'], rows['fedadam'], METRIC)}
 
 
 def _report(data: dict, out: pathlib.Path) -> None:

@@ -84,6 +84,31 @@ def fmt_paired(p: Mapping, digits: int = 3, scale: float = 1.0) -> str:
           f'same sign in {p["agree"]}/{p["n"]} seeds')
 
 
+def paired_at_equal_upload(a: Mapping, b: Mapping, key: str) -> dict:
+  """Row ``a`` at its last evaluation against row ``b`` at the evaluation
+  whose cumulative ``upload_bytes`` is closest, per seed (a comparison at
+  equal upload bytes rather than equal rounds).
+
+  Args:
+    a, b: results rows, each with ``runs`` (one per seed, with ``seed`` and
+      ``curve``).
+    key: the compared metric of the curves, e.g. ``'perplexity'``.
+
+  Returns:
+    :func:`paired` of the two plus ``rounds``: ``{seed: (round of a, round
+    of b)}``.
+  """
+  va, vb, rounds = {}, {}, {}
+  for run in a['runs']:
+    last = run['curve'][-1]
+    other = next(r for r in b['runs'] if r['seed'] == run['seed'])['curve']
+    near = min(other, key=lambda e: abs(e['upload_bytes'] -
+                                        last['upload_bytes']))
+    va[run['seed']], vb[run['seed']] = last[key], near[key]
+    rounds[run['seed']] = (last['round'], near['round'])
+  return {'rounds': rounds, **paired(va, vb)}
+
+
 def eval_rows(curve: Sequence[Mapping]) -> list[dict]:
   """The evaluation rows of a run's ``metrics.jsonl`` (those with
   ``accuracy``), keeping round, accuracy, loss, perplexity (language
