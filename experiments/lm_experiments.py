@@ -47,6 +47,10 @@ provenance.define_study_flags('efficient_lm', (0, 1, 2))
 flags.DEFINE_integer('rounds', 100, 'Rounds per run.', lower_bound=1)
 flags.DEFINE_enum('round_engine', 'auto', ['auto', 'loop', 'vmap'],
                   'Passed to every run as --round_engine (when not auto).')
+flags.DEFINE_list('rows', [], 'Only these rows (names as in ROWS, e.g. '
+                  'fedadam,down16_up8); default: all.')
+flags.DEFINE_integer('check_rounds', 5, 'Rounds of the check run.',
+                     lower_bound=1)
 flags.DEFINE_bool('print_commands', False, 'Print the commands still to run '
                   '(the pretraining first, then one run per line) and exit.')
 FLAGS = flags.FLAGS
@@ -60,7 +64,7 @@ GRID_DOWN = (32, 16, 12, 8, 6, 4)
 UPLOADS = ('32', '8', '6', '4', 'TernGrad clip', 'TernGrad no clip')
 _UP_WORDS = {'TernGrad clip': 'TernGrad upload (clipped at 2.5 std)',
              'TernGrad no clip': 'TernGrad upload (no clipping)'}
-CHECK_ROW, CHECK_ROUNDS = 'down16_up8', 5
+CHECK_ROW = 'down16_up8'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +154,20 @@ EQUAL_UPLOAD = (('PVT 40% - FedAdam, equal upload bytes', 'pvt40', 'fedadam'),
                 ('PVT 20% - FedAdam, equal upload bytes', 'pvt20', 'fedadam'))
 
 
+def _selected() -> list[Row]:
+  """The rows of --rows (all by default).
+
+  Raises:
+    app.UsageError: a name that is not a row (one line, naming the rows).
+  """
+  names = [r.name for r in ROWS]
+  bad = [n for n in FLAGS.rows if n not in names]
+  if bad:
+    raise app.UsageError(f'--rows={",".join(FLAGS.rows)}: {", ".join(bad)} '
+                         f'not a row; rows: {", ".join(names)}.')
+  return [r for r in ROWS if not FLAGS.rows or r.name in FLAGS.rows]
+
+
 def _pretrain_path() -> str:
   return f'{FLAGS.runs_dir}/{PRETRAIN_FILE}'
 
@@ -183,14 +201,15 @@ def _flags(row: Row, seed: int, rounds: int, out: str) -> list[str]:
            f'--output_dir={out}', '--noprogress'])
 
 
-def _todo(seeds: list[int]) -> list[str]:
+def _todo(seeds: list[int], rows: list[Row]) -> list[str]:
   """Runner commands of the runs not finished yet (pretraining first)."""
   lines = []
-  if not (provenance.REPO / _pretrain_path()).exists():
+  if (any(r.pretrained for r in rows) and
+      not (provenance.REPO / _pretrain_path()).exists()):
     lines.append(shlex.join(['python', 'experiments/pretrain_centralized.py',
                              *_pretrain_flags()]))
   for seed in seeds:
-    for row in ROWS:
+    for row in rows:
       out = f'{FLAGS.runs_dir}/{row.name}_seed{seed}'
       summary = provenance.REPO / out / 'summary.json'
       if (summary.exists() and
@@ -216,10 +235,10 @@ def _comparisons(data: dict) -> list[dict]:
   base = [(f'{r["label"]} - FedAdam 32/32', r['run'], 'fedadam')
           for r in data['results'] if r['run'] != 'fedadam']
   return ([{'label': label, 'a': a, 'b': b, **stats.paired(ppl[a], ppl[b])}
-           for label, a, b in base + list(PAIRS)] +
+           for label, a, b in base + list(PAIRS) if a in ppl and b in ppl] +
           [{'label': label, 'a': a, 'b': b,
             **stats.paired_at_equal_upload(rows[a], rows[b], METRIC)}
-           for label, a, b in EQUAL_UPLOAD])
+           for label, a, b in EQUAL_UPLOAD if a in rows and b in rows])
 
 
 def _reading(c: dict) -> str:
@@ -227,7 +246,20 @@ def _reading(c: dict) -> str:
   agrees in sign."""
   if c['agree'] < c['n']:
     return 'no difference shown'
-  return 'a lower' if c['mean'] < 0 else 'a higher'
+  return 'lower (better)' if c['mean'] < 0 else 'higher (worse)'
+
+
+def _machines(data: dict) -> str:
+  """'seed 0: <machine>; seeds 1, 2: <machine>' from the runs' records."""
+  by = {}
+  for r in data['results']:
+    for run in r['runs']:
+      m = run['machine']
+      key = f'{m["platform"]}, JAX {m["jax"]} ({m["backend"]})'
+      by.setdefault(key, set()).add(run['seed'])
+  return '; '.join(
+      f'seed{"s" * (len(v) > 1)} {", ".join(map(str, sorted(v)))}: {k}'
+      for k, v in sorted(by.items(), key=lambda kv: min(kv[1])))
 
 
 def _report(data: dict, out: pathlib.Path) -> None:
@@ -236,8 +268,6 @@ def _report(data: dict, out: pathlib.Path) -> None:
   seeds = data['results'][0]['seeds']
   first = data['results'][0]['runs'][0]
   tail = [e['round'] for e in first['curve']][-meta['tail_evaluations']:]
-  machines = sorted({f'{m["platform"]}, JAX {m["jax"]} ({m["backend"]})'
-                     for m in meta['machines']})
   lines = [
       '# Efficient language-model FL on Shakespeare (Ro et al. 2022 shapes), '
       'over seeds', '', provenance.markdown_header(data['provenance']),
@@ -253,18 +283,21 @@ def _report(data: dict, out: pathlib.Path) -> None:
       'test perplexity on all test snippets, the mean of each run\'s last '
       f'{len(tail)} evaluations (rounds {", ".join(map(str, tail))}), then '
       'mean ± std over seeds. A difference is read as one only when all '
-      f'seeds agree in sign. Trained on: {"; ".join(machines)}. FedProx and '
+      f'seeds agree in sign. Trained on (each seed on one machine): '
+      f'{_machines(data)}. FedProx and '
       'the CIFG-LSTM (at its own swept rates) are compared in '
       '[lm_seeds.md](lm_seeds.md).', '',
-      f'Pretraining (phase 1 of the pretrained rows): `{data["pretraining"]["command"]}`.',
-      '', '## Rows', '',
+      *([f'Pretraining (phase 1 of the pretrained rows): '
+         f'`{data["pretraining"]["command"]}`.', '']
+        if data.get('pretraining') else []),
+      '## Rows', '',
       '| row | flags beyond the baseline | perplexity | next-token accuracy '
       '| upload / client-round | download / client-round | - FedAdam 32/32 '
       '(perplexity) |', '|---|---|---|---|---|---|---|']
   vs = {c['a']: c for c in data['comparisons'] if c['b'] == 'fedadam' and
         'rounds' not in c}
   for r in data['results']:
-    diff = (f'{stats.fmt_paired(vs[r["run"]], 1)}: {_reading(vs[r["run"]])}'
+    diff = (f'{stats.fmt_paired(vs[r["run"]], 2)}: {_reading(vs[r["run"]])}'
             if r['run'] in vs else '-')
     lines.append(
         f'| {r["label"]} | `{" ".join(r["flags"]) or "-"}` | '
@@ -281,7 +314,7 @@ def _report(data: dict, out: pathlib.Path) -> None:
     if 'rounds' in c:
       pairs = sorted({tuple(v) for v in c['rounds'].values()})
       note = ' (rounds ' + ', '.join(f'{a} vs {b}' for a, b in pairs) + ')'
-    lines.append(f'| {c["label"]}{note} | {stats.fmt_paired(c, 1)} | '
+    lines.append(f'| {c["label"]}{note} | {stats.fmt_paired(c, 2)} | '
                  f'{_reading(c)} |')
   cells = {(r['down'], r['up']): r for r in data['results']
            if 'grid' in r['groups']}
@@ -332,7 +365,8 @@ def _plots(data: dict, out: pathlib.Path) -> None:
       rounds = [e['round'] for e in r['runs'][0]['curve'] if e['round'] > 0]
       vals = np.array([[e[METRIC] for e in run['curve'] if e['round'] > 0]
                        for run in r['runs']])
-      mean, std = vals.mean(0), vals.std(0, ddof=1)
+      mean = vals.mean(0)
+      std = vals.std(0, ddof=1) if len(vals) > 1 else 0 * mean
       base = r['run'] == 'fedadam'
       ax.errorbar(rounds, mean, yerr=std, marker='o', ms=3, capsize=3,
                   label=r['label'], color='k' if base else f'C{i}',
@@ -340,7 +374,10 @@ def _plots(data: dict, out: pathlib.Path) -> None:
       tail = slice(len(mean) // 3, None)
       lo = min(lo, float((mean - std)[tail].min()))
       hi = max(hi, float((mean + std)[tail].max()))
-    pad = 0.08 * (hi - lo)
+    if lo > hi:  # No row of this group (a --rows subset).
+      ax.axis('off')
+      continue
+    pad = max(0.08 * (hi - lo), 1.0)
     ax.set(title=titles[g], xlabel='round', ylabel='test perplexity',
            ylim=(lo - pad, hi + pad))
     ax.legend(loc='upper right')
@@ -357,12 +394,17 @@ def _plots(data: dict, out: pathlib.Path) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(14, 5.6),
                            gridspec_kw={'width_ratios': [1.5, 1]})
   ax = axes[0]
-  for i, (label, keys) in enumerate(
-      [(f'download {d} bits, uniform upload', [(d, u) for u in UPLOADS
-                                               if u.isdigit()])
-       for d in GRID_DOWN] +
-      [(f'{_UP_WORDS[u]}', [(d, u) for d in GRID_DOWN]) for u in UPLOADS
-       if not u.isdigit()]):
+  series = [(f'download {d} bits, uniform upload 32 / 8 / 6 / 4 bits',
+             [(d, u) for u in UPLOADS if u.isdigit() and (d, u) in cells])
+            for d in GRID_DOWN]
+  single = [k for _, keys in series if len(keys) == 1 for k in keys]
+  series = [x for x in series if len(x[1]) > 1]
+  if single:
+    series.append((f'{single[0][1]}-bit uniform upload, download '
+                   f'{" / ".join(str(d) for d, _ in single)} bits', single))
+  series += [(_UP_WORDS[u], [(d, u) for d in GRID_DOWN if (d, u) in cells])
+             for u in UPLOADS if not u.isdigit()]
+  for i, (label, keys) in enumerate(series):
     keys = sorted((k for k in keys if k in cells),
                   key=lambda k: _total(cells[k]))
     if not keys:
@@ -378,6 +420,8 @@ def _plots(data: dict, out: pathlib.Path) -> None:
                   xytext=(4, 3), fontsize=6.5)
   ax.set_xscale('log')
   ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f'{x:,.0f}'))
+  ax.xaxis.set_minor_formatter(ticker.FuncFormatter(
+      lambda x, _: f'{x:,.0f}' if str(int(x))[0] in '2468' else ''))
   ax.set(xlabel='KB per client-round, upload + download (log scale)',
          ylabel='test perplexity (mean of the last 3 evaluations)',
          title='(a) Perplexity vs communication (labels: download / upload '
@@ -403,10 +447,11 @@ def main(argv):
   if started is None:
     return
   seeds, out = started
+  rows = _selected()
   if FLAGS.print_commands:
-    print('\n'.join(_todo(seeds)))
+    print('\n'.join(_todo(seeds, rows)))
     return
-  pretraining = _pretrain()
+  pretraining = _pretrain() if any(r.pretrained for r in rows) else None
   by_name = {r.name: r for r in ROWS}
 
   def train(name: str, seed: int) -> dict:
@@ -415,17 +460,12 @@ def main(argv):
                f'{FLAGS.runs_dir}/{name}_seed{seed}'), FLAGS.rounds, seed,
         METRIC)
     run['accuracy'] = stats.tail_mean(run['curve'], 'accuracy')
+    run['machine'] = json.loads((provenance.REPO / FLAGS.runs_dir /
+                                 f'{name}_seed{seed}' /
+                                 'summary.json').read_text())['machine']
     return run
 
-  runs = provenance.seed_major([r.name for r in ROWS], seeds, train)
-  machines = []
-  for row in ROWS:
-    for seed in seeds:
-      s = json.loads((provenance.REPO / FLAGS.runs_dir /
-                      f'{row.name}_seed{seed}' / 'summary.json').read_text())
-      if s['machine'] not in machines:
-        machines.append(s['machine'])
-
+  runs = provenance.seed_major([r.name for r in rows], seeds, train)
   def row_record(row: Row) -> dict:
     rs = [runs[row.name][s] for s in seeds]
     comm = rs[0]['communication']
@@ -442,13 +482,13 @@ def main(argv):
 
   data = {'provenance': provenance.file_provenance(),
           'meta': {'base': BASE, 'rounds': FLAGS.rounds,
-                   'tail_evaluations': stats.TAIL, 'machines': machines},
+                   'tail_evaluations': stats.TAIL},
           'pretraining': pretraining,
-          'results': [row_record(r) for r in ROWS]}
+          'results': [row_record(r) for r in rows]}
   check = by_name[CHECK_ROW]
   data['check'] = provenance.check_record(
-      _flags(check, 0, CHECK_ROUNDS, f'{FLAGS.runs_dir}/check'),
-      f'{CHECK_ROW} seed 0, {CHECK_ROUNDS} rounds')
+      _flags(check, 0, FLAGS.check_rounds, f'{FLAGS.runs_dir}/check'),
+      f'{CHECK_ROW} seed 0, {FLAGS.check_rounds} rounds')
   provenance.write_study(out, NAME, data, _report)
 
 

@@ -27,8 +27,8 @@ _COMMIT = re.compile(r'`([0-9a-f]{40})`')
 # Results written by the current scripts (experiments/provenance.py).
 _JSON_FILES = ('igc_femnist.json', 'efficient_lm.json', 'fedlite_results.json')
 # Results over seeds (experiments/stats.py): every row aggregates >= 3.
-_SEEDED_FILES = ('fedlite_convergence.json', 'fedlite_results.json',
-                 'igc_femnist.json',
+_SEEDED_FILES = ('efficient_lm.json', 'fedlite_convergence.json',
+                 'fedlite_results.json', 'igc_femnist.json',
                  'igc_seeds.json', 'igc_privacy.json', 'lm_seeds.json')
 # Not regenerated since the scripts record provenance (their .md headers say
 # so and give the command); drop a name once its file is regenerated.
