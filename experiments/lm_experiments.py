@@ -21,7 +21,11 @@ seeds), run first. Each run is one ``experiments/run_experiment.py``
 invocation in ``--runs_dir/<row>_seed<s>``; a finished run is read back, so
 ``--print_commands`` (the runner commands still to run, one per line) lets
 the runs go in parallel, e.g. ``xargs -P``, before this script collects
-them. Perplexity per run: the mean of its last 3 evaluations.
+them. Run them all on machines with the same library versions: each machine
+trains its own SentencePiece model (sentencepiece 0.2.2 on Python 3.12 and
+0.2.3 on Python 3.11 gave tokenizers with 46,921 vs 46,923 test tokens), and
+the pretrained checkpoint's ids must match the tokenizer of every run that
+starts from it. Perplexity per run: the mean of its last 3 evaluations.
 
 Writes ``efficient_lm.json`` (rows under ``results`` with ``seeds``, paired
 differences, a ``check`` that re-runs the 16-bit download + 8-bit upload row
