@@ -345,7 +345,10 @@ def _report(data: dict, out: pathlib.Path) -> None:
       f'{len(tail)} evaluations, mean ± std over seeds) against bytes per '
       'client-round, upload + download (log x), every cell of the grid '
       '(labels: download / upload bits, T = TernGrad, nc = no clipping); '
-      '(b) the same perplexity against download bits at 8-bit upload.*', '']
+      '(b) the same perplexity against download bits at 8-bit upload. The '
+      'error bars are the spread over seeds, which the cells share (same '
+      'seed = same cohorts and initialisation); the paired differences in '
+      'the tables above resolve finer differences than the bars.*', '']
   (out / f'{NAME}.md').write_text('\n'.join(lines))
   _plots(data, out)
 
@@ -430,7 +433,7 @@ def _plots(data: dict, out: pathlib.Path) -> None:
          ylabel='test perplexity (mean of the last 3 evaluations)',
          title='(a) Perplexity vs communication (labels: download / upload '
                'bits)')
-  ax.legend(fontsize=7, loc='upper right')
+  ax.legend(fontsize=7, loc='center right')
   ax = axes[1]
   keys = [(d, '8') for d in GRID_DOWN if (d, '8') in cells]
   ax.errorbar([d for d, _ in keys], [cells[k][METRIC]['mean'] for k in keys],
