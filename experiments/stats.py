@@ -97,11 +97,20 @@ def paired_at_equal_upload(a: Mapping, b: Mapping, key: str) -> dict:
   Returns:
     :func:`paired` of the two plus ``rounds``: ``{seed: (round of a, round
     of b)}``.
+
+  Raises:
+    ValueError: a seed of ``a`` has no run in ``b`` (one line naming both
+      seed lists).
   """
   va, vb, rounds = {}, {}, {}
   for run in a['runs']:
     last = run['curve'][-1]
-    other = next(r for r in b['runs'] if r['seed'] == run['seed'])['curve']
+    other = next((r['curve'] for r in b['runs'] if r['seed'] == run['seed']),
+                 None)
+    if other is None:
+      raise ValueError(f'seed {run["seed"]} of a has no run in b; seeds of a: '
+                       f'{[r["seed"] for r in a["runs"]]}, of b: '
+                       f'{[r["seed"] for r in b["runs"]]}.')
     near = min(other, key=lambda e: abs(e['upload_bytes'] -
                                         last['upload_bytes']))
     va[run['seed']], vb[run['seed']] = last[key], near[key]

@@ -37,12 +37,30 @@ def test_paired_counts_seeds_agreeing_with_the_mean_sign():
   assert stats.fmt_paired(p, 2, 100) == '+5.00 ± 8.66, same sign in 2/3 seeds'
 
 
+def test_equal_upload_pairs_the_last_evaluation_with_the_nearest_upload():
+  # a uploads 25 per round, b 100: a's 4 rounds match b's first round.
+  a = {'runs': [{'seed': s, 'curve': [
+      {'round': r, 'upload_bytes': 25.0 * r, 'ppl': 300.0 - r - s}
+      for r in (2, 4)]} for s in (0, 1)]}
+  b = {'runs': [{'seed': s, 'curve': [
+      {'round': r, 'upload_bytes': 100.0 * r, 'ppl': 400.0 - 10 * r}
+      for r in (1, 2, 3)]} for s in (1, 0)]}
+  p = stats.paired_at_equal_upload(a, b, 'ppl')
+  assert p['rounds'] == {0: (4, 1), 1: (4, 1)}
+  # a: 296 (seed 0), 295 (seed 1); b at round 1: 390.
+  assert p['diffs'] == pytest.approx([-94.0, -95.0])
+  assert p['agree'] == 2
+
+
 @pytest.mark.parametrize('call, message', [
     (lambda: stats.summarize([]), 'values=[]'),
     (lambda: stats.summarize([float('nan')]), 'values=[nan]'),
     (lambda: stats.tail_mean([{'loss': 1.0}], 'accuracy'), "'accuracy'"),
     (lambda: stats.tail_mean([{'a': 1.0}], 'a', k=0), 'k=0'),
     (lambda: stats.paired({0: 1.0}, {1: 1.0}), 'no common seed'),
+    (lambda: stats.paired_at_equal_upload(
+        {'runs': [{'seed': 3, 'curve': [{'upload_bytes': 1.0, 'p': 1.0}]}]},
+        {'runs': [{'seed': 0, 'curve': []}]}, 'p'), 'seed 3 of a has no run'),
 ])
 def test_bad_input_is_one_clear_line(call, message):
   with pytest.raises(ValueError, match=message.replace('[', r'\[').replace(
