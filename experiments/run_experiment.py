@@ -181,7 +181,7 @@ def main(argv):
     sys.stderr.write(f'run_experiment.py: error: {e}\n')
     sys.exit(2)
   except ValueError as e:
-    # Library errors name parameters (round_engine, clients_per_chunk, ...);
+    # Library errors name parameters (round_engine, lanes_per_device, ...);
     # one that names a setting of this binary is that flag's error.
     flag = _flag_named_in(str(e))
     if flag is None:

@@ -278,13 +278,22 @@ ROWS = [
     ('steps_per_call_with_vmap', EMB + ['--round_engine=vmap',
                                         '--steps_per_call=4'],
      '--steps_per_call applies to --round_engine=loop'),
-    ('clients_per_chunk_text', EMB + ['--clients_per_chunk=many'],
-     "--clients_per_chunk=many: must be 'auto' or an integer >= 0"),
-    ('clients_per_chunk_negative', EMB + ['--clients_per_chunk=-3'],
-     "--clients_per_chunk=-3: must be 'auto' or an integer >= 0"),
-    ('clients_per_chunk_with_loop', EMB + ['--round_engine=loop',
-                                           '--clients_per_chunk=4'],
-     '--clients_per_chunk applies to --round_engine=vmap'),
+    ('lanes_per_device_text', EMB + ['--lanes_per_device=many'],
+     "--lanes_per_device=many: must be 'auto' or an integer >= 1"),
+    ('lanes_per_device_zero', EMB + ['--lanes_per_device=0'],
+     "--lanes_per_device=0: must be 'auto' or an integer >= 1"),
+    ('lanes_per_device_with_loop', EMB + ['--round_engine=loop',
+                                          '--lanes_per_device=4'],
+     '--lanes_per_device applies to --round_engine=vmap'),
+    ('segment_steps_with_loop', EMB + ['--round_engine=loop',
+                                       '--segment_steps=2'],
+     '--segment_steps applies to --round_engine=vmap'),
+    ('conv_implementation_bad', EMB + ['--conv_implementation=fft'],
+     'flag --conv_implementation=fft: value should be one of '
+     '<auto|lax|im2col>'),
+    ('compute_dtype_bad', EMB + ['--compute_dtype=float16'],
+     'flag --compute_dtype=float16: value should be one of '
+     '<float32|bfloat16>'),
     ('client_cache_negative', EMB + ['--client_cache_mb=-1'],
      '--client_cache_mb'),
     # --validate_only builds the chains, so it rejects what a run rejects.
@@ -522,7 +531,7 @@ def test_flags_come_from_run_config_metadata(repo_root, tmp_path):
       assert binary.FLAGS['round_engine'].parser.enum_values == list(
           rounds.ENGINE_NAMES)
       assert binary._flag_named_in(
-          'clients_per_chunk must be >= 0; got -1.') == 'clients_per_chunk'
+          'lanes_per_device must be >= 1; got 0.') == 'lanes_per_device'
       assert binary._flag_named_in('the model has no parameters') is None
       print('OK')
       ''')

@@ -113,13 +113,16 @@ def test_rows_carry_seconds_and_engine_counts_and_cache_changes_nothing(
     for key in ('data_seconds', 'train_seconds', 'eval_seconds'):
       assert row[key] >= 0
     assert row['padded_steps'] >= row['client_steps'] > 0
-    assert row['chunks'] > 0
+    assert row['segments'] > 0
   engine = summary['engine']
-  assert engine['client_steps'] == sum(r['client_steps'] for r in rows)
-  assert engine['padded_steps'] == sum(r['padded_steps'] for r in rows)
-  assert engine['chunks'] == sum(r['chunks'] for r in rows)
-  # Loop engine (CPU default): one program per client, no padding; each
-  # client runs ceil(min(n, 60) / 20) steps of one epoch.
-  assert engine['name'] == 'loop' and engine['chunks'] == 3 * 4
+  for key in ('client_steps', 'padded_steps', 'sequential_steps', 'segments'):
+    assert engine[key] == sum(r[key] for r in rows), key
+  # Loop engine (CPU default): one jitted call per local step, no padding,
+  # one client after another.
+  assert engine['name'] == 'loop' and engine['lanes'] == 1
+  assert engine['segments'] == engine['client_steps']
   assert engine['padded_steps'] == engine['client_steps']
-  assert off['engine'] == engine
+  assert engine['sequential_steps'] == engine['client_steps']
+  # Compilations differ (the second run reuses this process's programs).
+  assert ({k: v for k, v in off['engine'].items() if k != 'compilations'} ==
+          {k: v for k, v in engine.items() if k != 'compilations'})

@@ -4,11 +4,12 @@ Unmodified FedJAX algorithms (``fed_avg``, ``fed_prox``, ``mime_lite`` on
 real FEMNIST writers; ``apfl`` and ``hyp_cluster`` on synthetic data) give
 the same parameters with either backend; batches of different shapes
 (``ClientDataset.batch``'s smaller last batch, clients with different batch
-sizes, a client with no batch), chunks that do not divide the cohort and a
-step that reshapes a 0-d state leaf give the jit backend's outputs and step
-results; a ``for_each_client`` with step results on 4 forced devices (7
-clients, one padded) gives the same outputs and step results as the jit
-backend.
+sizes, a client with no batch), lane counts that do not divide the cohort
+and a step that reshapes a 0-d state leaf give the jit backend's outputs and
+step results, in the jit backend's (call) order; FedJAX's own ``mime`` and
+``mime_lite`` tests pass under this backend; a ``for_each_client`` with step
+results on 4 forced devices (7 clients, one lane idle) gives the same
+outputs and step results as the jit backend.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 
 from fedlite_jax.rounds import VmapBackend
-from fedlite_jax.rounds import engine as engine_lib
+from fedlite_jax.rounds import stats as stats_lib
 
 
 @pytest.fixture(scope='module')
@@ -134,8 +135,8 @@ def test_apfl_and_hyp_cluster_match_jit_backend():
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
         jax.tree.leaves(ref), jax.tree.leaves(inits[name])))
     assert moved > 1e-3, name  # the rounds did train
-    for per_chunk in (0, 3):
-      spy = _SpyBackend(clients_per_chunk=per_chunk)
+    for lanes in ('auto', 3):
+      spy = _SpyBackend(lanes_per_device=lanes)
       got, got_diag = _train(make_alg, inits[name], clients, spy)
       assert spy.built >= 1, name
       if name == 'apfl':
@@ -192,15 +193,16 @@ def test_uneven_batches_and_chunks_match_jit_backend():
   shared = {'s': np.arange(3, dtype=np.float32) + 1}
   ref = list(_running_sum_fn('jit')(shared, clients))
   by_cid = {}
-  for per_chunk in (0, 3, 1):
-    with engine_lib.recording_stats() as stats:
-      got = list(_running_sum_fn(VmapBackend(clients_per_chunk=per_chunk))(
+  for lanes in ('auto', 3, 1):
+    with stats_lib.recording_stats() as stats:
+      got = list(_running_sum_fn(VmapBackend(lanes_per_device=lanes))(
           shared, clients))
     counts = stats.totals()
     assert counts['name'] == 'vmap_backend'
     assert counts['clients'] == 7
     assert counts['client_steps'] == 16
-    assert sorted(c for c, _, _ in got) == sorted(c for c, _, _ in ref)
+    # Call order, as FedJAX's jit backend.
+    assert [c for c, _, _ in got] == [c for c, _, _ in ref]
     got_by_cid = {c: (out, res) for c, out, res in got}
     for cid, out, res in ref:
       g_out, g_res = got_by_cid[cid]
@@ -211,7 +213,7 @@ def test_uneven_batches_and_chunks_match_jit_backend():
               [float(r['size']) for r in g_res]), cid
       for a, b in zip(res, g_res):
         _assert_trees_close(a, b, str(cid))
-    by_cid[per_chunk] = got_by_cid
+    by_cid[lanes] = got_by_cid
   # Independent expectation for one client: batches 4, 4, 2 of client 0.
   x = np.concatenate([b['x'] for b in clients[0][1]])
   s = shared['s'] * 1.0
@@ -247,9 +249,9 @@ def test_zero_d_state_leaf_reshaped_by_step():
              for i in range(5)]
   shared = np.ones(4, np.float32)
   ref = list(make('jit')(shared, clients))
-  # Clients come back chunk by chunk (module docstring): match them by id.
-  got = {c: (b, rb) for c, b, rb in make(VmapBackend())(shared, clients)}
-  assert sorted(got) == [c for c, _, _ in ref]
+  got_list = list(make(VmapBackend())(shared, clients))
+  assert [c for c, _, _ in got_list] == [c for c, _, _ in ref]
+  got = {c: (b, rb) for c, b, rb in got_list}
   for c, a, ra in ref:
     b, rb = got[c]
     assert np.shape(a['w']) == np.shape(b['w']) == (4,)
@@ -269,10 +271,39 @@ def test_step_changing_a_leaf_size_is_a_clear_error():
 
 
 def test_bad_settings_are_clear_errors():
-  with pytest.raises(ValueError, match='clients_per_chunk'):
-    VmapBackend(clients_per_chunk=-1)
-  with pytest.raises(ValueError, match='step_bucket'):
-    VmapBackend(step_bucket='octave')
+  with pytest.raises(ValueError, match='lanes_per_device'):
+    VmapBackend(lanes_per_device=0)
+  with pytest.raises(ValueError, match='segment_steps'):
+    VmapBackend(segment_steps=0)
+
+
+@pytest.mark.parametrize('module,test', [
+    ('mime', 'test_create_grads_for_each_client'),
+    ('mime', 'test_create_train_for_each_client'),
+    ('mime_lite', 'test_create_train_for_each_client')])
+def test_fedjax_mime_helpers_pass_their_own_tests(module, test):
+  """FedJAX's own tests of these helpers (exact values, in call order)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  tests = importlib.import_module(f'fedjax.algorithms.{module}_test')
+  case = next(c for c in vars(tests).values()
+              if isinstance(c, type) and hasattr(c, test))
+  with fedjax.for_each_client_backend(VmapBackend(lanes_per_device=1)):
+    getattr(case(test), test)()
+
+
+def test_windows_keep_call_order_and_results():
+  """More clients than a window holds (lanes x window): call order and the
+  jit backend's outputs."""
+  clients = _uneven_clients() * 3
+  clients = [(b'%d' % i, b, c) for i, (_, b, c) in enumerate(clients)]
+  shared = {'s': np.arange(3, dtype=np.float32) + 1}
+  ref = list(_running_sum_fn('jit')(shared, clients))
+  got = list(_running_sum_fn(VmapBackend(lanes_per_device=2, window=2))(
+      shared, clients))
+  assert [c for c, _, _ in got] == [c for c, _, _ in ref]
+  for (_, a, ra), (_, b, rb) in zip(ref, got):
+    _assert_trees_close(a, b)
+    assert len(ra) == len(rb)
 
 
 _SCRIPT = textwrap.dedent('''
@@ -318,13 +349,13 @@ _SCRIPT = textwrap.dedent('''
         np.testing.assert_allclose(x['norm'], y['norm'], rtol=1e-6)
     print('OK', len(got))
 
-    # Chunks of one client per device (4 lanes, 2 chunks) and a client with
+    # One lane per device (4 lanes streaming 7 clients) and a client with
     # a smaller last batch (a second program for its last step).
     clients[6] = (b'c6', clients[6][1] + [{'x': rng.randn(2, 3).astype(
         np.float32)}], clients[6][2])
     with fedjax.for_each_client_backend('jit'):
       ref = {c: (o, s) for c, o, s in make()(shared, clients)}
-    with fedjax.for_each_client_backend(VmapBackend(clients_per_chunk=1)):
+    with fedjax.for_each_client_backend(VmapBackend(lanes_per_device=1)):
       fn = make()
     got = {c: (o, s) for c, o, s in fn(shared, clients)}
     assert set(ref) == set(got)
@@ -334,7 +365,7 @@ _SCRIPT = textwrap.dedent('''
       assert len(sa) == len(sb), cid
       for x, y in zip(sa, sb):
         np.testing.assert_allclose(x['norm'], y['norm'], rtol=1e-6)
-    print('OK chunks', len(got))
+    print('OK lanes', len(got))
 ''')
 
 
@@ -347,4 +378,4 @@ def test_four_devices_seven_clients_match_jit_backend():
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]
   assert 'OK 7' in proc.stdout
-  assert 'OK chunks 7' in proc.stdout
+  assert 'OK lanes 7' in proc.stdout

@@ -173,11 +173,10 @@ def mlp_split_model() -> models.SplitModel:
       cut_layer='dense', cut_size=16)
 
 
-@pytest.mark.parametrize('clients_per_chunk', [0, 3, 1])
-def test_num_examples_weighting_equals_weighted_sgd(femnist,
-                                                    clients_per_chunk):
-  # Chunks of 3 (4 clients: a padded last chunk) or 1 sum the gradient over
-  # programs; the update is the same weighted SGD step.
+@pytest.mark.parametrize('lanes', ['auto', 3, 1])
+def test_num_examples_weighting_equals_weighted_sgd(femnist, lanes):
+  # 3 lanes (4 clients: a padded second call) or 1 sum the gradient over
+  # calls; the update is the same weighted SGD step.
   split_model = mlp_split_model()
   model = split_model.model
   params = model.init(jax.random.PRNGKey(3))
@@ -193,28 +192,29 @@ def test_num_examples_weighting_equals_weighted_sgd(femnist,
 
   alg = sf.splitfed(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
                     client_weighting='num_examples',
-                    clients_per_chunk=clients_per_chunk)
+                    lanes_per_device=lanes)
   with engine.recording_stats() as rec:
     _check_rounds(alg, params, clients,
                   lambda p: _sgd_reference(model, p, loss))
   stats = rec.totals()
   assert stats['clients'] == 8
-  assert stats['chunks'] == 2 * {0: 1, 3: 2, 1: 4}[clients_per_chunk]
+  assert stats['segments'] == 2 * {'auto': 1, 3: 2, 1: 4}[lanes]
+  assert stats['lanes'] == {'auto': 4, 3: 3, 1: 1}[lanes]
 
 
-def test_fedlite_in_chunks_equals_one_program(femnist):
+def test_fedlite_on_lanes_equals_one_call(femnist):
   """FedLite's quantizer and equation-5 correction are per client, with
-  p_i normalised over the whole cohort: chunks change only the order of the
-  gradient sum."""
+  p_i normalised over the whole cohort: calls of fewer clients change only
+  the order of the gradient sum."""
   split_model = mlp_split_model()
   params = split_model.model.init(jax.random.PRNGKey(5))
   quantizer = sf.QuantizerConfig(num_subvectors=4, num_groups=1,
                                  num_centroids=2, correction_lambda=1e-3)
   results = []
-  for per_chunk in (0, 3):
+  for lanes in ('auto', 3):
     alg = sf.fedlite(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
                      quantizer=quantizer, client_weighting='num_examples',
-                     clients_per_chunk=per_chunk)
+                     lanes_per_device=lanes)
     state, diag = alg.apply(alg.init(params), femnist[:4])
     results.append((state.params, diag))
   assert _max_rel_diff(results[1][0], results[0][0]) < 1e-5

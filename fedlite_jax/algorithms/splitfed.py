@@ -29,7 +29,7 @@ from fedlite_jax.algorithms.split_clients import (  # noqa: F401
 from fedlite_jax.fedlite import pq
 from fedlite_jax.fedlite import vq_layer
 from fedlite_jax.models import split as split_lib
-from fedlite_jax.rounds import chunking
+from fedlite_jax.rounds import stats
 from fedlite_jax.rounds import sharding
 
 Params = Any
@@ -65,7 +65,7 @@ def split_learning(
     client_weighting: ClientWeighting = 'uniform',
     vector_mask_fn: VectorMaskFn = loss_vector_mask,
     client_execution: ClientExecution = 'auto',
-    clients_per_chunk: int | str | None = 'auto', nonfinite: str = 'raise',
+    lanes_per_device: int | str = 'auto', nonfinite: str = 'raise',
 ) -> fedjax.FederatedAlgorithm:
   """Builds SplitFed (``quantizer=None``) or FedLite as a FedJAX algorithm.
 
@@ -86,8 +86,10 @@ def split_learning(
       vectors that get the gradient correction (:func:`loss_vector_mask`).
     client_execution: ``'vmap'``, ``'unroll'`` or ``'auto'``
       (:func:`resolve_client_execution`); same result to float tolerance.
-    clients_per_chunk: clients per device of one compiled program: > 0,
-      0/None (all), or 'auto' (``chunking.resolve_clients_per_chunk``).
+    lanes_per_device: clients per device in one call of the compiled
+      iteration, an int >= 1 or 'auto' (``stats.resolve_lanes``, at most the
+      first cohort's clients per device); the cohort runs in calls of that
+      many clients, gradient sums accumulated on the devices.
     nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
 
   Returns:
@@ -122,8 +124,8 @@ def split_learning(
           f'num_subvectors (q) must divide the cut size d={d}, got '
           f'q={quantizer.num_subvectors}.')
   execution = resolve_client_execution(client_execution)
-  if clients_per_chunk != 'auto':
-    chunking.resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates.
+  if lanes_per_device != 'auto':
+    stats.resolve_lanes(lanes_per_device, 0)  # Validates it.
   model, client_apply, server_apply = (
       split_model.model, split_model.client_apply, split_model.server_apply)
   name = 'SplitFed' if quantizer is None else 'FedLite'
@@ -197,17 +199,15 @@ def split_learning(
     new_state = SplitState(params, c_opt, s_opt)
     return new_state, nonfinite_lib.all_finite(new_state)
 
-  @jax.jit
-  def iteration(state: SplitState, batch, rngs, weights):
-    """The whole cohort as one program."""
-    grads, diag = objective_and_grads(state.params, batch, rngs, weights)
-    return (*update(state, grads), diag)
+  # Calls of `lanes` clients: gradient sums accumulated on the device, then
+  # one update; the shapes are fixed at the first apply.
+  def split_lanes(params, batch, rngs, weights, total):
+    return objective_and_grads(params, batch, rngs, weights, total)
 
-  # Chunks: gradient sums accumulated on the device, then one update.
-  chunk_grads = jax.jit(objective_and_grads)
+  lane_grads = jax.jit(split_lanes)
   apply_update = jax.jit(update)
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
-  per_chunk_ref = []  # Resolved clients_per_chunk (first apply).
+  lanes_ref = []  # Resolved lanes per device (first apply).
 
   bits_cache: dict[Any, split_accounting.IterationBits] = {}
 
@@ -265,14 +265,13 @@ def split_learning(
     if mesh is not None:
       state = jax.device_put(state, mesh.replicated)
 
-    if not per_chunk_ref:
-      per_chunk_ref.append(chunking.resolve_clients_per_chunk(
-          clients_per_chunk, chunking.tree_bytes(
-              split_model.split_params(state.params)[0])))
     devices = 1 if mesh is None else mesh.num_devices
-    padded = -(-len(clients) // devices) * devices
-    lanes = padded if not per_chunk_ref[0] else min(
-        per_chunk_ref[0] * devices, padded)
+    if not lanes_ref:
+      lanes_ref.append(min(
+          stats.resolve_lanes(lanes_per_device, stats.tree_bytes(
+              split_model.split_params(state.params)[0])),
+          -(-len(clients) // devices)))
+    lanes = lanes_ref[0] * devices
     slots_total = -(-len(clients) // lanes) * lanes
 
     def run(keep: Sequence[bool]):
@@ -290,14 +289,11 @@ def split_learning(
         return out if mesh is None else jax.device_put(out,
                                                        mesh.client_sharding)
 
-      if lanes == len(slots):
-        new_state, finite, diag = iteration(state, *args(slice(None)))
-        return new_state, jax.device_get(diag), finite
       total = np.float32(np.sum(w, dtype=np.float32))
       grads, diags = None, []
       for start in range(0, len(slots), lanes):
-        g, d = chunk_grads(state.params, *args(slice(start, start + lanes)),
-                           total)
+        g, d = lane_grads(state.params, *args(slice(start, start + lanes)),
+                          total)
         grads = g if grads is None else add(grads, g)
         diags.append(d)
       new_state, finite = apply_update(state, grads)
@@ -305,9 +301,10 @@ def split_learning(
       return new_state, {k: np.concatenate([d[k] for d in diags])
                          for k in diags[0]}, finite
 
-    chunking.record('split', per_chunk_ref[0], clients=len(clients),
-                    client_steps=len(clients), padded_steps=slots_total,
-                    chunks=slots_total // lanes)
+    stats.record('split', clients=len(clients), client_steps=len(clients),
+                 padded_steps=slots_total,
+                 sequential_steps=slots_total // lanes,
+                 segments=slots_total // lanes, lanes=lanes, segment_steps=1)
     ids = [cid for cid, _, _ in clients]
     new_state, diag, finite = run([True] * len(clients))
     skipped = nonfinite_lib.resolve(ids, diag['finite'][:len(clients)],

@@ -8,7 +8,7 @@ layers [...] on the clients and two dense layers on the server".
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import fedjax
 import flax.linen as nn
@@ -43,8 +43,13 @@ class EmnistClient(nn.Module):
 
   Attributes:
     dropout_rate: dropout rate after the max-pool (FedJAX: 0.25).
+    conv_implementation: ``'lax'`` or ``'im2col'``
+      (:data:`~fedlite_jax.models.layers.CONV_IMPLEMENTATIONS`).
+    dtype: the computation dtype (None: float32); parameters stay float32.
   """
   dropout_rate: float = 0.25
+  conv_implementation: str = 'lax'
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, batch: Batch, train: bool) -> Array:
@@ -59,9 +64,12 @@ class EmnistClient(nn.Module):
           f"EMNIST CNN expects batch['x'] of shape [B, 28, 28, 1], got "
           f'{x.shape}.')
     x = x.astype(jnp.float32)
+    conv = (layers.im2col_conv_general_dilated
+            if self.conv_implementation == 'im2col' else None)
     for name, channels in (('conv1', 32), ('conv2', 64)):
       x = nn.Conv(channels, (3, 3), padding='VALID', name=name,
-                  kernel_init=layers.haiku_linear_init)(x)
+                  kernel_init=layers.haiku_linear_init,
+                  conv_general_dilated=conv, dtype=self.dtype)(x)
       x = nn.relu(x)
     x = _max_pool_2x2(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
@@ -75,21 +83,24 @@ class EmnistServer(nn.Module):
     num_classes: 62 (digits and letters) or 10 (digits only).
     hidden_units: width of the hidden dense layer (FedJAX: 128).
     dropout_rate: dropout rate after the hidden layer (FedJAX: 0.5).
+    dtype: the computation dtype (None: float32); logits are float32.
   """
   num_classes: int = 62
   hidden_units: int = 128
   dropout_rate: float = 0.5
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, activations: Array, batch: Batch, train: bool) -> Array:
     """Maps activations float32 [B, 9216] to logits float32 [B, C]."""
     del batch
-    z = nn.Dense(self.hidden_units, name='dense1',
+    z = nn.Dense(self.hidden_units, name='dense1', dtype=self.dtype,
                  kernel_init=layers.haiku_linear_init)(activations)
     z = nn.relu(z)
     z = nn.Dropout(self.dropout_rate)(z, deterministic=not train)
-    return nn.Dense(self.num_classes, name='dense2',
-                    kernel_init=layers.haiku_linear_init)(z)
+    logits = nn.Dense(self.num_classes, name='dense2', dtype=self.dtype,
+                      kernel_init=layers.haiku_linear_init)(z)
+    return logits.astype(jnp.float32)
 
 
 def train_loss(batch: Batch, preds: Array) -> Array:
@@ -103,7 +114,9 @@ def train_loss(batch: Batch, preds: Array) -> Array:
 
 def create_emnist_cnn(num_classes: int = 62,
                       client_dropout_rate: float = 0.25,
-                      server_dropout_rate: float = 0.5) -> split.SplitModel:
+                      server_dropout_rate: float = 0.5,
+                      conv_implementation: str = 'lax',
+                      compute_dtype: Any = None) -> split.SplitModel:
   """Creates the EMNIST CNN of Reddi et al. (2020), split after ``flatten``.
 
   ``batch['x']`` float32 [B, 28, 28, 1] -> logits float32 [B, num_classes].
@@ -116,6 +129,11 @@ def create_emnist_cnn(num_classes: int = 62,
     num_classes: 62 (FEMNIST: digits, upper and lower case) or 10 (digits).
     client_dropout_rate: dropout after the max-pool (client side).
     server_dropout_rate: dropout after the hidden dense layer (server side).
+    conv_implementation: ``'lax'`` or ``'im2col'`` (equal to float
+      rounding; im2col avoids grouped convolutions when vmapped over
+      clients, see :func:`~fedlite_jax.models.layers.im2col_conv_general_dilated`).
+    compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision (parameters
+      and logits stay float32); None: float32.
 
   Returns:
     A :class:`~fedlite_jax.models.split.SplitModel` with ``cut_layer =
@@ -123,17 +141,22 @@ def create_emnist_cnn(num_classes: int = 62,
     and ``'accuracy'``.
 
   Raises:
-    ValueError: if ``num_classes < 2`` or a dropout rate is not in [0, 1).
+    ValueError: if ``num_classes < 2``, a dropout rate is not in [0, 1), or
+      an unknown ``conv_implementation``.
   """
+  layers.check_conv_implementation(conv_implementation)
   if num_classes < 2:
     raise ValueError(f'num_classes must be >= 2, got {num_classes}.')
   for rate in (client_dropout_rate, server_dropout_rate):
     if not 0.0 <= rate < 1.0:
       raise ValueError(f'dropout rates must be in [0, 1), got {rate}.')
   return split.build_split_model(
-      client=EmnistClient(dropout_rate=client_dropout_rate),
+      client=EmnistClient(dropout_rate=client_dropout_rate,
+                          conv_implementation=conv_implementation,
+                          dtype=compute_dtype),
       server=EmnistServer(num_classes=num_classes,
-                          dropout_rate=server_dropout_rate),
+                          dropout_rate=server_dropout_rate,
+                          dtype=compute_dtype),
       sample_batch={'x': np.zeros((1,) + IMAGE_SHAPE, np.float32),
                     'y': np.zeros((1,), np.int32)},
       train_loss=train_loss,

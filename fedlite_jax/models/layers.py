@@ -96,3 +96,62 @@ class LSTM(nn.Module):
     zeros = jnp.zeros((batch_size, hidden), jnp.float32)
     _, hs = jax.lax.scan(step, (zeros, zeros), gates_x, unroll=self.unroll)
     return jnp.swapaxes(hs, 0, 1)
+
+
+
+#: Convolution implementations of the CNNs: ``'lax'`` (``lax.conv``) and
+#: ``'im2col'`` (:func:`im2col_conv_general_dilated`).
+CONV_IMPLEMENTATIONS = ('lax', 'im2col')
+
+
+def check_conv_implementation(name: str) -> str:
+  """``name`` if in :data:`CONV_IMPLEMENTATIONS`, else ``ValueError``."""
+  if name not in CONV_IMPLEMENTATIONS:
+    raise ValueError(f'conv_implementation={name!r}: allowed values are '
+                     f'{", ".join(CONV_IMPLEMENTATIONS)}.')
+  return name
+
+
+def im2col_conv_general_dilated(lhs: Array, rhs: Array, window_strides,
+                                padding, lhs_dilation=None, rhs_dilation=None,
+                                dimension_numbers=None, feature_group_count=1,
+                                precision=None) -> Array:
+  """``lax.conv_general_dilated`` for flax's ``nn.Conv`` as one matmul.
+
+  NHWC input ``[B, H, W, C]``, HWIO kernel ``[kh, kw, C, O]``, stride 1, no
+  dilation or groups: the ``kh * kw`` shifted slices of the (padded) input
+  are concatenated on the channels, ``[B, H', W', kh kw C]``, and multiplied
+  by the kernel as a ``[kh kw C, O]`` matrix. Vmapped over clients with
+  per-client kernels this is a batched matmul, where ``lax.conv`` becomes
+  a grouped convolution (slow on XLA:CPU and GPUs). Equal to ``lax.conv``
+  to float rounding.
+
+  Raises:
+    ValueError: another layout, a stride, dilation or feature groups.
+  """
+  dims = dimension_numbers
+  nhwc = (isinstance(dims, jax.lax.ConvDimensionNumbers) and
+          tuple(dims.lhs_spec) == (0, 3, 1, 2) and
+          tuple(dims.rhs_spec) == (3, 2, 0, 1) and
+          tuple(dims.out_spec) == (0, 3, 1, 2))
+  plain = lambda v: v is None or all(int(x) == 1 for x in v)
+  if not (nhwc and plain(window_strides) and plain(lhs_dilation) and
+          plain(rhs_dilation) and feature_group_count == 1):
+    raise ValueError(
+        'im2col convolutions take 2-D NHWC inputs with stride 1 and no '
+        f'dilation or feature groups; got strides {window_strides}, '
+        f'dilations {lhs_dilation}/{rhs_dilation}, groups '
+        f'{feature_group_count}.')
+  kh, kw, cin, cout = rhs.shape
+  if isinstance(padding, str):
+    if padding not in ('SAME', 'VALID'):
+      raise ValueError(f"im2col padding must be 'SAME', 'VALID' or pairs; got "
+                       f'{padding!r}.')
+    padding = ([((k - 1) // 2, k - 1 - (k - 1) // 2) for k in (kh, kw)]
+               if padding == 'SAME' else [(0, 0), (0, 0)])
+  lhs = jnp.pad(lhs, [(0, 0)] + [tuple(p) for p in padding] + [(0, 0)])
+  height, width = lhs.shape[1] - kh + 1, lhs.shape[2] - kw + 1
+  cols = [lhs[:, i:i + height, j:j + width, :]
+          for i in range(kh) for j in range(kw)]
+  return jnp.einsum('bhwk,ko->bhwo', jnp.concatenate(cols, axis=-1),
+                    rhs.reshape(kh * kw * cin, cout), precision=precision)

@@ -109,10 +109,13 @@ class CIFGLSTM(nn.Module):
   Attributes:
     hidden_size, projection_size: H, P.
     unroll: ``unroll`` of the time scan (speed only).
+    dtype: the matmuls' dtype (None: float32); the cell state and outputs
+      stay float32.
   """
   hidden_size: int
   projection_size: int
   unroll: int = 1
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
@@ -126,15 +129,20 @@ class CIFGLSTM(nn.Module):
     w_proj = self.param('projection', layers.haiku_linear_init,
                         (hidden, proj), jnp.float32)
     w_x, w_p = kernel[:in_size], kernel[in_size:]
-    gates_x = jnp.swapaxes(inputs @ w_x + bias, 0, 1)  # [T, B, 3H]
+    if self.dtype is None:
+      mm = jnp.matmul
+    else:  # Mixed precision: products in dtype, accumulated state float32.
+      mm = lambda a, w: jnp.matmul(a.astype(self.dtype), w.astype(
+          self.dtype)).astype(jnp.float32)
+    gates_x = jnp.swapaxes(mm(inputs, w_x) + bias, 0, 1)  # [T, B, 3H]
 
     def step(carry, gx):
       p, c = carry
-      a_i, a_g, a_o = jnp.split(gx + p @ w_p, 3, axis=-1)
+      a_i, a_g, a_o = jnp.split(gx + mm(p, w_p), 3, axis=-1)
       i = jax.nn.sigmoid(a_i - 1.0)
       c = (1.0 - i) * c + i * jnp.tanh(a_g)
       h = jax.nn.sigmoid(a_o) * jnp.tanh(c)
-      p = h @ w_proj
+      p = mm(h, w_proj)
       return (p, c), p
 
     carry = (jnp.zeros((batch, proj), jnp.float32),
@@ -149,28 +157,32 @@ class CIFGLSTMLM(nn.Module):
   Attributes:
     vocab_size, embed_size, hidden_size: V, D (= P), H.
     unroll: time-scan unroll (speed only).
+    dtype: the computation dtype (None: float32); logits are float32.
   """
   vocab_size: int
   embed_size: int
   hidden_size: int
   unroll: int = 1
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, batch: Batch, train: bool) -> Array:
     del train  # No dropout.
     x = _check_tokens(batch)
-    embed = nn.Embed(self.vocab_size, self.embed_size,
+    embed = nn.Embed(self.vocab_size, self.embed_size, dtype=self.dtype,
                      embedding_init=_embed_init(self.embed_size), name='embed')
     z = CIFGLSTM(self.hidden_size, self.embed_size, unroll=self.unroll,
-                 name='lstm')(embed(x))
+                 dtype=self.dtype, name='lstm')(embed(x))
     out_bias = self.param('output_bias', nn.initializers.zeros_init(),
                           (self.vocab_size,), jnp.float32)
-    return embed.attend(z) + out_bias
+    return embed.attend(z).astype(jnp.float32) + out_bias
 
 
 class CausalSelfAttention(nn.Module):
-  """Causal self-attention, ``num_heads`` heads; [D, D] q/k/v/out kernels."""
+  """Causal self-attention, ``num_heads`` heads; [D, D] q/k/v/out kernels;
+  ``dtype``: the computation dtype (None: float32; softmax in float32)."""
   num_heads: int
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, z: Array) -> Array:
@@ -178,7 +190,7 @@ class CausalSelfAttention(nn.Module):
     b, t, d = z.shape
     hd = d // self.num_heads
     dense = lambda name: nn.Dense(d, kernel_init=layers.haiku_linear_init,
-                                  name=name)
+                                  dtype=self.dtype, name=name)
     split_heads = lambda a: a.reshape(b, t, self.num_heads, hd)
     q = split_heads(dense('query')(z))
     k = split_heads(dense('key')(z))
@@ -186,7 +198,11 @@ class CausalSelfAttention(nn.Module):
     logits = jnp.einsum('bqhd,bkhd->bhqk', q, k) / math.sqrt(hd)
     causal = jnp.tril(jnp.ones((t, t), bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits, axis=-1)
+    if self.dtype is None:
+      weights = jax.nn.softmax(logits, axis=-1)
+    else:
+      weights = jax.nn.softmax(logits.astype(jnp.float32),
+                               axis=-1).astype(v.dtype)
     out = jnp.einsum('bhqk,bkhd->bqhd', weights, v).reshape(b, t, d)
     return dense('out')(out)
 
@@ -194,20 +210,23 @@ class CausalSelfAttention(nn.Module):
 class TransformerBlock(nn.Module):
   """Pre-LN block: ``z + Attn(LN(z))``, then ``z + MLP(LN(z))``.
 
-  MLP: Dense(D -> mlp_size), GELU, Dense(mlp_size -> D).
+  MLP: Dense(D -> mlp_size), GELU, Dense(mlp_size -> D). ``dtype``: the
+  computation dtype (None: float32).
   """
   mlp_size: int
   num_heads: int
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, z: Array) -> Array:
     d = z.shape[-1]
-    z = z + CausalSelfAttention(self.num_heads, name='attention')(
-        nn.LayerNorm(name='ln_attention')(z))
-    h = nn.LayerNorm(name='ln_mlp')(z)
+    dt = self.dtype
+    z = z + CausalSelfAttention(self.num_heads, dtype=dt, name='attention')(
+        nn.LayerNorm(dtype=dt, name='ln_attention')(z))
+    h = nn.LayerNorm(dtype=dt, name='ln_mlp')(z)
     h = nn.Dense(self.mlp_size, kernel_init=layers.haiku_linear_init,
-                 name='mlp_in')(h)
-    h = nn.Dense(d, kernel_init=layers.haiku_linear_init,
+                 dtype=dt, name='mlp_in')(h)
+    h = nn.Dense(d, kernel_init=layers.haiku_linear_init, dtype=dt,
                  name='mlp_out')(jax.nn.gelu(h))
     return z + h
 
@@ -225,6 +244,8 @@ class TransformerLM(nn.Module):
     vocab_size, embed_size, mlp_size: V, D, F.
     num_layers, num_heads: blocks, attention heads.
     max_length: positions with a learned embedding (T <= max_length).
+    dtype: the computation dtype (None: float32); parameters and logits
+      are float32.
   """
   vocab_size: int
   embed_size: int
@@ -232,6 +253,7 @@ class TransformerLM(nn.Module):
   num_layers: int
   num_heads: int
   max_length: int = DEFAULT_MAX_LENGTH
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, batch: Batch, train: bool) -> Array:
@@ -241,17 +263,21 @@ class TransformerLM(nn.Module):
       raise ValueError(f'Sequence length {x.shape[1]} exceeds max_length='
                        f'{self.max_length} of the Transformer.')
     d = self.embed_size
+    dt = self.dtype
     embed = nn.Embed(self.vocab_size, d, embedding_init=_embed_init(d),
-                     name='embed')
+                     dtype=dt, name='embed')
     pos = self.param('pos_embedding', _embed_init(d), (self.max_length, d),
                      jnp.float32)
     z = embed(x) * math.sqrt(d) + pos[:x.shape[1]]
+    if dt is not None:
+      z = z.astype(dt)
     for k in range(self.num_layers):
-      z = TransformerBlock(self.mlp_size, self.num_heads, name=f'block_{k}')(z)
-    z = nn.LayerNorm(name='ln_final')(z)
+      z = TransformerBlock(self.mlp_size, self.num_heads, dtype=dt,
+                           name=f'block_{k}')(z)
+    z = nn.LayerNorm(dtype=dt, name='ln_final')(z)
     out_bias = self.param('output_bias', nn.initializers.zeros_init(),
                           (self.vocab_size,), jnp.float32)
-    return embed.attend(z) + out_bias
+    return embed.attend(z).astype(jnp.float32) + out_bias
 
 
 def _check_tokens(batch: Batch) -> Array:
@@ -333,8 +359,9 @@ def resolve_config(model: str | LMConfig) -> LMConfig:
 
 def build_module(model: str | LMConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  max_length: int = DEFAULT_MAX_LENGTH,
-                 lstm_unroll: int = 1) -> nn.Module:
-  """The Flax module of a preset / config (called as ``net(batch, train)``).
+                 lstm_unroll: int = 1, dtype: Any = None) -> nn.Module:
+  """The Flax module of a preset / config (called as ``net(batch, train)``);
+  ``dtype``: its computation dtype (None: float32).
 
   Raises:
     ValueError: bad preset, config, vocab_size or max_length.
@@ -347,9 +374,10 @@ def build_module(model: str | LMConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
       raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
   if cfg.architecture == 'lstm':
     return CIFGLSTMLM(int(vocab_size), cfg.embed_size, cfg.hidden_size,
-                      unroll=int(lstm_unroll))
+                      unroll=int(lstm_unroll), dtype=dtype)
   return TransformerLM(int(vocab_size), cfg.embed_size, cfg.hidden_size,
-                       cfg.num_layers, cfg.num_heads, int(max_length))
+                       cfg.num_layers, cfg.num_heads, int(max_length),
+                       dtype=dtype)
 
 
 def _sample_batch(max_length: int) -> dict[str, np.ndarray]:
@@ -395,7 +423,8 @@ def create_lm(model: str | LMConfig = 'transformer_small',
               max_length: int = DEFAULT_MAX_LENGTH,
               oov_id: int = DEFAULT_OOV_ID,
               loss_reduction: str = 'sequence_sum',
-              lstm_unroll: int = 1) -> split.SplitModel:
+              lstm_unroll: int = 1,
+              compute_dtype: Any = None) -> split.SplitModel:
   """Builds a language model as a ``fedjax.Model`` (in a SplitModel shell).
 
   ``batch['x']``, ``batch['y']``: int [B, T] token ids, T <= max_length (PAD
@@ -410,6 +439,8 @@ def create_lm(model: str | LMConfig = 'transformer_small',
     oov_id: the OOV id excluded from 'accuracy' (``info.oov_id`` for words).
     loss_reduction: 'sequence_sum' or 'token_mean' (:func:`sequence_loss`).
     lstm_unroll: LSTM time-scan unroll (speed only).
+    compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision (parameters,
+      logits and losses stay float32); None: float32.
 
   Returns:
     A :class:`~fedlite_jax.models.split.SplitModel` whose ``.model`` is the
@@ -421,7 +452,8 @@ def create_lm(model: str | LMConfig = 'transformer_small',
     ValueError: an unknown preset, bad sizes, oov_id outside [0, V) or an
       unknown loss_reduction.
   """
-  net = build_module(model, vocab_size, max_length, lstm_unroll)
+  net = build_module(model, vocab_size, max_length, lstm_unroll,
+                     compute_dtype)
   if not 0 <= oov_id < vocab_size:
     raise ValueError(
         f'oov_id={oov_id} must be in [0, vocab_size={vocab_size}).')

@@ -65,12 +65,12 @@ def _client_hash(client_id: Any) -> int:
 
 
 def _make_base(base: Union[None, str, fedjax.ForEachClientBackend],
-               clients_per_chunk: Union[int, str, None]
+               lanes_per_device: Union[int, str]
                ) -> fedjax.ForEachClientBackend:
   if base is None or base == 'jit':
     return fedjax_for_each_client.ForEachClientJitBackend()
   if base == 'vmap':
-    return fedjax_backend.VmapBackend(clients_per_chunk=clients_per_chunk)
+    return fedjax_backend.VmapBackend(lanes_per_device=lanes_per_device)
   if isinstance(base, fedjax.ForEachClientBackend):
     return base
   raise ValueError(f'base must be None, one of {BASES} or a '
@@ -151,7 +151,7 @@ class CompressedBackend(fedjax.ForEachClientBackend):
     seed: run seed of the download keys (and of non-key client inputs).
     num_params: D of the ledger's baseline (``32 D`` bits per client per
       direction); default: the compressible entries of the first output.
-    clients_per_chunk: for base 'vmap' only (``VmapBackend``).
+    lanes_per_device: for base 'vmap' only (``VmapBackend``).
 
   Raises:
     ValueError: a bad ``base`` or transform, or (when run) a non-read-only one.
@@ -161,10 +161,10 @@ class CompressedBackend(fedjax.ForEachClientBackend):
                download: Union[None, str, tx.CommTransform] = None,
                base: Union[None, str, fedjax.ForEachClientBackend] = None,
                seed: int = 0, num_params: Optional[int] = None,
-               clients_per_chunk: Union[int, str, None] = 'auto'):
+               lanes_per_device: Union[int, str] = 'auto'):
     self.upload = _as_transform(upload, seed, 'upload')
     self.download = _as_transform(download, seed, 'download')
-    self._base = _make_base(base, clients_per_chunk)
+    self._base = _make_base(base, lanes_per_device)
     self._seed = int(seed)
     self._up = _Channel(self.upload, 'the upload transform')
     self._down = _Channel(self.download, 'the download transform')

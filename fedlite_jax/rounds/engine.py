@@ -1,29 +1,32 @@
-"""Round engines: a round's client updates as a Python loop or vmapped.
+"""Round engines: a round's client updates as a Python loop or on lanes.
 
-:class:`VmapEngine` (GPU/TPU default) runs chunks of clients as one vmap +
-scan program; :class:`LoopEngine` (CPU default, jax-ml/jax#12868) calls
-jitted steps per client. Notes: docs/notes/rounds.md.
+:class:`VmapEngine` (GPU/TPU default) streams clients through a fixed number
+of vmapped lanes, one compiled program per run; :class:`LoopEngine` (CPU
+default, jax-ml/jax#12868) calls jitted steps per client. Notes:
+docs/notes/rounds.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.rounds import chunking
+from fedlite_jax.checks import check_int
+from fedlite_jax.common import PyTree
+from fedlite_jax.rounds import lanes as lanes_lib
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
-# Re-exported: the chunking names that tests, benchmarks and the runner use.
-from fedlite_jax.common import PyTree
-from fedlite_jax.rounds.chunking import (  # noqa: F401
-    AUTO_LANE_EXTRA_BYTES, AUTO_MAX_CLIENTS_PER_CHUNK, AUTO_MEMORY_FRACTION,
-    AUTO_PARAM_COPIES, bucket_steps, executed_steps, plan_chunks,
-    recording_stats, resolve_clients_per_chunk, tree_bytes)
+from fedlite_jax.rounds import stats
+from fedlite_jax.rounds import streaming
+# Re-exported: the names that tests, benchmarks and the runner use.
+from fedlite_jax.rounds.stats import (  # noqa: F401
+    AUTO_LANE_EXTRA_BYTES, AUTO_MAX_LANES, AUTO_MEMORY_FRACTION,
+    AUTO_PARAM_COPIES, recording_stats, resolve_lanes, tree_bytes)
 
 Batch = dict
 
@@ -85,13 +88,6 @@ def _masked(new: PyTree, old: PyTree, mask: jax.Array) -> PyTree:
   return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
 
 
-def _stack_rows(*xs) -> Any:
-  """Stacks per-client leaves on the device if any is there, else on host."""
-  if any(isinstance(x, jax.Array) for x in xs):
-    return jnp.stack([jnp.asarray(x) for x in xs])
-  return np.stack([np.asarray(x) for x in xs])
-
-
 def _check_cohort(work: Sequence[ClientWork]) -> None:
   if not work:
     raise ValueError('A round needs at least one client; got an empty cohort.')
@@ -124,28 +120,31 @@ class LoopEngine:
     self._k = steps_per_call
 
     @jax.jit
-    def init(shared_input, client_input):
+    def loop_init(shared_input, client_input):
       # A copy: the state must not alias shared_input to be donated.
       return jax.tree.map(jnp.copy, program.init(shared_input, client_input))
 
     if steps_per_call == 1:
-      step = jax.jit(program.step, donate_argnums=0)
+
+      @functools.partial(jax.jit, donate_argnums=0)
+      def loop_step(state, batch):
+        return program.step(state, batch)
     else:
 
       @functools.partial(jax.jit, donate_argnums=0)
-      def step(state, batches, mask):
+      def loop_step(state, batches, mask):
         for i in range(steps_per_call):  # Unrolled: no while loop on CPU.
           batch = jax.tree.map(lambda x, i=i: x[i], batches)
           state = _masked(program.step(state, batch), state, mask[i])
         return state
 
     @functools.partial(jax.jit, donate_argnums=2)
-    def final(shared_input, state, acc, weight):
+    def loop_final(shared_input, state, acc, weight):
       output, diag = program.final(shared_input, state)
       acc = jax.tree.map(lambda a, o: a + weight * o, acc, output)
       return acc, diag
 
-    self._init, self._step, self._final = init, step, final
+    self._init, self._step, self._final = loop_init, loop_step, loop_final
     self._output_shapes = {}  # (shared, state) shapes -> output shapes
 
   def __call__(self, shared_input: PyTree,
@@ -174,9 +173,11 @@ class LoopEngine:
       total += float(w.weight)
       diags.append(diag)
     steps = [len(w.batches) for w in work]
-    chunking.record(self.name, 1, clients=len(work), client_steps=sum(steps),
-            padded_steps=sum(-(-n // self._k) * self._k for n in steps),
-            chunks=len(work))
+    padded = [-(-n // self._k) * self._k for n in steps]
+    stats.record(self.name, clients=len(work), client_steps=sum(steps),
+                 padded_steps=sum(padded), sequential_steps=sum(padded),
+                 segments=sum(p // self._k for p in padded), lanes=1,
+                 segment_steps=self._k)
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
 
   def _output_shape(self, shared_input: PyTree, state: PyTree) -> PyTree:
@@ -190,234 +191,103 @@ class LoopEngine:
     return self._output_shapes[key]
 
 
-class VmappedClients:
-  """A client update for many clients as one jitted vmap + scan program.
-
-  Clients are padded to ``steps`` with masked steps (zero batches and step
-  results), the client axis with padding clients (zero ``client_input``, no
-  steps) to a multiple of the mesh's devices.
-
-  Args:
-    init, step, final: ``(shared, client_input) -> state``, ``(state,
-      batch) -> (state, step_result)``, ``(shared, state) -> output``.
-    mesh: the :class:`ClientMesh` of the clients; None: default device.
-    reduce: ``(outputs, step_results) -> result`` in the same program
-      (leaves ``[rows, ...]``, ``[rows, steps, ...]``); None: both.
-    out_shardings: ``jax.jit`` output shardings (None: XLA's choice).
-  """
-
-  def __init__(self, init: Callable[[PyTree, PyTree], PyTree],
-               step: Callable[[PyTree, Batch], tuple[PyTree, PyTree]],
-               final: Callable[[PyTree, PyTree], PyTree], *,
-               mesh: Optional[sharding.ClientMesh] = None,
-               reduce: Optional[Callable[[PyTree, PyTree], PyTree]] = None,
-               out_shardings: Any = None):
-    self._mesh = mesh
-
-    def one_client(shared_input, client_input, batches, mask):
-      state = init(shared_input, client_input)
-
-      def body(state, xs):
-        batch, m = xs
-        new_state, step_result = step(state, batch)
-        step_result = jax.tree.map(
-            lambda x: jnp.where(m, x, jnp.zeros_like(x)), step_result)
-        return _masked(new_state, state, m), step_result
-
-      state, step_results = jax.lax.scan(body, state, (batches, mask))
-      return final(shared_input, state), step_results
-
-    def run(shared_input, client_inputs, batches, mask):
-      outputs = jax.vmap(one_client, in_axes=(None, 0, 0, 0))(
-          shared_input, client_inputs, batches, mask)
-      return outputs if reduce is None else reduce(*outputs)
-
-    if out_shardings is None:
-      self._run = jax.jit(run)
-    else:
-      self._run = jax.jit(run, out_shardings=out_shardings)
-
-  def rows(self, cohort_size: int) -> np.ndarray:
-    """``[cohort_size]`` int: each client's row of the (global) client axis."""
-    if self._mesh is None:
-      return np.arange(cohort_size)
-    return self._mesh.rows(cohort_size)
-
-  def __call__(self, shared_input: PyTree,
-               client_batches: Sequence[Sequence[Batch]],
-               client_inputs: Sequence[PyTree], steps: int,
-               cohort_size: Optional[int] = None, *,
-               lanes: Optional[int] = None,
-               template: Optional[tuple[Batch, PyTree]] = None) -> PyTree:
-    """Runs this process's clients as one program; returns ``reduce``'s result.
-
-    Args:
-      shared_input: the same for every client.
-      client_batches: per local client (row order), its batches (maybe none).
-      client_inputs: per local client, the pytree passed to ``init``.
-      steps: padded step count (>= every batch count; same on all processes).
-      cohort_size: client rows over all processes before the mesh's padding
-        (default: the local count); ``lanes`` is an alias.
-      template: ``(batch, client_input)`` giving padding clients' shapes
-        (default: the first client's).
-
-    Returns:
-      ``reduce(outputs, step_results)`` as global arrays (rows: :meth:`rows`).
-
-    Raises:
-      ValueError: no client has any batch and no ``template`` is given.
-    """
-    cohort = lanes if lanes is not None else (
-        len(client_batches) if cohort_size is None else cohort_size)
-    mesh = self._mesh
-    rows = cohort if mesh is None else mesh.rows_per_process(cohort)
-    if template is None:
-      batch = next((b[0] for b in client_batches if len(b)), None)
-      if batch is None:
-        raise ValueError('No client has any batch; at least one client must '
-                         'run a local step.')
-      template = batch, client_inputs[0]
-    padding = jax.tree.map(np.zeros_like, template[0])
-    pad_input = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)),
-                             template[1])
-    num_pad = rows - len(client_batches)
-    padded = [list(b) + [padding] * (steps - len(b)) for b in client_batches]
-    padded += [[padding] * steps] * num_pad
-    # One host array per leaf, [rows, steps, ...], one transfer per leaf.
-    leaves = [jax.tree.leaves(b) for client in padded for b in client]
-    treedef = jax.tree.structure(padding)
-    batches = jax.tree.unflatten(treedef, [
-        np.stack([l[i] for l in leaves]).reshape(
-            (rows, steps) + np.shape(leaves[0][i]))
-        for i in range(len(leaves[0]))])
-    mask = np.zeros((rows, steps), bool)
-    for r, b in enumerate(client_batches):
-      mask[r, :len(b)] = True
-    inputs = jax.tree.map(
-        _stack_rows, *(list(client_inputs) + [pad_input] * num_pad))
-    if mesh is not None:
-      put = lambda x: mesh.put_clients(np.asarray(x), cohort)
-      batches, mask, inputs = jax.tree.map(put, (batches, mask, inputs))
-      shared_input = mesh.put_replicated(shared_input)
-    return self._run(shared_input, inputs, batches, mask)
-
-
 class VmapEngine:
-  """A round's clients as one :class:`VmappedClients` run per chunk.
+  """A round's clients streamed through lanes as one compiled program.
+
+  ``lanes_per_device`` lanes per device each run their clients back to back
+  in segments of ``segment_steps`` unrolled steps
+  (:class:`~fedlite_jax.rounds.streaming.LaneStreams`, planned by
+  :func:`~fedlite_jax.rounds.lanes.plan_lanes`); the programs' shapes are
+  fixed at the first round, so a run compiles them once.
 
   Args:
     program: the client update.
-    step_bucket: :func:`bucket_steps` policy ('grid', 'pow2', 'exact', int).
-    mesh: the :class:`ClientMesh` to split clients over; None: one device.
-    clients_per_chunk: an int > 0, 0 or None (no limit), or 'auto'
-      (:func:`resolve_clients_per_chunk` of ``shared_input``'s bytes).
+    mesh: the :class:`ClientMesh` to split lanes over; None: one device.
+    lanes_per_device: an int >= 1, or 'auto' (:func:`resolve_lanes` of
+      ``shared_input``'s bytes and the device memory).
+    segment_steps: local steps per compiled segment (>= 1).
+    slots: finalizations per device and step, an int >= 1 or 'auto'
+      (:func:`~fedlite_jax.rounds.lanes.choose_slots` of the first round).
+
+  Raises:
+    ValueError: a bad option.
   """
 
   name = 'vmap'
 
-  def __init__(self, program: ClientProgram, step_bucket: str | int = 'grid',
+  def __init__(self, program: ClientProgram,
                mesh: Optional[sharding.ClientMesh] = None,
-               clients_per_chunk: int | str | None = 'auto'):
-    bucket_steps(1, step_bucket)  # Validates the policy.
-    if clients_per_chunk != 'auto':
-      resolve_clients_per_chunk(clients_per_chunk, 0)  # Validates it.
-    self._program = program
-    self._bucket = step_bucket
+               lanes_per_device: int | str = 'auto', segment_steps: int = 4,
+               slots: int | str = 'auto'):
+    if lanes_per_device != 'auto':
+      resolve_lanes(lanes_per_device, 0)  # Validates it.
+    self._segment_steps = check_int(segment_steps, 'segment_steps')
+    if slots != 'auto':
+      check_int(slots, 'slots')
     self._mesh = mesh
-    self._per_chunk_setting = clients_per_chunk
-    self._per_chunk: Optional[int] = None
-
-    # The weight rides in the state so that final weights the output.
-    def init(shared_input, client_input):
-      inner, weight = client_input
-      return program.init(shared_input, inner), weight
+    self._lanes_setting = lanes_per_device
+    self._lanes: Optional[int] = None
+    self._slots_setting = slots
+    self._slots: Optional[int] = None
 
     def step(state, batch):
-      inner, weight = state
-      return (program.step(inner, batch), weight), None
+      return program.step(state, batch), None
 
-    def final(shared_input, state):
-      inner, weight = state
-      output, diag = program.final(shared_input, inner)
-      # where, not a product: a padding client's NaN must not reach the sum.
-      return jax.tree.map(lambda o: jnp.where(weight > 0, weight * o, 0.),
-                          output), diag
-
-    def reduce(outputs, _):
-      weighted, diags = outputs
-      return jax.tree.map(lambda x: jnp.sum(x, axis=0), weighted), diags
-
-    self._clients = VmappedClients(
-        init, step, final, mesh=mesh, reduce=reduce,
-        out_shardings=None if mesh is None else (mesh.replicated,
-                                                 mesh.client_sharding))
-    self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b),
-                        donate_argnums=0)
+    self._streams = streaming.LaneStreams(program.init, step, program.final,
+                                          mesh=mesh)
 
   @property
-  def clients_per_chunk(self) -> Optional[int]:
-    """The resolved chunk size per device (0: no limit; None: not yet)."""
-    return self._per_chunk
+  def lanes_per_device(self) -> Optional[int]:
+    """The resolved lanes per device (None: not yet)."""
+    return self._lanes
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
     _check_cohort(work)
-    mesh = self._mesh
-    if self._per_chunk is None:
-      self._per_chunk = resolve_clients_per_chunk(
-          self._per_chunk_setting, tree_bytes(shared_input))
+    mesh = self._streams.mesh
+    if self._lanes is None:  # Fixed from the first round on.
+      self._lanes = min(
+          resolve_lanes(self._lanes_setting, tree_bytes(shared_input)),
+          -(-len(work) // mesh.num_devices))
     steps = [len(w.batches) for w in work]
-    plan = chunking.plan_round(steps, self._per_chunk, self._bucket, mesh)
-    process = 0 if mesh is None else mesh.process_index
+    groups = None
+    if mesh.multi_process:
+      groups = [range(*mesh.local_clients(len(work), p))
+                for p in range(mesh.num_processes)]
+    if self._slots is None:
+      self._slots = (lanes_lib.choose_slots(
+          steps, self._lanes, self._segment_steps, mesh.num_devices, groups)
+                     if self._slots_setting == 'auto' else
+                     min(int(self._slots_setting), self._lanes))
+    plan = lanes_lib.plan_lanes(steps, self._lanes, self._segment_steps,
+                                self._slots, mesh.num_devices, groups)
     first = next(w for w in work
                  if not isinstance(w.batches, remote.RemoteBatches))
-    template = (first.batches[0], (first.client_input, np.float32(0)))
-    if mesh is not None:
-      shared_input = mesh.put_replicated(shared_input)
-    weighted_sum, chunk_diags = None, []
-    for per_process in plan:
-      chunk = per_process[process]
-      local = [work[i] for i in chunk.members]
-      chunk_sum, diags = self._clients(
-          shared_input, [w.batches for w in local],
-          [(w.client_input, np.float32(w.weight)) for w in local],
-          chunk.steps, lanes=chunk.lanes * len(per_process),
-          template=template)
-      weighted_sum = chunk_sum if weighted_sum is None else self._add(
-          weighted_sum, chunk_sum)
-      chunk_diags.append(diags)
-    chunk_diags = (jax.device_get(chunk_diags) if mesh is None else
-                   [mesh.gather(d) for d in chunk_diags])
-    per_client: list[Any] = [None] * len(work)
-    for per_process, diags in zip(plan, chunk_diags):
-      for p, chunk in enumerate(per_process):
-        for lane, i in enumerate(chunk.members):
-          row = p * chunk.lanes + lane
-          per_client[i] = jax.tree.map(lambda x, r=row: x[r], diags)
-    if mesh is not None:
-      # Process-local arrays, so the server update is a process-local program.
-      weighted_sum = jax.tree.map(lambda x: x.addressable_data(0),
-                                  weighted_sum)
-    chunking.record(self.name, self._per_chunk, clients=len(work),
-            client_steps=sum(steps),
-            padded_steps=sum(c.lanes * c.steps for pp in plan for c in pp),
-            chunks=len(plan))
+    weighted_sum, diags, _, _ = self._streams.run(
+        shared_input, plan, [w.batches for w in work],
+        [w.client_input for w in work], [w.weight for w in work],
+        (first.batches[0], first.client_input))
+    stats.record(self.name, clients=len(work), client_steps=sum(steps),
+                 padded_steps=plan.executed_steps,
+                 sequential_steps=plan.steps, segments=plan.num_segments,
+                 lanes=plan.lanes, segment_steps=plan.segment_steps,
+                 slots=plan.slots)
     total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
-    return RoundResult(weighted_sum, total, per_client)
+    return RoundResult(weighted_sum, total, diags)
 
 
 def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
-                step_bucket: str | int = 'grid',
                 mesh: Optional[sharding.ClientMesh] = None,
-                clients_per_chunk: int | str | None = 'auto'
-                ) -> LoopEngine | VmapEngine:
+                lanes_per_device: int | str = 'auto', segment_steps: int = 4,
+                slots: int | str = 'auto') -> LoopEngine | VmapEngine:
   """Builds an engine by name.
 
   Args:
     name: 'auto' (vmap on GPU/TPU or several devices), 'loop' or 'vmap'.
     program: the client update.
     steps_per_call: loop engine: local steps per jitted call.
-    step_bucket, clients_per_chunk: vmap engine (:class:`VmapEngine`).
+    lanes_per_device, segment_steps, slots: vmap engine
+      (:class:`VmapEngine`).
     mesh: the :class:`ClientMesh`; None: the one set by
       ``sharding.use_client_mesh``, if any. One device is the same as none.
 
@@ -438,6 +308,6 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
           'device.')
     return LoopEngine(program, steps_per_call=steps_per_call)
   if name == 'vmap':
-    return VmapEngine(program, step_bucket=step_bucket, mesh=mesh,
-                      clients_per_chunk=clients_per_chunk)
+    return VmapEngine(program, mesh=mesh, lanes_per_device=lanes_per_device,
+                      segment_steps=segment_steps, slots=slots)
   raise ValueError(f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')

@@ -1,9 +1,9 @@
 """A vmapped (and device-sharded) ``fedjax.ForEachClientBackend``.
 
-Clients run as :class:`~fedlite_jax.rounds.engine.VmappedClients` programs
-in chunks of similar step counts and come back chunk by chunk (reordered, as
-from FedJAX's ``pmap`` backend), in call order within a chunk. Counts go to
-:func:`~fedlite_jax.rounds.chunking.recording_stats` as ``'vmap_backend'``.
+Clients stream through the lanes of
+:class:`~fedlite_jax.rounds.streaming.LaneStreams` programs and come back in
+call order. Counts go to :func:`~fedlite_jax.rounds.stats.recording_stats`
+as ``'vmap_backend'``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.rounds import chunking
-from fedlite_jax.rounds import engine as engine_lib
-from fedlite_jax.rounds import sharding
+from fedlite_jax.checks import check_int
 from fedlite_jax.common import PyTree
+from fedlite_jax.rounds import lanes as lanes_lib
+from fedlite_jax.rounds import sharding
+from fedlite_jax.rounds import stats
+from fedlite_jax.rounds import streaming
 
 
 def _signature(tree: PyTree) -> tuple:
@@ -67,17 +69,23 @@ def _cast_like(new: PyTree, old: PyTree) -> PyTree:
 
 
 class VmapBackend(fedjax.ForEachClientBackend):
-  """``for_each_client`` as vmapped, chunked, optionally sharded programs.
+  """``for_each_client`` with clients streamed through vmapped lanes.
 
   Select it before building the algorithm (FedJAX binds the backend then).
-  A client's runs of equal-shape batches run as successive programs, the
+  Clients run on :class:`~fedlite_jax.rounds.streaming.LaneStreams` lanes
+  (optionally sharded over devices) in windows of ``window`` clients in call
+  order, and come back in call order, as from FedJAX's default backend. A
+  client's runs of equal-shape batches run as successive programs, the
   state carried between them; a step's state leaf of another shape or dtype
   but the same size (FedJAX's ``apfl``) is cast back.
 
   Args:
     mesh: the devices to split clients over; None: every local device.
-    step_bucket, clients_per_chunk: as
-      :class:`~fedlite_jax.rounds.VmapEngine`.
+    lanes_per_device: an int >= 1 or 'auto' (``stats.resolve_lanes``,
+      at most the first call's clients per device); fixed at the first call.
+    segment_steps: local steps per compiled segment (>= 1).
+    window: clients run (and held) at once, as a multiple of the lanes
+      (>= 1).
 
   Raises:
     ValueError: a bad option; when run, several processes, or a step changing
@@ -85,33 +93,33 @@ class VmapBackend(fedjax.ForEachClientBackend):
   """
 
   def __init__(self, mesh: Optional[sharding.ClientMesh] = None,
-               step_bucket: str | int = 'grid',
-               clients_per_chunk: int | str | None = 'auto'):
-    chunking.bucket_steps(1, step_bucket)  # Validates the policy.
-    if clients_per_chunk != 'auto':
-      chunking.resolve_clients_per_chunk(clients_per_chunk, 0)
+               lanes_per_device: int | str = 'auto', segment_steps: int = 4,
+               window: int = 4):
+    if lanes_per_device != 'auto':
+      stats.resolve_lanes(lanes_per_device, 0)  # Validates it.
     self._mesh = mesh
-    self._bucket = step_bucket
-    self._per_chunk_setting = clients_per_chunk
-    self._per_chunk: Optional[int] = None
+    self._lanes_setting = lanes_per_device
+    self._lanes: Optional[int] = None
+    self._segment_steps = check_int(segment_steps, 'segment_steps')
+    self._window = check_int(window, 'window')
 
   @property
-  def clients_per_chunk(self) -> Optional[int]:
-    """The resolved chunk size per device (0: no limit; None: not yet)."""
-    return self._per_chunk
+  def lanes_per_device(self) -> Optional[int]:
+    """The resolved lanes per device (None: not yet)."""
+    return self._lanes
 
   def __call__(self, client_init, client_step, client_final):
     mesh = self._mesh or sharding.make_client_mesh()
     if mesh.multi_process:
       raise ValueError('VmapBackend runs the clients of one process; with '
                        'several processes use the fedlite_jax round engines.')
-    device_mesh = mesh if mesh.num_devices > 1 else None
-    devices = mesh.num_devices if device_mesh is not None else 1
-    programs: dict[tuple[bool, bool], engine_lib.VmappedClients] = {}
+    devices = mesh.num_devices
+    streams: dict[tuple[bool, bool], streaming.LaneStreams] = {}
+    slots: dict[tuple, int] = {}
 
-    def program(first: bool, last: bool) -> engine_lib.VmappedClients:
+    def program(first: bool, last: bool) -> streaming.LaneStreams:
       """init, steps, final; not first/last: from/to a carried state."""
-      if (first, last) not in programs:
+      if (first, last) not in streams:
 
         def init(shared_input, client_input):
           if first:
@@ -123,20 +131,72 @@ class VmapBackend(fedjax.ForEachClientBackend):
           return _cast_like(new_state, state), step_result
 
         def final(shared_input, state):
-          return client_final(shared_input, state) if last else state
+          return (client_final(shared_input, state) if last else state), None
 
-        programs[first, last] = engine_lib.VmappedClients(
-            init, step, final, mesh=device_mesh)
-      return programs[first, last]
+        streams[first, last] = streaming.LaneStreams(
+            init, step, final, mesh=mesh, collect=True)
+      return streams[first, last]
 
     no_steps = jax.jit(lambda s, c: client_final(s, client_init(s, c)))
 
-    def lanes_for(count: int, most: int) -> int:
-      """The smallest of ``devices * 2^k`` and ``most`` holding ``count``."""
-      lanes = devices
-      while lanes < count and lanes < most:
+    def lanes_for(count: int) -> int:
+      """Lanes per device: the smallest power of two holding ``count``
+      clients, at most the resolved lanes."""
+      lanes = 1
+      while lanes * devices < count and lanes < self._lanes:
         lanes *= 2
-      return max(min(lanes, most), -(-count // devices) * devices)
+      return min(lanes, self._lanes)
+
+    def run_phase(shared_input, key, members, runs, inputs):
+      """One run of equal-shape batches of each member, on lanes."""
+      first, last = key[0], key[1]
+      prog = program(first, last)
+      counts = [len(r) for r in runs]
+      lanes = lanes_for(len(members))
+      if (key, lanes) not in slots:
+        slots[key, lanes] = lanes_lib.choose_slots(
+            counts, lanes, self._segment_steps, devices)
+      plan = lanes_lib.plan_lanes(counts, lanes, self._segment_steps,
+                                  slots[key, lanes], devices)
+      _, _, outputs, results = prog.run(
+          shared_input, plan, runs, inputs, np.ones(len(members)),
+          (runs[0][0], inputs[0]))
+      counter['padded_steps'] += plan.executed_steps
+      counter['sequential_steps'] += plan.steps
+      counter['segments'] += plan.num_segments
+      return outputs, results
+
+    def run_window(shared_input, clients):
+      """``(output, step results)`` of each client, in window order."""
+      segments = [_segments(b) for _, b, _ in clients]
+      state = {i: cin for i, (_, _, cin) in enumerate(clients)}
+      results = {i: [] for i in range(len(clients))}
+      outputs = {}
+      for i, (_, batches, cin) in enumerate(clients):
+        if not batches:
+          outputs[i] = no_steps(shared_input, cin)
+      for j in range(max(len(s) for s in segments)):
+        phase = collections.OrderedDict()
+        for i, segs in enumerate(segments):
+          if j < len(segs):
+            key = (j == 0, j == len(segs) - 1, segs[j][0],
+                   _signature(state[i]))
+            phase.setdefault(key, []).append(i)
+        for key, members in phase.items():
+          runs = [clients[i][1][segments[i][j][1]:segments[i][j][2]]
+                  for i in members]
+          outs, res = run_phase(shared_input, key, members, runs,
+                                [state[i] for i in members])
+          for i, out, r in zip(members, outs, res):
+            results[i].extend(r)
+            if key[1]:
+              outputs[i] = out
+              del state[i]
+            else:
+              state[i] = out
+      return [(outputs.pop(i), results.pop(i)) for i in range(len(clients))]
+
+    counter = collections.Counter()
 
     def run(shared_input: PyTree,
             clients: Iterable[tuple[Any, Iterable[PyTree], PyTree]]
@@ -144,82 +204,26 @@ class VmapBackend(fedjax.ForEachClientBackend):
       clients = [(cid, list(batches), cin) for cid, batches, cin in clients]
       if not clients:
         return
-      if self._per_chunk is None:
-        self._per_chunk = chunking.resolve_clients_per_chunk(
-            self._per_chunk_setting, chunking.tree_bytes(shared_input))
-      per_chunk = self._per_chunk
-      segments = [_segments(b) for _, b, _ in clients]
-      groups = collections.OrderedDict()
-      empty = []
-      for i, (_, batches, cin) in enumerate(clients):
-        if not batches:
-          empty.append(i)
-          continue
-        key = (_signature(cin), segments[i][0][0])
-        groups.setdefault(key, []).append(i)
-      if device_mesh is not None:
-        shared_input = device_mesh.put_replicated(shared_input)
-      counts = collections.Counter()
-
-      def run_chunk(members: list[int], lanes: int):
-        """Runs the chunk's segments; returns per member (output, results)."""
-        state = {i: clients[i][2] for i in members}
-        results = {i: [] for i in members}
-        outputs = {}
-        for j in range(max(len(segments[i]) for i in members)):
-          phase = collections.OrderedDict()
-          for i in members:
-            if j < len(segments[i]):
-              last = j == len(segments[i]) - 1
-              phase.setdefault((segments[i][j][0], last), []).append(i)
-          for (_, last), part in phase.items():
-            seg_batches = [clients[i][1][segments[i][j][1]:segments[i][j][2]]
-                           for i in part]
-            longest = max(len(b) for b in seg_batches)
-            steps = chunking.bucket_steps(longest, self._bucket)
-            part_lanes = lanes_for(len(part), lanes)
-            prog = program(j == 0, last)
-            out, step_results = prog(shared_input, seg_batches,
-                                     [state[i] for i in part], steps,
-                                     lanes=part_lanes)
-            counts['padded_steps'] += part_lanes * steps
-            counts['chunks'] += 1
-            rows = prog.rows(part_lanes)
-            step_results = jax.device_get(step_results)
-            leaves, treedef = jax.tree.flatten(out)
-            for k, i in enumerate(part):
-              r = int(rows[k])
-              results[i].extend(
-                  jax.tree.map(lambda x, r=r, t=t: x[r, t], step_results)
-                  for t in range(len(seg_batches[k])))
-              row = jax.tree.unflatten(treedef, [x[r] for x in leaves])
-              if last:
-                outputs[i] = row
-                del state[i]
-              else:
-                state[i] = row
-            del out, leaves
-        return [(i, outputs.pop(i), results.pop(i)) for i in sorted(members)]
-
+      if self._lanes is None:
+        self._lanes = min(
+            stats.resolve_lanes(self._lanes_setting,
+                                stats.tree_bytes(shared_input)),
+            -(-len(clients) // devices))
+      shared_input = mesh.put_replicated(shared_input)
+      counter.clear()
+      size = self._window * self._lanes * devices
       try:
-        for i in empty:
-          cid, _, cin = clients[i]
-          counts['clients'] += 1
-          counts['chunks'] += 1
-          yield cid, no_steps(shared_input, cin), []
-        for members in groups.values():
-          steps = [len(clients[i][1]) for i in members]
-          for chunk in chunking.plan_chunks(steps, per_chunk, self._bucket,
-                                              devices):
-            done = run_chunk([members[m] for m in chunk.members], chunk.lanes)
-            counts['clients'] += len(done)
-            counts['client_steps'] += sum(len(clients[i][1])
-                                          for i, _, _ in done)
-            done.reverse()
-            while done:  # No lingering reference to a yielded output.
-              i, output, results = done.pop()
-              yield clients[i][0], output, results
+        for start in range(0, len(clients), size):
+          window = clients[start:start + size]
+          done = run_window(shared_input, window)
+          done.reverse()
+          for cid, _, _ in window:  # Call order; no lingering references.
+            output, results = done.pop()
+            yield cid, output, results
       finally:
-        chunking.record('vmap_backend', per_chunk, **counts)
+        stats.record('vmap_backend', clients=len(clients),
+                     client_steps=sum(len(b) for _, b, _ in clients),
+                     lanes=self._lanes * devices,
+                     segment_steps=self._segment_steps, **counter)
 
     return run

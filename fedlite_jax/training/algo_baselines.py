@@ -57,8 +57,7 @@ def _compressed_sgd(ctx: spec.BuildContext, name: str, upload,
       upload=upload, download_accounting=download_accounting,
       client_ids=ctx.train_client_ids,
       nonfinite=config.options['nonfinite_updates'], name=name,
-      engine=config.round_engine, steps_per_call=config.steps_per_call,
-      clients_per_chunk=config.clients_per_chunk)
+      **common.engine_options(config))
 
 
 def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
@@ -108,8 +107,7 @@ def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       download_accounting=opts['download_accounting'],
       client_ids=ctx.train_client_ids,
       nonfinite=opts['nonfinite_updates'],
-      engine=config.round_engine, steps_per_call=config.steps_per_call,
-      clients_per_chunk=config.clients_per_chunk)
+      **common.engine_options(config))
 
 
 SPECS = (

@@ -93,9 +93,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         download_accounting=opts['igc_download_accounting'],
         client_ids=ctx.train_client_ids,
         nonfinite=opts['nonfinite_updates'],
-        engine=config.round_engine,
-        steps_per_call=config.steps_per_call,
-        clients_per_chunk=config.clients_per_chunk,
+        **common.engine_options(config),
         project_on_server=opts['igc_project_on_server'])
 
   return build

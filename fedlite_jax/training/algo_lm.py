@@ -50,8 +50,7 @@ def _fedopt(ctx: spec.BuildContext, **kwargs) -> fedjax.FederatedAlgorithm:
       optimizers.server_optimizer(config),
       optimizers.client_batch_hparams(config),
       compression=compression, seed=config.seed,
-      engine=config.round_engine, steps_per_call=config.steps_per_call,
-      clients_per_chunk=config.clients_per_chunk,
+      **common.engine_options(config),
       nonfinite=_opt(config.options, common.NONFINITE_UPDATES), **kwargs)
 
 
@@ -88,8 +87,7 @@ def build_mime_lite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       server_learning_rate=float(config.server_lr),
       compression=compression_from_options(config.options),
       seed=config.seed, name='mime_lite',
-      engine=config.round_engine, steps_per_call=config.steps_per_call,
-      clients_per_chunk=config.clients_per_chunk,
+      **common.engine_options(config),
       nonfinite=_opt(config.options, common.NONFINITE_UPDATES))
 
 

@@ -75,7 +75,7 @@ CLIENT_EXECUTION = Option(
 #: FedAvg-style flags these algorithms do not read.
 IGNORED_FIELDS = ('server_optimizer', 'server_lr', 'server_beta1',
                   'server_beta2', 'server_eps', 'client_epochs',
-                  'round_engine', 'steps_per_call')
+                  'round_engine', 'steps_per_call', 'segment_steps')
 
 SPLIT_OPTIONS = (SERVER_OPTIMIZER, SERVER_LR, LABEL_BITS, CLIENT_WEIGHTING,
                  CLIENT_EXECUTION, PHI, common.NONFINITE_UPDATES)
@@ -106,7 +106,7 @@ def _common_kwargs(ctx: spec.BuildContext) -> dict:
       label_bits=opts['split_label_bits'],
       client_weighting=opts['split_client_weighting'],
       client_execution=opts['split_client_execution'],
-      clients_per_chunk=config.clients_per_chunk,
+      lanes_per_device=config.lanes_per_device,
       nonfinite=opts[common.NONFINITE_UPDATES.name])
 
 

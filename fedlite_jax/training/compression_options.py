@@ -221,3 +221,12 @@ def derived_seed(option_value: int, run_seed: int, salt: bytes) -> int:
   if option_value >= 0:
     return int(option_value) % 2**32
   return zlib.crc32(salt + int(run_seed).to_bytes(8, 'little', signed=True))
+
+
+def engine_options(config) -> dict:
+  """The round engine's keyword arguments of a ``RunConfig``
+  (``rounds.make_engine``: engine name, loop and lane settings)."""
+  return dict(engine=config.round_engine,
+              steps_per_call=config.steps_per_call,
+              lanes_per_device=config.lanes_per_device,
+              segment_steps=config.segment_steps)

@@ -14,6 +14,7 @@ import os
 from typing import Any, Iterable, Mapping, Sequence
 
 from fedlite_jax import rounds
+from fedlite_jax.models import layers as models_layers
 from fedlite_jax.models import lm
 from fedlite_jax.training import compression_options
 from fedlite_jax.training import registry
@@ -25,6 +26,8 @@ CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
 SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
 TOKENIZERS = ('word', 'sentencepiece')
 ROUND_ENGINES = rounds.ENGINE_NAMES
+CONV_IMPLEMENTATIONS = ('auto',) + models_layers.CONV_IMPLEMENTATIONS
+COMPUTE_DTYPES = ('float32', 'bfloat16')
 
 #: Largest ``--seed``: numpy's ``RandomState`` takes seeds in [0, 2**32 - 1]
 #: (``jax.random.PRNGKey`` would silently wrap larger ones).
@@ -111,10 +114,22 @@ class RunConfig:
       'step blocks; CPU), auto (by platform).', choices=ROUND_ENGINES)
   steps_per_call: int = _field(
       1, 'Loop engine: local steps unrolled per jitted call.', lower_bound=1)
-  clients_per_chunk: Any = _field(
-      'auto', 'vmap engine and split learning: clients per device in one '
-      'compiled program (peak memory follows it); auto = from model and '
-      'device memory, 0 = the whole cohort.', kind=str)
+  lanes_per_device: Any = _field(
+      'auto', 'vmap engine and split learning: clients run side by side per '
+      'device, each lane streaming its clients (peak memory follows it); '
+      'auto = from model and device memory, at most the cohort.', kind=str)
+  segment_steps: int = _field(
+      4, 'vmap engine: local steps unrolled per compiled segment.',
+      lower_bound=1)
+  conv_implementation: str = _field(
+      'auto', 'CNN convolutions: lax, im2col (a matmul: no grouped '
+      'convolution when vmapped over clients), auto (im2col with the vmap '
+      'engine or vmapped split learning). Equal to float rounding.',
+      choices=CONV_IMPLEMENTATIONS)
+  compute_dtype: str = _field(
+      'float32', 'Model computation dtype (flax dtype); parameters, '
+      'optimizer states, deltas and sums stay float32. bfloat16 is for '
+      'GPU/TPU.', choices=COMPUTE_DTYPES)
   client_cache_mb: int = _field(
       1024, 'MiB of decoded client data kept across rounds (LRU; 0 = off). '
       'No effect on results.', lower_bound=0)
@@ -167,16 +182,22 @@ class RunConfig:
   NON_RESULT_FIELDS = (
       'num_rounds', 'eval_every', 'eval_batch_size', 'eval_num_clients',
       'data_dir', 'output_dir', 'checkpoint_every', 'resume', 'overwrite',
-      'allow_download', 'round_engine', 'steps_per_call', 'clients_per_chunk',
-      'client_cache_mb', 'prefetch_clients', 'num_devices',
+      'allow_download', 'round_engine', 'steps_per_call', 'lanes_per_device',
+      'segment_steps', 'conv_implementation', 'client_cache_mb',
+      'prefetch_clients', 'num_devices',
       'coordinator_address', 'num_processes', 'process_id',
       'distributed_timeout', 'progress')
+
+  # Result fields added later, left out at their default so that runs
+  # written before them keep their identity.
+  OMITTED_AT_DEFAULT = {'compute_dtype': 'float32'}
 
   def fingerprint(self) -> dict[str, Any]:
     """The result-determining settings (stored in checkpoints, checked)."""
     known = registry.all_options()
     out = {k: v for k, v in dataclasses.asdict(self).items()
-           if k not in self.NON_RESULT_FIELDS and k != 'options'}
+           if k not in self.NON_RESULT_FIELDS and k != 'options' and
+           self.OMITTED_AT_DEFAULT.get(k, object()) != v}
     out['options'] = {k: v for k, v in sorted(self.options.items())
                       if k not in known or known[k].affects_result}
     return out
@@ -249,7 +270,8 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   config = RunConfig(**filled)
   for name in ('num_rounds', 'clients_per_round', 'client_batch_size',
                'client_epochs', 'eval_every', 'eval_batch_size', 'client_lr',
-               'server_lr', 'steps_per_call', 'sequence_length', 'vocab_size',
+               'server_lr', 'steps_per_call', 'segment_steps',
+               'sequence_length', 'vocab_size',
                'num_clients', 'dirichlet_alpha'):
     _positive(name, getattr(config, name))
   for name in ('checkpoint_every', 'client_clip_norm', 'eval_num_clients',
@@ -267,10 +289,12 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
                       'needs 2 of its 5,000 digits).')
   for name, allowed in (('client_optimizer', CLIENT_OPTIMIZERS),
                         ('server_optimizer', SERVER_OPTIMIZERS),
-                        ('round_engine', ROUND_ENGINES)):
+                        ('round_engine', ROUND_ENGINES),
+                        ('conv_implementation', CONV_IMPLEMENTATIONS),
+                        ('compute_dtype', COMPUTE_DTYPES)):
     _check_choice(name, getattr(config, name), allowed)
-  config = dataclasses.replace(config, clients_per_chunk=(
-      parse_clients_per_chunk(config.clients_per_chunk)))
+  config = dataclasses.replace(config, lanes_per_device=(
+      parse_lanes_per_device(config.lanes_per_device)))
   if not _is_int(config.client_cache_mb) or config.client_cache_mb < 0:
     raise ConfigError(f'--client_cache_mb={config.client_cache_mb}: must be an '
                       'integer >= 0 (MiB of decoded client data kept across '
@@ -319,19 +343,19 @@ def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
                       f'{", ".join(map(str, allowed))}.')
 
 
-def parse_clients_per_chunk(value: Any) -> int | str:
-  """``--clients_per_chunk`` as ``'auto'`` or an int >= 0, else ConfigError."""
+def parse_lanes_per_device(value: Any) -> int | str:
+  """``--lanes_per_device`` as ``'auto'`` or an int >= 1, else ConfigError."""
   if isinstance(value, str):
     text = value.strip()
     if text == 'auto':
       return 'auto'
-    if text.isdigit():
+    if text.isdigit() and int(text) >= 1:
       return int(text)
-  elif _is_int(value) and value >= 0:
+  elif _is_int(value) and value >= 1:
     return int(value)
-  raise ConfigError(f"--clients_per_chunk={value}: must be 'auto' or an "
-                    'integer >= 0 (clients per device in one compiled '
-                    'program of the vmap engine; 0 = the whole cohort).')
+  raise ConfigError(f"--lanes_per_device={value}: must be 'auto' or an "
+                    'integer >= 1 (clients run side by side per device by '
+                    'the vmap engine and split learning).')
 
 
 def _not_applicable(name: str, config: RunConfig) -> str | None:
@@ -356,10 +380,15 @@ def _not_applicable(name: str, config: RunConfig) -> str | None:
     return 'applies to --server_optimizer=adam, adagrad or yogi, not sgd'
   if name == 'steps_per_call' and config.round_engine == 'vmap':
     return 'applies to --round_engine=loop (or auto on CPU), not vmap'
-  if name == 'clients_per_chunk' and config.round_engine == 'loop' and \
+  if name == 'lanes_per_device' and config.round_engine == 'loop' and \
       config.algorithm not in ('splitfed', 'fedlite'):
     return ('applies to --round_engine=vmap (or auto on GPU/TPU) and split '
             'learning, not the loop engine')
+  if name == 'segment_steps' and (
+      config.round_engine == 'loop' or
+      config.algorithm in ('splitfed', 'fedlite')):
+    return ('applies to --round_engine=vmap (or auto on GPU/TPU), not the '
+            'loop engine or split learning')
   if name in ('coordinator_address', 'distributed_timeout') and \
       config.num_processes == 1:
     return 'applies to multi-host runs (--num_processes > 1)'

@@ -62,4 +62,6 @@ def build_lm(config: Any, info: datasets.DatasetInfo) -> Optional[Any]:
   return lm.create_lm(
       name, vocab_size=info.num_classes, max_length=info.sequence_length,
       oov_id=info.oov_id,
-      loss_reduction=getattr(config, 'lm_loss_reduction', 'sequence_sum'))
+      loss_reduction=getattr(config, 'lm_loss_reduction', 'sequence_sum'),
+      compute_dtype=(None if getattr(config, 'compute_dtype', 'float32') ==
+                     'float32' else config.compute_dtype))

@@ -24,6 +24,7 @@ import tqdm
 
 from fedlite_jax import checkpoint
 from fedlite_jax.algorithms import fedopt
+from fedlite_jax.algorithms.split_clients import resolve_client_execution
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import data_path
@@ -36,13 +37,15 @@ from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import engine as engine_lib
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
+from fedlite_jax.rounds import stats as stats_lib
 
 RunConfig = config_lib.RunConfig
 ConfigError = config_lib.ConfigError
 
 #: Engine counts of a metrics.jsonl row's rounds (``rounds.recording_stats``):
-#: useful local steps, steps executed (incl. masked), compiled-program runs.
-ROW_COUNTS = ('client_steps', 'padded_steps', 'chunks')
+#: useful local steps, lane-steps executed (incl. masked), steps one after
+#: another, compiled-program calls.
+ROW_COUNTS = ('client_steps', 'padded_steps', 'sequential_steps', 'segments')
 #: Wall-clock fields of a metrics.jsonl row (differ between identical runs).
 ROW_TIMINGS = ('seconds_per_round', 'data_seconds', 'train_seconds',
                'eval_seconds')
@@ -115,6 +118,24 @@ def run(config: RunConfig) -> dict[str, Any]:
         if (out / name).exists():
           shutil.copy(out / name, scratch / name)
     return _run(config, task, mesh, out, scratch)
+
+
+def _model_config(config: RunConfig, mesh: sharding.ClientMesh
+                  ) -> RunConfig:
+  """``config`` with ``--conv_implementation=auto`` resolved: im2col where
+  clients run vmapped (the vmap engine, vmapped split learning)."""
+  if config.conv_implementation != 'auto':
+    return config
+  if config.algorithm in ('splitfed', 'fedlite'):
+    vmapped = resolve_client_execution(
+        config.options.get('split_client_execution', 'auto')) == 'vmap'
+  else:
+    engine = config.round_engine
+    if engine == 'auto':
+      engine = 'vmap' if mesh.num_devices > 1 else default_engine_name()
+    vmapped = engine == 'vmap'
+  return dataclasses.replace(
+      config, conv_implementation='im2col' if vmapped else 'lax')
 
 
 def _load_init(config: RunConfig, like: Any
@@ -240,7 +261,9 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
                                                mesh.owner)
     source = remote.PartitionedFederatedData(source, mesh.is_local,
                                              mesh.owner)
-  split_model = task.build_model(config, info)
+  model_config = _model_config(config, mesh)
+  split_model_conv = model_config.conv_implementation
+  split_model = task.build_model(model_config, info)
   model = split_model.model
   params = model.init(jax.random.PRNGKey(config.seed))
   init = _load_init(config, params)
@@ -317,7 +340,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
                   disable=not config.progress or jax.process_index() != 0,
                   desc=f'{config.task}/{config.algorithm}', unit='round')
   try:
-    with engine_lib.recording_stats() as recorder:
+    with engine_lib.recording_stats() as recorder, \
+        stats_lib.counting_compilations() as compiles:
       for r in bar:
         t_data = time.perf_counter()
         sampled = cohorts.get(
@@ -384,11 +408,14 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       'seconds_per_round': (float(np.mean(round_seconds)) if round_seconds
                             else None),
       'round_engine': engine,
-      # Counts over every round (rows of earlier runs of a resumed one too).
-      'engine': {'name': engine_stats['name'],
-                 'clients_per_chunk': engine_stats['clients_per_chunk'],
+      # Counts over every round (rows of earlier runs of a resumed one too);
+      # compilations of this process since it started or resumed.
+      'engine': {**{k: engine_stats[k] for k in ('name',) + stats_lib.SETTINGS},
                  **{k: int(sum(r.get(k, 0) for r in rows))
-                    for k in ROW_COUNTS}},
+                    for k in ROW_COUNTS},
+                 'compilations': compiles.summary(stats_lib.CLIENT_PROGRAMS),
+                 'conv_implementation': split_model_conv,
+                 'compute_dtype': config.compute_dtype},
       'data': info.description,
       'synthetic_partition': info.synthetic_partition,
       'model': {'cut_layer': split_model.cut_layer,

@@ -81,9 +81,17 @@ def _loader(name: str) -> Callable[[RunConfig], Any]:
   return load
 
 
+def _compute_dtype(config: RunConfig) -> Any:
+  """The model's computation dtype (None: float32, the default)."""
+  return None if config.compute_dtype == 'float32' else config.compute_dtype
+
+
 def _cnn(config: RunConfig, info: LoadedInfo) -> models.SplitModel:
-  del config
-  return models.create_emnist_cnn(num_classes=info.dataset.num_classes)
+  conv = config.conv_implementation
+  return models.create_emnist_cnn(
+      num_classes=info.dataset.num_classes,
+      conv_implementation='lax' if conv == 'auto' else conv,
+      compute_dtype=_compute_dtype(config))
 
 
 def _lstm(config: RunConfig, info: LoadedInfo) -> models.SplitModel:

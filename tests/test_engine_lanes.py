@@ -1,0 +1,243 @@
+"""Lanes that stream clients: the plan, its bound, and results equal to the loop.
+
+References: the loop engine (one client at a time, no lanes) for the weighted
+sums and diagnostics; the plan's invariants checked step by step against the
+step counts; the sequential-step bound ``max(ceil(useful / L), longest) + S``
+on real FEMNIST cohorts; JAX's own compile events for the program count;
+the lowered HLO for the absence of convolutions under im2col.
+"""
+
+from __future__ import annotations
+
+import math
+
+import fedlite_jax  # noqa: F401
+import fedjax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedlite_jax.models import emnist
+from fedlite_jax.rounds import engine as E
+from fedlite_jax.rounds import lanes as L
+from fedlite_jax.rounds import stats
+
+
+def _check_plan(plan, counts, groups=None):
+  """Every invariant of a LanePlan against the step counts."""
+  counts = np.asarray(counts)
+  n = len(counts)
+  per, devices, slots = plan.lanes_per_device, plan.devices, plan.slots
+  lane_of = {}
+  for i, c in enumerate(counts):
+    where = np.argwhere(plan.client == i)
+    assert len(where) == c, (i, len(where), c)
+    assert len(set(where[:, 1])) == 1, 'a client moved lanes'
+    lane_of[i] = int(where[0, 1])
+    assert list(plan.batch[plan.client == i]) == list(range(c))
+    assert np.all(np.diff(where[:, 0]) > 0)
+  # Each client starts once (begin or a slot) and ends once (slot or finish).
+  started = [c for c in plan.begin if c >= 0] + [
+      c for c in plan.start_client.ravel() if c >= 0]
+  ended = [c for c in plan.finalize_client.ravel() if c >= 0] + [
+      c for c in plan.finish if c >= 0]
+  assert sorted(started) == list(range(n))
+  assert sorted(ended) == list(range(n))
+  for t, d, f in np.argwhere(plan.finalize >= 0):
+    lane = d * per + plan.finalize[t, d, f]
+    done, new = plan.finalize_client[t, d, f], plan.start_client[t, d, f]
+    assert lane_of[done] == lane
+    # Finalized after its last step, before the lane's next step.
+    assert np.max(np.flatnonzero(plan.client[:, lane] == done)) < t
+    if new >= 0:
+      assert lane_of[new] == lane
+      assert np.min(np.flatnonzero(plan.client[:, lane] == new)) == t
+  for lane, c in enumerate(plan.begin):
+    if c >= 0:
+      assert lane_of[c] == lane
+      assert np.min(np.flatnonzero(plan.client[:, lane] == c)) == 0
+  assert plan.finalize.shape[1:] == (devices, slots)
+  assert plan.steps % plan.segment_steps == 0
+  if groups is not None:
+    share = plan.lanes // len(groups)
+    for p, members in enumerate(groups):
+      for i in members:
+        assert p * share <= lane_of[i] < (p + 1) * share
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_plans_hold_every_invariant(seed):
+  rng = np.random.RandomState(seed)
+  counts = rng.randint(1, 15, size=rng.randint(1, 40))
+  for per in (1, 3, 7):
+    for slots in (1, 2, per):
+      for devices in (1, 2):
+        plan = L.plan_lanes(counts, per, 4, slots, devices)
+        _check_plan(plan, counts)
+        assert plan.useful_steps == counts.sum()
+  groups = [range(0, len(counts) // 2), range(len(counts) // 2, len(counts))]
+  if all(len(g) for g in groups):
+    plan = L.plan_lanes(counts, 2, 3, 1, 4, groups)
+    _check_plan(plan, counts, groups)
+
+
+def test_one_step_clients_finalize_on_every_lane():
+  plan = L.plan_lanes([1] * 10, 5, 4, 5)
+  _check_plan(plan, [1] * 10)
+  assert plan.last_step == 2 and L.choose_slots([1] * 10, 5, 4) == 5
+
+
+def _femnist_step_counts(data_dir, batch_size=20):
+  fd = fedjax.SQLiteFederatedData.new(
+      str(data_dir / 'femnist105' / 'federated_emnist_train.sqlite'))
+  return np.asarray([math.ceil(len(cds) / batch_size)
+                     for _, cds in fd.clients()])
+
+
+def test_sequential_steps_bound_on_real_femnist(data_dir):
+  if not (data_dir / 'femnist105').is_dir():
+    pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
+  steps = _femnist_step_counts(data_dir)
+  rng = np.random.RandomState(0)
+  segment = 4
+  for lanes in (10, 25, 50):
+    for _ in range(5):
+      counts = steps[rng.choice(len(steps), 100, replace=False)]
+      slots = L.choose_slots(counts, lanes, segment)
+      plan = L.plan_lanes(counts, lanes, segment, slots)
+      useful = int(counts.sum())
+      bound = max(-(-useful // lanes), int(counts.max())) + segment
+      assert plan.steps <= bound, (lanes, plan.steps, bound)
+      if lanes == 25:
+        assert plan.executed_steps / useful <= 1.10
+
+
+def test_bad_plan_inputs_are_one_line_errors():
+  with pytest.raises(ValueError, match='>= 1 local step'):
+    L.plan_lanes([2, 0], 2, 4, 1)
+  with pytest.raises(ValueError, match='lanes_per_device'):
+    L.plan_lanes([2], 0, 4, 1)
+  with pytest.raises(ValueError, match='exactly once'):
+    L.plan_lanes([2, 3], 1, 4, 1, 2, groups=[[0], [0]])
+  with pytest.raises(ValueError, match="lanes_per_device must be an int"):
+    stats.resolve_lanes('many', 10)
+  with pytest.raises(ValueError, match="lanes_per_device must be an int"):
+    E.VmapEngine(_program(), lanes_per_device=0)
+
+
+def test_auto_lanes_follow_memory_and_parameters():
+  gib = 2**30
+  small = stats.resolve_lanes('auto', 4 * 2**20, memory_bytes=80 * gib)
+  large = stats.resolve_lanes('auto', 84 * 2**20, memory_bytes=80 * gib)
+  lane = stats.AUTO_PARAM_COPIES * 84 * 2**20 + stats.AUTO_LANE_EXTRA_BYTES
+  assert large == int(stats.AUTO_MEMORY_FRACTION * 80 * gib // lane)
+  assert small == stats.AUTO_MAX_LANES
+  assert stats.resolve_lanes('auto', 10**12, memory_bytes=gib) == 1
+  assert stats.resolve_lanes(7, 1) == 7
+
+
+def _program():
+  def init(shared, client_input):
+    return {'w': shared['w'] * client_input['scale'], 'seen': jnp.zeros(())}
+
+  def step(state, batch):
+    g = jax.grad(lambda w: jnp.mean((batch['x'] @ w - batch['y'])**2))(
+        state['w'])
+    return {'w': state['w'] - 0.1 * g, 'seen': state['seen'] + 1}
+
+  def final(shared, state):
+    return {'delta': state['w'] - shared['w']}, {'steps': state['seen'],
+                                                 'norm': jnp.sum(state['w'])}
+
+  return E.ClientProgram(init, step, final)
+
+
+def _cohort(n, seed=0, max_steps=12):
+  rng = np.random.RandomState(seed)
+  work = []
+  for c in range(n):
+    batches = [{'x': rng.randn(4, 3).astype(np.float32),
+                'y': rng.randn(4).astype(np.float32)}
+               for _ in range(rng.randint(1, max_steps))]
+    work.append(E.ClientWork(bytes([c]), batches,
+                             {'scale': np.float32(1 + 0.1 * c)},
+                             float(rng.randint(1, 9))))
+  return work
+
+
+@pytest.mark.parametrize('lanes,slots', [(1, 'auto'), (3, 1), (3, 2),
+                                         (5, 'auto'), (13, 3),
+                                         ('auto', 'auto')])
+def test_vmap_engine_equals_the_loop_engine(lanes, slots):
+  work = _cohort(13)
+  shared = {'w': np.ones(3, np.float32)}
+  ref = E.LoopEngine(_program())(shared, work)
+  with stats.recording_stats() as rec:
+    out = E.VmapEngine(_program(), lanes_per_device=lanes, slots=slots)(
+        shared, work)
+    counts = rec.take()
+  np.testing.assert_allclose(out.weighted_sum['delta'],
+                             ref.weighted_sum['delta'], rtol=1e-5, atol=1e-6)
+  assert out.total_weight == ref.total_weight
+  for got, want, w in zip(out.diagnostics, ref.diagnostics, work):
+    assert int(got['steps']) == len(w.batches) == int(want['steps'])
+    np.testing.assert_allclose(got['norm'], want['norm'], rtol=1e-6)
+  useful = sum(len(w.batches) for w in work)
+  assert counts['client_steps'] == useful and counts['clients'] == 13
+  assert counts['padded_steps'] == counts['sequential_steps'] * counts['lanes']
+  assert counts['segments'] * 4 == counts['sequential_steps']
+  if lanes != 'auto':
+    assert counts['lanes'] == lanes
+    assert counts['sequential_steps'] <= max(
+        -(-useful // lanes), max(len(w.batches) for w in work)) + 4
+
+
+def test_one_program_for_every_cohort():
+  """Cohorts of other sizes and step counts reuse the first round's program
+  (counted by JAX's compile events)."""
+  shared = {'w': np.ones(3, np.float32)}
+  engine = E.VmapEngine(_program(), lanes_per_device=4, segment_steps=3)
+  engine(shared, _cohort(9, seed=0))
+  with stats.counting_compilations() as compiles:
+    for seed, n in ((1, 9), (2, 6), (3, 14), (4, 9)):
+      work = _cohort(n, seed=seed, max_steps=20)
+      out = engine(shared, work)
+      ref = E.LoopEngine(_program())(shared, work)
+      np.testing.assert_allclose(out.weighted_sum['delta'],
+                                 ref.weighted_sum['delta'], rtol=1e-5,
+                                 atol=1e-6)
+  assert compiles.count('lanes_segment', 'lanes_begin', 'lanes_finish') == 0
+
+
+def test_im2col_cnn_has_no_convolution_under_vmap():
+  """The vmap engine's CNN: lax.conv becomes a grouped convolution over
+  lanes; im2col leaves none and gives the same gradients to float rounding."""
+  batch = {'x': np.random.RandomState(0).rand(3, 20, 28, 28, 1).astype(
+      np.float32), 'y': np.tile(np.arange(20) % 62, (3, 1))}
+  keys = jax.random.split(jax.random.PRNGKey(1), 3)
+  grads = {}
+  for impl in ('lax', 'im2col'):
+    model = emnist.create_emnist_cnn(conv_implementation=impl).model
+    params = jax.tree.map(lambda x: jnp.stack([x] * 3),
+                          model.init(jax.random.PRNGKey(0)))
+    fn = jax.jit(jax.vmap(fedjax.model_grad(model)))
+    text = fn.lower(params, batch, keys).as_text()
+    convs = text.count('stablehlo.convolution')
+    assert (convs > 0) == (impl == 'lax'), (impl, convs)
+    grads[impl] = fn(params, batch, keys)
+  for a, b in zip(jax.tree.leaves(grads['lax']),
+                  jax.tree.leaves(grads['im2col'])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_loop_engine_records_its_steps():
+  work = _cohort(5, seed=3)
+  with stats.recording_stats() as rec:
+    E.LoopEngine(_program(), steps_per_call=4)({'w': np.ones(3, np.float32)},
+                                                work)
+  counts = rec.totals()
+  steps = [len(w.batches) for w in work]
+  assert counts['client_steps'] == sum(steps)
+  assert counts['padded_steps'] == sum(-(-n // 4) * 4 for n in steps)
+  assert counts['lanes'] == 1
