@@ -126,8 +126,12 @@ def test_bad_plan_inputs_are_one_line_errors():
     E.VmapEngine(_program(), lanes_per_device=0)
 
 
-def test_auto_lanes_follow_memory_and_parameters():
+def test_auto_lanes_follow_memory_and_parameters(monkeypatch):
   gib = 2**30
+  assert stats.resolve_lanes('auto', 4 * 2**20, memory_bytes=80 * gib) == (
+      stats.AUTO_CPU_LANES if jax.default_backend() == 'cpu' else
+      stats.AUTO_MAX_LANES)
+  monkeypatch.setattr(stats.jax, 'default_backend', lambda: 'gpu')
   small = stats.resolve_lanes('auto', 4 * 2**20, memory_bytes=80 * gib)
   large = stats.resolve_lanes('auto', 84 * 2**20, memory_bytes=80 * gib)
   lane = stats.AUTO_PARAM_COPIES * 84 * 2**20 + stats.AUTO_LANE_EXTRA_BYTES
