@@ -47,7 +47,7 @@ from fedlite_jax import models
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import igc
 from fedlite_jax.training.runner import client_rng
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 
 
 def build(grad_fn, local_steps: int, batch_size: int, d: int, lr: float,

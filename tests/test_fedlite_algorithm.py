@@ -30,8 +30,8 @@ from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import registry
 from fedlite_jax.training import runner
 from fedlite_jax.training import tasks
-from fedlite_jax.fedlite import pq
-from fedlite_jax.fedlite import vq_layer
+from fedlite_jax.transforms import pq
+from fedlite_jax.models import vq_layer
 
 ETA = 0.05
 

@@ -26,8 +26,8 @@ from fedlite_jax.algorithms import split_clients
 from fedlite_jax.algorithms.split_clients import (  # noqa: F401
     PAD_ID, ClientExecution, LambdaScaling, QuantizerConfig, client_batch,
     loss_vector_mask, resolve_client_execution)
-from fedlite_jax.fedlite import pq
-from fedlite_jax.fedlite import vq_layer
+from fedlite_jax.transforms import pq
+from fedlite_jax.models import vq_layer
 from fedlite_jax.models import split as split_lib
 from fedlite_jax.rounds import chunking
 from fedlite_jax.rounds import sharding

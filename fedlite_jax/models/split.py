@@ -15,7 +15,7 @@ import fedjax  # fedlite_jax/__init__.py has patched it already.
 import flax.linen as nn
 import jax
 
-from fedlite_jax.fedlite import vq_layer
+from fedlite_jax.models import vq_layer
 
 Array = jax.Array
 Params = Any  # A pytree of arrays: {'client': ..., 'server': ...}.
@@ -123,8 +123,8 @@ def build_split_model(*, client: nn.Module, server: nn.Module,
   Returns:
     A :class:`SplitModel` of jitted functions (``apply_for_train`` without a
     key raises Flax's ``InvalidRngError`` if the model uses dropout). A key
-    ``rng`` also gives a :class:`~fedlite_jax.fedlite.FedLiteQuantizer` its
-    ``'quantize'`` stream ``fold_in(rng, 1)``; without it the quantizer
+    ``rng`` also gives a :class:`~fedlite_jax.models.vq_layer.FedLiteQuantizer`
+    its ``'quantize'`` stream ``fold_in(rng, 1)``; without it the quantizer
     derives its k-means key from its input.
   """
   net = SplitNet(client=client, server=server)

@@ -15,7 +15,7 @@ from fedlite_jax.algorithms import splitfed
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 
 ConfigError = spec.ConfigError
 Option = spec.Option

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.common import PyTree
 
 __all__ = ['IntrinsicSubspace', 'intrinsic_subspace', 'make_intrinsic',
