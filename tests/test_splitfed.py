@@ -174,7 +174,7 @@ def mlp_split_model() -> models.SplitModel:
 
 
 @pytest.mark.parametrize('clients_per_chunk', [0, 3, 1])
-def test_num_examples_weighting_equals_weighted_sgd(femnist,
+def test_examples_weighting_equals_weighted_sgd(femnist,
                                                     clients_per_chunk):
   # Chunks of 3 (4 clients: a padded last chunk) or 1 sum the gradient over
   # programs; the update is the same weighted SGD step.
@@ -192,7 +192,7 @@ def test_num_examples_weighting_equals_weighted_sgd(femnist,
         p, b))) for b, w in parts)
 
   alg = sf.splitfed(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
-                    client_weighting='num_examples',
+                    client_weighting='examples',
                     clients_per_chunk=clients_per_chunk)
   with engine.recording_stats() as rec:
     _check_rounds(alg, params, clients,
@@ -213,7 +213,7 @@ def test_fedlite_in_chunks_equals_one_program(femnist):
   results = []
   for per_chunk in (0, 3):
     alg = sf.fedlite(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
-                     quantizer=quantizer, client_weighting='num_examples',
+                     quantizer=quantizer, client_weighting='examples',
                      clients_per_chunk=per_chunk)
     state, diag = alg.apply(alg.init(params), femnist[:4])
     results.append((state.params, diag))
@@ -291,3 +291,23 @@ def test_divergence_is_a_clear_error(femnist):
   state = alg.init(split_model.model.init(jax.random.PRNGKey(0)))
   with pytest.raises(FloatingPointError, match='non-finite'):
     alg.apply(state, femnist[:2])
+
+
+def test_one_weighting_vocabulary_across_algorithms():
+  # Split learning's p_i and FedOpt's client weights take the same values;
+  # the runner's --split_client_weighting offers exactly those.
+  from fedlite_jax.algorithms import fedopt  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import algo_splitfed  # pylint: disable=g-import-not-at-top
+  split_model = mlp_split_model()
+  opt = optax.sgd(0.1)
+  hp = fedopt.batch_hparams(10, 1)
+  grad_fn = fedjax.model_grad(split_model.model)
+  for value in ('examples', 'uniform'):
+    sf.splitfed(split_model, opt, opt, 10, client_weighting=value)
+    fedopt.federated_averaging(grad_fn, opt, opt, hp, weighting=value)
+  for value in ('num_examples', 'size'):
+    with pytest.raises(ValueError, match='allowed values are examples, uniform'):
+      sf.splitfed(split_model, opt, opt, 10, client_weighting=value)
+    with pytest.raises(ValueError, match='allowed values are examples, uniform'):
+      fedopt.federated_averaging(grad_fn, opt, opt, hp, weighting=value)
+  assert set(algo_splitfed.CLIENT_WEIGHTING.choices) == {'examples', 'uniform'}
