@@ -166,6 +166,7 @@ class QuantizerConfig:
 
   @property
   def shape(self) -> split_accounting.PQShape:
+    """``(q, R, L)`` as a :class:`~.split_accounting.PQShape`."""
     return split_accounting.PQShape(self.num_subvectors, self.num_groups,
                                     self.num_centroids)
 

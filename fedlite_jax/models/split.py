@@ -44,10 +44,12 @@ class SplitNet(nn.Module):
     return self.server_forward(self.client_forward(batch, train), batch, train)
 
   def client_forward(self, batch: Batch, train: bool) -> Array:
+    """The client part: ``batch`` -> activations at the cut, ``[B, (T,) d]``."""
     return self.client(batch, train)
 
   def server_forward(self, activations: Array, batch: Batch,
                      train: bool) -> Array:
+    """The server part: cut activations (and ``batch``) -> predictions."""
     return self.server(activations, batch, train)
 
 
