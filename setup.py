@@ -34,6 +34,15 @@ EXTRAS_REQUIRE = {
         'ruff>=0.6',  # .ci/run: ruff check (pyproject.toml).
     ],
     'notebooks': ['jupyter>=1.0', 'ipykernel>=6.29'],
+    # The documentation (docs/; .ci/run builds it with sphinx-build -W).
+    # Tested with Sphinx 9.0.4, sphinx-book-theme 1.4.0, myst-parser 5.2.0,
+    # myst-nb 1.4.0 on Python 3.11.
+    'docs': [
+        'sphinx>=8.1',
+        'sphinx-book-theme>=1.1',
+        'myst-parser>=4.0',
+        'myst-nb>=1.1',
+    ],
     # Benchmarks only (benchmarks/bench_pq.py's faiss columns; skipped with a
     # message when faiss is missing). Not needed by the library or its tests.
     'bench': ['faiss-cpu>=1.15.1'],

@@ -4,7 +4,7 @@
 Melas-Kyriazi & Wang (2022), Section 3.2: a product with the D x d Fastfood
 matrix costs O(L log L) time and O(L) memory (L = 2**ceil(log2 max(D, d))),
 never D x d. This script measures both claims for
-:func:`fedlite_jax.igc.fastfood.fastfood_project` / ``fastfood_lift``:
+:func:`fedlite_jax.transforms.fastfood.fastfood_project` / ``fastfood_lift``:
 
 * **Time** (in this process, one size after another): median ms per call of
   the jitted JAX operator and of a NumPy reference of the same operator that
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_fwht  # noqa: E402  (sibling script: C FWHT, timers)

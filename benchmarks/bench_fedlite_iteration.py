@@ -47,7 +47,7 @@ from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import splitfed as sf
 from fedlite_jax.training import runner
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 
 LAMBDA = 5e-5
 LAMBDA_SCALING = 'batch'

@@ -1,7 +1,7 @@
 """Benchmark: jitted JAX FWHT and Fastfood vs NumPy and C references, one process.
 
 Prints, per length n, the median wall time (ms) of
-  * ``jax``: :func:`fedlite_jax.igc.fwht.fwht` under ``jax.jit``;
+  * ``jax``: :func:`fedlite_jax.transforms.fwht.fwht` under ``jax.jit``;
   * ``c``: the in-place, cache-blocked, single-threaded C FWHT of
     ``benchmarks/c_fwht/fwht.c`` (built at run time with ``gcc -O3
     -march=native`` into a temporary directory, called through ``ctypes``;
@@ -57,8 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-from fedlite_jax.igc import fastfood as ff
-from fedlite_jax.igc.fwht import fwht
+from fedlite_jax.transforms import fastfood as ff
+from fedlite_jax.transforms.fwht import fwht
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2):

@@ -3,8 +3,9 @@
 
 One round of :func:`fedlite_jax.algorithms.igc.intrinsic_gradient_compression`
 (static: K = 1, no time variation; Melas-Kyriazi & Wang 2022, Algorithm 1)
-against one round of :func:`fedlite_jax.algorithms.fedopt.compressed_sgd`
-with ``upload=None`` (uncompressed SGD for one local step, FedAvg for more),
+against one round of IGC's SGD baseline,
+:func:`fedlite_jax.algorithms.fedopt.federated_averaging` with client weight 1
+and no upload transform (uncompressed SGD for one local step, FedAvg for more),
 both built as the experiment runner builds ``--algorithm=igc_static`` and
 ``--algorithm=sgd`` (``algo_igc.py`` / ``algo_baselines.py``): the EMNIST CNN
 of :func:`fedlite_jax.models.create_emnist_cnn` (1,206,590 parameters), client
@@ -47,16 +48,16 @@ from fedlite_jax import models
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import igc
 from fedlite_jax.training.runner import client_rng
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 
 
 def build(grad_fn, local_steps: int, batch_size: int, d: int, lr: float,
           client_ids) -> dict[str, fedjax.FederatedAlgorithm]:
   """The two algorithms, configured as the runner does."""
-  sgd = fedopt.compressed_sgd(
-      grad_fn, optax.sgd(lr), optax.sgd(1.0), batch_size=batch_size,
-      local_steps=local_steps, upload=None, download_accounting='dense',
-      client_ids=client_ids, name='sgd')
+  sgd = fedopt.federated_averaging(  # IGC's SGD baseline (runner's 'sgd').
+      grad_fn, optax.sgd(lr), optax.sgd(1.0),
+      fedopt.batch_hparams(batch_size, local_steps), weighting='uniform',
+      download_accounting='dense', client_ids=client_ids, name='sgd')
   igc_static = igc.intrinsic_gradient_compression(
       grad_fn, optax.sgd(lr), optax.sgd(1.0), batch_size=batch_size,
       intrinsic_dim=d, local_steps=local_steps, num_subspaces=1,

@@ -8,7 +8,7 @@ quantization. This benchmark times, in one process, on real TFF Shakespeare
 clients (SentencePiece 4,096 ids) and the same cohorts, batches and PRNG keys:
 
 * a round of plain FedAvg (``fedlite_jax.algorithms.federated_averaging``),
-* a round of ``efficient_federated_averaging`` with PVT 40% + 8-bit uniform
+* a round of ``federated_averaging`` with PVT 40% + 8-bit uniform
   upload (the client computes the full gradient and zeroes the frozen
   variables),
 
@@ -194,7 +194,7 @@ def main() -> None:
   algs = {
       'FedAvg': federated_averaging(grad_fn, client_opt, server_opt, hp,
                                     engine=args.engine),
-      label: fedopt.efficient_federated_averaging(
+      label: fedopt.federated_averaging(
           grad_fn, client_opt, server_opt, hp, engine=args.engine,
           compression=fedopt.Compression(upload=upload,
                                          pvt_fraction=args.pvt)),

@@ -1,4 +1,4 @@
-"""Benchmark: FedLite grouped PQ (fedlite_jax.fedlite.pq) vs faiss and SciPy.
+"""Benchmark: FedLite grouped PQ (fedlite_jax.transforms.pq) vs faiss and SciPy.
 
 Two parts (``--parts``, comma-separated; default both):
 
@@ -73,7 +73,7 @@ import jax
 import numpy as np
 from scipy.cluster import vq as scipy_vq
 
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 
 try:
   from sklearn.cluster import KMeans  # pylint: disable=g-import-not-at-top

@@ -56,7 +56,7 @@ import numpy as np
 
 from fedlite_jax import datasets
 from fedlite_jax import models
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 from fedlite_jax.training import init_params
 import provenance
 import stats

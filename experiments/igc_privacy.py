@@ -21,7 +21,8 @@ Setup (choices the paper leaves open are flags):
 * Models at random initialization (the seed's), as in DLG: ``DlgLeNet``
   (DLG's LeNet, sigmoid, D = 44,054) and the project's FEMNIST CNN (relu,
   D = 1,206,590, dropout off) on ``--cnn_images_per_seed`` of the images.
-* Attack: :func:`fedlite_jax.igc.privacy.gradient_inversion`, L-BFGS for
+* Attack: :func:`gradient_inversion.gradient_inversion` (beside this file,
+  ``experiments/gradient_inversion.py``), L-BFGS for
   ``--attack_steps`` iterations from ``x' ~ N(0, 1)``, relative matching
   loss, plus ``tv_weight * TV(x')`` for each of ``--tv_weights``;
   ``--label_mode=known`` gives the attacker the true label. An image uses the
@@ -60,9 +61,9 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from fedlite_jax.datasets import load_federated_data
-from fedlite_jax.igc import fastfood as ff
-from fedlite_jax.igc import privacy
+from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.models import emnist
+import gradient_inversion as privacy
 import provenance
 import stats
 

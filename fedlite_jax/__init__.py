@@ -13,8 +13,8 @@ _compat.apply()
 
 __version__ = '0.1.0'
 
-_SUBPACKAGES = ('algorithms', 'checkpoint', 'comm', 'datasets', 'fedlite',
-                'igc', 'models', 'rounds', 'training', 'transforms')
+_SUBPACKAGES = ('algorithms', 'checkpoint', 'comm', 'datasets', 'models',
+                'rounds', 'training', 'transforms')
 
 
 def __getattr__(name: str):

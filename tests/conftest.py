@@ -94,7 +94,7 @@ def data_skip_reason(
   parts = [f'{sub}/ ({", ".join(names)}: {about})'
            for sub, (names, about) in layout.items()]
   return (f'needs the real federated data ({where}). Set {DATA_DIR_ENV} to a '
-          f'folder holding {"; ".join(parts)}. See README.md, "Data".')
+          f'folder holding {"; ".join(parts)}. See docs/data.md, "Test data".')
 
 
 @pytest.fixture(scope='session')

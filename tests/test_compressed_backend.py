@@ -3,7 +3,7 @@
 Independent expectations: the IGC message size ``8 d + 64`` bits (d = 4096
 intrinsic coordinates at 8 bits plus the quantizer's min/max) against ``32
 D`` for FedAvg; 16-bit uniform download ``16 D + 64 L`` (L = number of
-variables); our own builder ``efficient_federated_averaging`` with the same
+variables); our own builder ``federated_averaging`` with the same
 transforms and seed (same PRNG streams: it must give the same model); plain
 FedJAX (no compression) for the pass-through path; and the loss of the
 trained model on the clients' data.
@@ -113,7 +113,7 @@ def test_fedjax_fed_avg_igc_upload_16bit_download(femnist_train, cnn):
       _loss(model, params, femnist_train) - 0.2)
 
 
-def test_fed_avg_backend_equals_efficient_builder(femnist_train, cnn):
+def test_fed_avg_backend_equals_our_federated_averaging(femnist_train, cnn):
   model, params = cnn
   up = T.chain(T.intrinsic_projection(4096), T.uniform_quantization(8))
   down = T.uniform_quantization(16)
@@ -123,7 +123,7 @@ def test_fed_avg_backend_equals_efficient_builder(femnist_train, cnn):
     theirs = fed_avg.federated_averaging(
         fedjax.model_grad(model), fedjax.optimizers.sgd(0.1),
         fedjax.optimizers.sgd(1.0), hp)
-  ours = fedopt.efficient_federated_averaging(
+  ours = fedopt.federated_averaging(
       fedjax.model_grad(model), optax.sgd(0.1), optax.sgd(1.0), hp,
       compression=fedopt.Compression(upload=up, download=down), seed=3,
       engine='loop')

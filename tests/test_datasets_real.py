@@ -1,7 +1,7 @@
 """Loads the real test data (FEMNIST-105, Shakespeare) through every path.
 
-Expected counts are those of the data folder's datasets (README, "Data":
-105 FEMNIST writers with 14,708 / 1,685 examples; TFF's Shakespeare, 715
+Expected counts are those of the data folder's datasets (docs/data.md, "Test
+data": 105 FEMNIST writers with 14,708 / 1,685 examples; TFF's Shakespeare, 715
 clients with 16,068 / 2,356 snippets); raw arrays are compared with what ``sqlite3`` +
 FedJAX's own deserializer or ``h5py`` read straight from the files.
 """

@@ -1,4 +1,4 @@
-"""Tests for fedlite_jax.igc.fastfood: the Fastfood matrix A and its adjoint."""
+"""Tests for fedlite_jax.transforms.fastfood: the Fastfood matrix A and its adjoint."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import scipy.linalg
 import scipy.stats
 
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 
 
 def _dense_from_parts(p: ff.FastfoodParams) -> np.ndarray:

@@ -30,8 +30,8 @@ from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import registry
 from fedlite_jax.training import runner
 from fedlite_jax.training import tasks
-from fedlite_jax.fedlite import pq
-from fedlite_jax.fedlite import vq_layer
+from fedlite_jax.transforms import pq
+from fedlite_jax.models import vq_layer
 
 ETA = 0.05
 
@@ -348,7 +348,7 @@ def test_lambda_changes_only_the_client_update_by_eq5(femnist, scaling):
 
 def test_update_equals_whole_model_grad_with_vq_layer_at_the_cut(femnist):
   # Independent implementation of the corrected update: jax.grad of the
-  # whole model's mean loss with fedlite.vq_layer's custom_vjp layer dropped
+  # whole model's mean loss with models.vq_layer's custom_vjp layer dropped
   # in at the cut (per client, its own k-means key), then SGD.
   clients, _ = femnist
   clients = clients[:3]

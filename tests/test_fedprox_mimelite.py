@@ -68,7 +68,7 @@ def test_fedprox_matches_fedjax(femnist, mu, server):
       fedjax.model_per_example_loss(model), fedjax.optimizers.sgd(0.1),
       fedjax.optimizers.create_optimizer_from_optax(server_opt), hp,
       proximal_weight=mu)
-  ours = fedopt.efficient_federated_averaging(
+  ours = fedopt.federated_averaging(
       fedjax.model_grad(model), optax.sgd(0.1), server_opt, hp,
       fedprox_mu=mu, engine='loop')
   ref_state = ref.init(params)
@@ -138,7 +138,7 @@ def test_fedprox_closed_form_two_steps():
   counts = [4, 12]
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=None,
                                         num_steps=2, seed=0)
-  alg = fedopt.efficient_federated_averaging(
+  alg = fedopt.federated_averaging(
       _quadratic_grad, optax.sgd(eta), optax.sgd(1.0), hp, fedprox_mu=mu,
       engine='loop')
   state, _ = alg.apply(alg.init({'w': jnp.asarray(w0)}),
@@ -172,7 +172,7 @@ def test_mimelite_closed_form_sgd_base():
 
 def test_bad_settings_raise():
   with pytest.raises(ValueError, match='fedprox_mu'):
-    fedopt.efficient_federated_averaging(
+    fedopt.federated_averaging(
         _quadratic_grad, optax.sgd(0.1), optax.sgd(1.0),
         fedjax.ShuffleRepeatBatchHParams(batch_size=2), fedprox_mu=-1.0)
   with pytest.raises(ValueError, match='grads_batch_size'):
@@ -184,7 +184,7 @@ def test_bad_settings_raise():
 def test_nonfinite_update_is_a_clear_error():
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=None,
                                         num_steps=1, seed=0)
-  alg = fedopt.efficient_federated_averaging(
+  alg = fedopt.federated_averaging(
       _quadratic_grad, optax.sgd(float('nan')), optax.sgd(1.0), hp,
       engine='loop')
   with pytest.raises(FloatingPointError, match='non-finite'):

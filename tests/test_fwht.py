@@ -1,4 +1,4 @@
-"""Tests for fedlite_jax.igc.fwht against scipy.linalg.hadamard."""
+"""Tests for fedlite_jax.transforms.fwht against scipy.linalg.hadamard."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from fedlite_jax.igc import fwht as fwht_lib
-from fedlite_jax.igc.fwht import fwht
+from fedlite_jax.transforms import fwht as fwht_lib
+from fedlite_jax.transforms.fwht import fwht
 
 SMALL_NS = [2**k for k in range(0, 11)]  # 1 .. 1024: all residues mod 4.
 

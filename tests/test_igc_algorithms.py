@@ -31,7 +31,7 @@ from fedlite_jax.training import algo_igc  # noqa: F401  (registers igc_*)
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import registry
 from fedlite_jax.training import tasks
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 
 LR = 0.5
 BATCH = 16

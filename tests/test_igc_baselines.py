@@ -40,6 +40,16 @@ class _Mlp(nn.Module):
     return nn.Dense(62)(nn.relu(nn.Dense(8)(x)))
 
 
+def _sgd_baseline(grad_fn, client_opt, server_opt, *, batch_size,
+                  local_steps=1, upload=None, **kwargs):
+  """IGC's SGD / FedAvg-with-local-steps / local Top-K baseline: FedAvg with
+  ``local_steps`` batches per client, client weight 1, ``upload`` chain."""
+  return fedopt.federated_averaging(
+      grad_fn, client_opt, server_opt,
+      fedopt.batch_hparams(batch_size, local_steps), weighting='uniform',
+      compression=fedopt.Compression(upload=upload), **kwargs)
+
+
 @pytest.fixture(scope='module')
 def setup(data_dir):
   net = _Mlp()
@@ -91,7 +101,7 @@ def _run(alg, params, rounds):
 def test_sgd_and_fedavg_local_steps_match_reference(setup, local_steps):
   grad_fn, params0, ids, _ = setup
   rounds = _rounds(setup, PATTERN[:3])
-  alg = fedopt.compressed_sgd(
+  alg = _sgd_baseline(
       grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
       local_steps=local_steps, client_ids=ids, engine='loop')
   _, history, diags = _run(alg, params0, rounds)
@@ -112,7 +122,7 @@ def test_local_topk_matches_numpy_reference(setup, index_bits):
   grad_fn, params0, ids, _ = setup
   k = 300
   rounds = _rounds(setup, PATTERN[:3])
-  alg = fedopt.compressed_sgd(
+  alg = _sgd_baseline(
       grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
       upload=tx.top_k(k, index_bits), download_accounting='changed',
       client_ids=ids, engine='loop')
@@ -214,7 +224,7 @@ def test_download_is_weights_changed_since_last_participation(setup, method):
   grad_fn, params0, ids, _ = setup
   rounds = _rounds(setup, PATTERN)
   if method == 'topk':
-    alg = fedopt.compressed_sgd(
+    alg = _sgd_baseline(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(50), download_accounting='changed', client_ids=ids,
         engine='loop')
@@ -240,20 +250,20 @@ def test_bad_settings(setup):
     fetchsgd.fetchsgd(grad_fn, optax.sgd(LR), batch_size=BATCH, rows=3,
                       cols=10, k=D + 1, client_ids=ids).init(params0)
   with pytest.raises(ValueError, match='exceeds'):
-    fedopt.compressed_sgd(
+    _sgd_baseline(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(D + 1)).init(params0)
   with pytest.raises(ValueError, match='stateless'):
-    fedopt.compressed_sgd(
+    _sgd_baseline(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(5, error_feedback=True)).init(params0)
   with pytest.raises(ValueError, match='client_ids'):
-    fedopt.compressed_sgd(
+    _sgd_baseline(
         grad_fn, optax.sgd(LR), optax.sgd(1.0), batch_size=BATCH,
         upload=tx.top_k(5), download_accounting='changed')
   with pytest.raises(ValueError, match='momentum'):
     fetchsgd.fetchsgd(grad_fn, optax.sgd(LR), batch_size=BATCH, rows=3,
                       cols=10, k=5, momentum=1.0, download_accounting='dense')
   with pytest.raises(ValueError, match='local_steps'):
-    fedopt.compressed_sgd(grad_fn, optax.sgd(LR), optax.sgd(1.0),
+    _sgd_baseline(grad_fn, optax.sgd(LR), optax.sgd(1.0),
                                   batch_size=BATCH, local_steps=0)

@@ -44,6 +44,16 @@ class _Mlp(nn.Module):
     return nn.Dense(62)(nn.relu(nn.Dense(32)(x)))
 
 
+def _sgd_baseline(grad_fn, client_opt, server_opt, *, batch_size,
+                  local_steps=1, upload=None, **kwargs):
+  """IGC's SGD / FedAvg-with-local-steps / local Top-K baseline: FedAvg with
+  ``local_steps`` batches per client, client weight 1, ``upload`` chain."""
+  return fedopt.federated_averaging(
+      grad_fn, client_opt, server_opt,
+      fedopt.batch_hparams(batch_size, local_steps), weighting='uniform',
+      compression=fedopt.Compression(upload=upload), **kwargs)
+
+
 @pytest.fixture(scope='module')
 def task(data_dir):
   net = _Mlp()
@@ -66,11 +76,11 @@ def _builders(grad_fn, ids, rpe):
   ig = lambda **kw: igc.intrinsic_gradient_compression(
       grad_fn, sgd(), server(), intrinsic_dim=2048, seed=1, **common, **kw)
   return {
-      'sgd': lambda: fedopt.compressed_sgd(grad_fn, sgd(), server(),
+      'sgd': lambda: _sgd_baseline(grad_fn, sgd(), server(),
                                                    **common),
-      'fedavg_3_steps': lambda: fedopt.compressed_sgd(
+      'fedavg_3_steps': lambda: _sgd_baseline(
           grad_fn, sgd(), server(), local_steps=3, **common),
-      'topk': lambda: fedopt.compressed_sgd(
+      'topk': lambda: _sgd_baseline(
           grad_fn, sgd(), server(), upload=tx.top_k(2000),
           download_accounting='changed', **common),
       'fetchsgd': lambda: fetchsgd.fetchsgd(

@@ -1,4 +1,4 @@
-"""Gradient inversion (DLG) against full and intrinsically compressed updates.
+"""experiments/gradient_inversion.py: DLG against full and compressed updates.
 
 Independent expectations:
 * a single-example gradient of a linear softmax layer determines the input
@@ -14,14 +14,21 @@ Independent expectations:
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from fedlite_jax.igc import fastfood as ff
-from fedlite_jax.igc import privacy
+from fedlite_jax.transforms import fastfood as ff
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent /
+                       'experiments'))
+# The attack lives beside its experiment (experiments/igc_privacy.py).
+import gradient_inversion as privacy  # noqa: E402  pylint: disable=g-import-not-at-top
 
 IN = 8
 HIDDEN = 6

@@ -1,8 +1,10 @@
 """The package's layering, read from the source, and the algorithm registry.
 
-Layers, bottom to top: ``fedlite_jax.transforms`` (compression, plain JAX)
--> ``fedlite_jax.algorithms`` (FedJAX algorithm builders) ->
-``fedlite_jax.training`` (the runner library) -> ``experiments/`` (binaries).
+Layers, bottom to top: ``fedlite_jax.transforms`` (compression and its
+kernels, plain JAX) -> ``fedlite_jax.models`` (flax models and FedLite's VQ
+layer) -> ``fedlite_jax.algorithms`` (FedJAX algorithm builders) ->
+``fedlite_jax.training`` (the runner library) -> ``experiments/`` (binaries,
+and libraries only they use, such as the gradient-inversion attack).
 These tests check that
 
   * the graph of import-time imports among ``fedlite_jax`` modules has no
@@ -256,10 +258,34 @@ def test_training_has_no_cycle_even_through_function_level_imports():
 
 
 def test_transforms_import_neither_fedjax_nor_higher_layers():
+  # Kernels (FWHT, Fastfood, PQ, k-means) live here, beside the transforms
+  # that use them: plain JAX, no model library.
   bad = violations('fedlite_jax.transforms',
-                   ('fedjax', 'fedlite_jax.algorithms',
-                    'fedlite_jax.training', 'fedlite_jax.rounds'))
+                   ('fedjax', 'flax', 'haiku', 'fedlite_jax.models',
+                    'fedlite_jax.algorithms', 'fedlite_jax.training',
+                    'fedlite_jax.rounds'))
   assert not bad, 'layering: ' + '; '.join(bad)
+
+
+def test_models_import_no_algorithm_layer():
+  # The VQ layer is a model layer: models use transforms' kernels, never
+  # the algorithms, round engines or the runner.
+  bad = violations('fedlite_jax.models',
+                   ('fedlite_jax.algorithms', 'fedlite_jax.training',
+                    'fedlite_jax.rounds'))
+  assert not bad, 'layering: ' + '; '.join(bad)
+
+
+def test_the_package_is_organized_by_layer_not_by_paper():
+  # FedLite's and IGC's pieces live in their layers (transforms, models,
+  # algorithms, experiments); there are no per-paper subpackages.
+  modules = package_modules()
+  assert not [m for m in modules
+              if m.startswith(('fedlite_jax.igc', 'fedlite_jax.fedlite'))]
+  assert {'fedlite_jax.transforms.fwht', 'fedlite_jax.transforms.fastfood',
+          'fedlite_jax.transforms.pq', 'fedlite_jax.transforms.kmeans',
+          'fedlite_jax.transforms.reparameterization',
+          'fedlite_jax.models.vq_layer'} <= set(modules)
 
 
 def test_algorithms_do_not_import_training():

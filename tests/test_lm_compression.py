@@ -54,7 +54,7 @@ HP = fedjax.ShuffleRepeatBatchHParams(batch_size=4, num_epochs=None,
 
 
 def _one_round(compression, centers=(1.5,)):
-  alg = fedopt.efficient_federated_averaging(
+  alg = fedopt.federated_averaging(
       _grad_fn, optax.sgd(ETA), optax.sgd(1.0), HP, compression=compression,
       engine='loop')
   return alg.apply(alg.init(PARAMS), _clients(centers))
@@ -111,7 +111,7 @@ def test_download_quantization_clients_start_from_quantized_model():
 
 def test_download_quantization_is_fresh_per_round_and_unbiased():
   comp = fedopt.Compression(download=transforms.uniform_quantization(2))
-  alg = fedopt.efficient_federated_averaging(
+  alg = fedopt.federated_averaging(
       _grad_fn, optax.sgd(ETA), optax.sgd(1.0), HP, compression=comp,
       engine='loop')
   received = []

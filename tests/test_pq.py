@@ -1,4 +1,4 @@
-"""Tests for fedlite_jax.fedlite.pq (FedLite, Section 4.1).
+"""Tests for fedlite_jax.transforms.pq (FedLite, Section 4.1).
 
 Expectations come from the paper's numbers and from a NumPy Lloyd's algorithm
 written here independently (float64, exact squared distances), started from
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy.cluster import vq as scipy_vq
 
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 
 # ----------------------------------------------------------------------------
 # Independent NumPy reference.

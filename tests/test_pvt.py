@@ -136,7 +136,7 @@ def test_pvt_100_percent_equals_fedavg(tiny_lm):
   server = optax.adam(1e-2)
   ref = federated_averaging(grad_fn, optax.sgd(0.1), server, hp,
                             engine='loop')
-  ours = fedopt.efficient_federated_averaging(
+  ours = fedopt.federated_averaging(
       grad_fn, optax.sgd(0.1), server, hp,
       compression=fedopt.Compression(pvt_fraction=1.0), engine='loop')
   ref_state, _ = ref.apply(ref.init(params), clients)
@@ -153,7 +153,7 @@ def test_pvt_upload_bits_and_frozen_variables(tiny_lm):
   model, params = tiny_lm
   clients = _token_clients(3, 128, seed=1)
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=16)
-  alg = fedopt.efficient_federated_averaging(
+  alg = fedopt.federated_averaging(
       fedjax.model_grad(model), optax.sgd(0.5), optax.sgd(1.0), hp,
       compression=fedopt.Compression(
           upload=transforms.uniform_quantization(8), pvt_fraction=0.4),
@@ -202,7 +202,7 @@ def test_server_averages_each_variable_over_its_trainers():
              for i, (c, n) in enumerate(zip(centers, counts))]
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=None,
                                         num_steps=1, seed=0)
-  alg = fedopt.efficient_federated_averaging(
+  alg = fedopt.federated_averaging(
       grad_fn, optax.sgd(eta), optax.sgd(1.0), hp,
       compression=fedopt.Compression(pvt_fraction=0.5), engine='loop')
   state, diag = alg.apply(alg.init(params), clients)

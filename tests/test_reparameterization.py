@@ -1,4 +1,4 @@
-"""Tests for fedlite_jax.igc.reparameterization: theta = theta_0 + A theta'."""
+"""Tests for fedlite_jax.transforms.reparameterization: theta = theta_0 + A theta'."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from fedlite_jax.igc import fastfood as ff
-from fedlite_jax.igc import reparameterization as reparam
+from fedlite_jax.transforms import fastfood as ff
+from fedlite_jax.transforms import reparameterization as reparam
 
 
 class _MLP(nn.Module):

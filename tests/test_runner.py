@@ -146,7 +146,7 @@ def test_fedavg_local_steps_equals_sgd_local_steps(tmp_path):
   """``fedavg --local_steps=3`` is FedAvg with 3 local iterations.
 
   With one client per round the aggregation weights cancel, so it must equal
-  the independently built ``sgd --local_steps=3`` (compressed_sgd without a
+  the independently built ``sgd --local_steps=3`` (uniform weights, no
   compressor, same batches), and differ from one local epoch.
   """
   kw = dict(task='embedded_mnist', num_rounds=2, clients_per_round=1,

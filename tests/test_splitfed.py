@@ -173,10 +173,10 @@ def mlp_split_model() -> models.SplitModel:
       cut_layer='dense', cut_size=16)
 
 
-@pytest.mark.parametrize('lanes', ['auto', 3, 1])
-def test_num_examples_weighting_equals_weighted_sgd(femnist, lanes):
-  # 3 lanes (4 clients: a padded second call) or 1 sum the gradient over
-  # calls; the update is the same weighted SGD step.
+@pytest.mark.parametrize('lanes', [4, 3, 1])
+def test_examples_weighting_equals_weighted_sgd(femnist, lanes):
+  # 4 lanes (one call), 3 (4 clients: a padded second call) or 1 sum the
+  # gradient over calls; the update is the same weighted SGD step.
   split_model = mlp_split_model()
   model = split_model.model
   params = model.init(jax.random.PRNGKey(3))
@@ -191,15 +191,14 @@ def test_num_examples_weighting_equals_weighted_sgd(femnist, lanes):
         p, b))) for b, w in parts)
 
   alg = sf.splitfed(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
-                    client_weighting='num_examples',
-                    lanes_per_device=lanes)
+                    client_weighting='examples', lanes_per_device=lanes)
   with engine.recording_stats() as rec:
     _check_rounds(alg, params, clients,
                   lambda p: _sgd_reference(model, p, loss))
   stats = rec.totals()
   assert stats['clients'] == 8
-  assert stats['segments'] == 2 * {'auto': 1, 3: 2, 1: 4}[lanes]
-  assert stats['lanes'] == {'auto': 4, 3: 3, 1: 1}[lanes]
+  assert stats['segments'] == 2 * {4: 1, 3: 2, 1: 4}[lanes]
+  assert stats['lanes'] == lanes
 
 
 def test_fedlite_on_lanes_equals_one_call(femnist):
@@ -211,9 +210,9 @@ def test_fedlite_on_lanes_equals_one_call(femnist):
   quantizer = sf.QuantizerConfig(num_subvectors=4, num_groups=1,
                                  num_centroids=2, correction_lambda=1e-3)
   results = []
-  for lanes in ('auto', 3):
+  for lanes in (4, 3):
     alg = sf.fedlite(split_model, optax.sgd(ETA_C), optax.sgd(ETA_S), 10,
-                     quantizer=quantizer, client_weighting='num_examples',
+                     quantizer=quantizer, client_weighting='examples',
                      lanes_per_device=lanes)
     state, diag = alg.apply(alg.init(params), femnist[:4])
     results.append((state.params, diag))
@@ -291,3 +290,23 @@ def test_divergence_is_a_clear_error(femnist):
   state = alg.init(split_model.model.init(jax.random.PRNGKey(0)))
   with pytest.raises(FloatingPointError, match='non-finite'):
     alg.apply(state, femnist[:2])
+
+
+def test_one_weighting_vocabulary_across_algorithms():
+  # Split learning's p_i and FedOpt's client weights take the same values;
+  # the runner's --split_client_weighting offers exactly those.
+  from fedlite_jax.algorithms import fedopt  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import algo_splitfed  # pylint: disable=g-import-not-at-top
+  split_model = mlp_split_model()
+  opt = optax.sgd(0.1)
+  hp = fedopt.batch_hparams(10, 1)
+  grad_fn = fedjax.model_grad(split_model.model)
+  for value in ('examples', 'uniform'):
+    sf.splitfed(split_model, opt, opt, 10, client_weighting=value)
+    fedopt.federated_averaging(grad_fn, opt, opt, hp, weighting=value)
+  for value in ('num_examples', 'size'):
+    with pytest.raises(ValueError, match='allowed values are examples, uniform'):
+      sf.splitfed(split_model, opt, opt, 10, client_weighting=value)
+    with pytest.raises(ValueError, match='allowed values are examples, uniform'):
+      fedopt.federated_averaging(grad_fn, opt, opt, hp, weighting=value)
+  assert set(algo_splitfed.CLIENT_WEIGHTING.choices) == {'examples', 'uniform'}

@@ -122,24 +122,26 @@ def test_efficient_accepts_read_only_and_refuses_error_feedback():
   grad = lambda p, b, r: p
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=2)
   igc = T.chain(T.intrinsic_projection(8), T.uniform_quantization(8))
-  alg = fedopt.efficient_federated_averaging(
+  alg = fedopt.federated_averaging(
       grad, optax.sgd(0.1), optax.sgd(1.0), hp,
       compression=fedopt.Compression(upload=igc))
   alg.init(params)  # No "must be stateless" any more.
-  bad = fedopt.efficient_federated_averaging(
+  bad = fedopt.federated_averaging(
       grad, optax.sgd(0.1), optax.sgd(1.0), hp,
       compression=fedopt.Compression(upload=T.top_k(
           5, error_feedback=True)))
   with pytest.raises(ValueError, match='upload transform updates its state'):
     bad.init(params)
-  sgd_bad = fedopt.compressed_sgd(
-      grad, optax.sgd(0.1), optax.sgd(1.0), batch_size=2,
-      upload=T.top_k(5, error_feedback=True))
+  sgd_bad = fedopt.federated_averaging(
+      grad, optax.sgd(0.1), optax.sgd(1.0), fedopt.batch_hparams(2, 1),
+      weighting='uniform',
+      compression=fedopt.Compression(upload=T.top_k(5, error_feedback=True)))
   with pytest.raises(ValueError, match='updates its state'):
     sgd_bad.init(params)
-  fedopt.compressed_sgd(
-      grad, optax.sgd(0.1), optax.sgd(1.0), batch_size=2,
-      upload=T.chain(T.top_k(5), T.uniform_quantization(8))).init(params)
+  fedopt.federated_averaging(
+      grad, optax.sgd(0.1), optax.sgd(1.0), fedopt.batch_hparams(2, 1),
+      weighting='uniform', compression=fedopt.Compression(
+          upload=T.chain(T.top_k(5), T.uniform_quantization(8)))).init(params)
 
 
 def _bits(transform):

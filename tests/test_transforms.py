@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedlite_jax import transforms as tx
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.transforms import sketch as sketch_lib
 
 
@@ -319,13 +319,13 @@ def test_product_quantization_is_fedlites_grouped_pq_message():
   # The transform sends exactly grouped_pq's codebook + codewords, and its
   # size is the paper's phi d R L / q + B q log2 L (Section 4.1), by hand:
   # B=32, d=64, q=8, R=1, L=16, phi=64: 64*64*16/8 + 32*8*4 = 9,216 bits.
-  from fedlite_jax import fedlite
+  from fedlite_jax.transforms import pq
   z = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
   t = tx.product_quantization(8, 1, 16)
   key = jax.random.PRNGKey(5)
   msg, _ = jax.jit(t.encode)({'acts': z}, (), key)
   z_hat, _ = t.decode(msg, ())
-  ref = fedlite.grouped_pq(z, jax.random.fold_in(key, 0), 8, 1, 16)
+  ref = pq.grouped_pq(z, jax.random.fold_in(key, 0), 8, 1, 16)
   np.testing.assert_array_equal(z_hat['acts'], ref.reconstruction)
   np.testing.assert_array_equal(msg.side['codewords'][0], ref.codewords)
   assert msg.bits == 9216.0 == tx.message_bits(t, {'acts': z})

@@ -1,4 +1,4 @@
-"""Tests for fedlite_jax.fedlite.vq_layer (FedLite, Section 4.2, Appendix A).
+"""Tests for fedlite_jax.models.vq_layer (FedLite, Section 4.2, Appendix A).
 
 The expected client gradients are computed independently with ``jax.grad`` of
 the paper's surrogate loss (equations 6 and 8):
@@ -17,8 +17,8 @@ import optax
 import pytest
 
 from fedlite_jax import models
-from fedlite_jax.fedlite import pq
-from fedlite_jax.fedlite import vq_layer
+from fedlite_jax.transforms import pq
+from fedlite_jax.models import vq_layer
 
 B, D_IN, D, CLASSES = 6, 5, 8, 3
 Q, R, L, ITERS = 4, 1, 3, 5

@@ -17,19 +17,17 @@ def files(folder):
 pkgs = {  # target name -> (folder, deps, doc)
   'fedlite_jax': ('fedlite_jax', [], 'Package root and the FedJAX compatibility layer.'),
   'datasets': ('fedlite_jax/datasets', [':fedlite_jax'], 'Federated datasets (FedJAX/TFF formats, embedded MNIST).'),
-  'models': ('fedlite_jax/models', [':fedlite_jax'], 'Split-ready flax models.'),
+  'models': ('fedlite_jax/models', [':fedlite_jax', ':transforms'], 'Split-ready flax models and the FedLite VQ layer.'),
   'rounds': ('fedlite_jax/rounds', [':fedlite_jax'], 'Round engines (loop / vmap).'),
   'comm': ('fedlite_jax/comm', [], 'Communication ledger.'),
-  'algorithms': ('fedlite_jax/algorithms', [':fedlite_jax', ':rounds', ':transforms', ':igc'], 'Federated algorithms (FedJAX FederatedAlgorithm builders).'),
-  'igc': ('fedlite_jax/igc', [':fedlite_jax'], 'FWHT, Fastfood, intrinsic reparameterization.'),
-  'transforms': ('fedlite_jax/transforms', [':igc'], 'Composable compression transforms with bit costs.'),
-  'fedlite': ('fedlite_jax/fedlite', [], 'Grouped product quantization and the VQ layer.'),
+  'algorithms': ('fedlite_jax/algorithms', [':fedlite_jax', ':rounds', ':transforms', ':models'], 'Federated algorithms (FedJAX FederatedAlgorithm builders).'),
+  'transforms': ('fedlite_jax/transforms', [':fedlite_jax'], 'Composable compression transforms with bit costs, their kernels (FWHT, Fastfood, grouped PQ, k-means) and the intrinsic reparameterization.'),
   'training': ('fedlite_jax/training', [':algorithms', ':comm', ':datasets', ':models', ':checkpoint_lib'], 'Training package: the experiment runner library.'),
 }
 ext = {
   'fedlite_jax': ['jax', 'numpy', 'fedjax'], 'datasets': ['fedjax', 'numpy', 'h5py', 'mlxtend', 'absl-py', 'msgpack'],
   'models': ['flax', 'jax', 'fedjax'], 'rounds': ['jax', 'numpy'], 'comm': [], 'algorithms': ['absl-py', 'fedjax', 'jax', 'numpy', 'optax'],
-  'igc': ['jax', 'numpy'], 'transforms': ['jax', 'numpy'], 'fedlite': ['jax', 'flax'],
+  'transforms': ['jax', 'numpy'],
   'training': ['absl-py', 'fedjax', 'jax', 'matplotlib', 'optax', 'tensorboardX', 'tqdm'],
 }
 out = ['# Bazel targets (rules_python). tests/test_build.py checks that every module,',
@@ -55,7 +53,9 @@ for name, (folder, local, doc) in pkgs.items():
           '    deps = [', dep_lines(deps(local, ext[name])), '    ],', ')', '']
 out += ['py_library(', '    name = "checkpoint_lib",', '    srcs = ["fedlite_jax/checkpoint.py"],',
         '    deps = [requirement("flax"), requirement("jax"), requirement("numpy")],', ')', '']
-EXPERIMENT_LIBS = ('experiments/provenance.py',)  # shared by the binaries
+# Libraries of the binaries: provenance (shared), the gradient-inversion attack
+# (igc_privacy's).
+EXPERIMENT_LIBS = ('experiments/gradient_inversion.py', 'experiments/provenance.py')
 for p in EXPERIMENT_LIBS:
   out += ['py_library(', f'    name = "{pathlib.Path(p).stem}",', f'    srcs = ["{p}"],',
           '    deps = [":training"],', ')', '']

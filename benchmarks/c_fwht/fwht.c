@@ -1,7 +1,7 @@
 /* Reference FWHT in C: in place, iterative, float32, cache-blocked.
  *
  * Unnormalized Sylvester-ordered Walsh-Hadamard transform of x[0..n), n a
- * power of two (the transform of fedlite_jax.igc.fwht.fwht). Single thread.
+ * power of two (the transform of fedlite_jax.transforms.fwht.fwht). Single thread.
  * Built by benchmarks/bench_fwht.py at run time:
  *   gcc -O3 -march=native -shared -fPIC fwht.c -o libfwht.so
  *

@@ -1,12 +1,26 @@
 """Federated algorithms as ``fedjax.FederatedAlgorithm`` builders.
 
-:mod:`fedopt` is the round of every delta-based method; :mod:`mime_lite`,
-:mod:`igc`, :mod:`fetchsgd` and :mod:`splitfed` add their own rules.
+One entry point per algorithm:
+
+* FedAvg, FedAdam, FedProx, their quantized / PVT variants and IGC's SGD,
+  FedAvg-with-local-steps and local Top-K baselines:
+  :func:`federated_averaging` (:mod:`~fedlite_jax.algorithms.fedopt`; named
+  and called as ``fedjax.algorithms.fed_avg.federated_averaging``).
+* MimeLite: :func:`efficient_mime_lite`
+  (:mod:`~fedlite_jax.algorithms.mime_lite`).
+* Intrinsic gradient compression (static, K-subspace, time-varying):
+  :func:`fedlite_jax.algorithms.igc.intrinsic_gradient_compression`.
+* FetchSGD: :func:`fedlite_jax.algorithms.fetchsgd.fetchsgd`.
+* SplitFed and FedLite: :func:`fedlite_jax.algorithms.splitfed.splitfed` and
+  :func:`fedlite_jax.algorithms.splitfed.fedlite`.
+
+Client weights are ``'examples'`` (the client's example count) or
+``'uniform'`` (1 per client) everywhere (``weighting=`` /
+``client_weighting=``).
 """
 
+from fedlite_jax.algorithms.fedopt import batch_hparams
 from fedlite_jax.algorithms.fedopt import Compression
-from fedlite_jax.algorithms.fedopt import compressed_sgd
-from fedlite_jax.algorithms.fedopt import efficient_federated_averaging
 from fedlite_jax.algorithms.fedopt import federated_averaging
 from fedlite_jax.algorithms.fedopt import FedOptState
 from fedlite_jax.algorithms.mime_lite import efficient_mime_lite

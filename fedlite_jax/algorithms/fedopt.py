@@ -1,4 +1,4 @@
-"""One FedOpt round for every delta-based method, and its named configurations.
+"""One FedOpt round for every delta-based method: :func:`federated_averaging`.
 
 Source: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Alg. 2;
 local steps of FedAvg (McMahan et al. 2017, Alg. 1) or FedProx (Li et al.
@@ -19,8 +19,9 @@ import optax
 from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import rounds_common as rc
-from fedlite_jax.algorithms.rounds_common import (
-    DOWNLOAD_ACCOUNTING, DOWNLOAD_STREAM, num_params, UPLOAD_STREAM)
+from fedlite_jax.algorithms.rounds_common import (  # noqa: F401
+    DOWNLOAD_ACCOUNTING, DOWNLOAD_STREAM, batch_hparams, num_params,
+    UPLOAD_STREAM)
 from fedlite_jax.rounds import make_engine
 from fedlite_jax.transforms import pvt as pvt_lib
 from fedlite_jax.common import PyTree
@@ -28,10 +29,10 @@ from fedlite_jax.common import PyTree
 Params = Any
 
 __all__ = [
-    'Compression', 'CompressedRound', 'FedOptState', 'compressed_sgd',
-    'efficient_federated_averaging', 'federated_averaging', 'fedopt',
+    'Compression', 'CompressedRound', 'FedOptState', 'federated_averaging',
     # Re-exported from rounds_common (used by training and tests).
-    'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'UPLOAD_STREAM', 'num_params',
+    'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'UPLOAD_STREAM', 'batch_hparams',
+    'num_params',
 ]
 
 
@@ -157,14 +158,17 @@ class CompressedRound:
     self.download = jax.jit(self._download)
 
   def setup(self, params: Params) -> _Setup:
+    """Transform states and PVT plan for ``params``' structure (cached)."""
     if self.s is None or self.s.spec != tx.TreeSpec.of(params):
       self.s = _Setup(self.compression, params, self.name)
     return self.s
 
   def plan(self) -> pvt_lib.PVTPlan:
+    """The PVT plan of the last :meth:`setup` (variables PVT may freeze)."""
     return self.s.plan
 
   def ones(self) -> jax.Array:
+    """``bool[num_leaves]`` all True: the mask of a client without PVT."""
     return jnp.ones((len(self.s.plan.sizes),), bool)
 
   def upload(self, tree: PyTree, key: jax.Array,
@@ -191,6 +195,7 @@ class CompressedRound:
                          self.s.states['download'], params, key)
 
   def init_state(self, params: Params, opt_state: Any) -> FedOptState:
+    """Round 0's :class:`FedOptState` (change / participation trackers -1)."""
     s = self.setup(params)
     return FedOptState(
         params=params, opt_state=opt_state, round=jnp.zeros((), jnp.int32),
@@ -225,8 +230,8 @@ class CompressedRound:
       upload_factor: uploads per client (the delta's bits each).
 
     Returns:
-      ``(new state, diagnostics)`` as :func:`fedopt`; a client is skipped
-      when any of its passes is not finite.
+      ``(new state, diagnostics)`` as :func:`federated_averaging`; a client
+      is skipped when any of its passes is not finite.
     """
     s = self.setup(state.params)
     round_num = int(state.round)
@@ -270,18 +275,30 @@ class CompressedRound:
     return new_state, diagnostics
 
 
-def fedopt(
+def federated_averaging(
     grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation,
     client_batch_hparams: fedjax.ShuffleRepeatBatchHParams, *,
     fedprox_mu: float = 0.0, compression: Compression = Compression(),
     weighting: str = 'examples', download_accounting: str = 'dense',
     client_ids: Optional[Sequence[bytes]] = None, seed: int = 0,
-    name: str = 'fedopt', nonfinite: str = 'raise', engine: str = 'auto',
+    name: Optional[str] = None, nonfinite: str = 'raise', engine: str = 'auto',
     **engine_options) -> fedjax.FederatedAlgorithm:
-  """Builds a FedOpt round as a ``FederatedAlgorithm``.
+  """FedAvg / FedAdam / FedProx, optionally compressed, as one FedOpt round.
 
-  The server optimizer steps on the mean ``Q(w) - w_client``.
+  The entry point of every delta-based method, named as
+  ``fedjax.algorithms.fed_avg.federated_averaging`` (same first four
+  arguments; equal to it without the keyword options). The server optimizer
+  steps on the mean ``Q(w) - w_client`` (Reddi et al. 2021, Alg. 2):
+
+  * FedAvg: ``server_optimizer=optax.sgd(1.0)``; FedAdam: ``optax.adam``.
+  * FedProx (Li et al. 2020, Alg. 2): ``fedprox_mu > 0``.
+  * Quantized / PVT uploads and downloads (Ro et al. 2022, Sec. 4-6):
+    ``compression=Compression(upload=..., download=..., pvt_fraction=...)``.
+  * IGC's baselines (Melas-Kyriazi & Wang 2022, Table 2: SGD, FedAvg with
+    s local iterations, local Top-K): ``client_batch_hparams`` of s steps
+    (:func:`~fedlite_jax.algorithms.rounds_common.batch_hparams`),
+    ``weighting='uniform'``, ``Compression(upload=transforms.top_k(k))``.
 
   Args:
     grad_fn: ``(params, batch, rng) -> grads`` of the mean batch loss.
@@ -291,8 +308,10 @@ def fedopt(
     client_batch_hparams: local batching (``seed=None``: from the key).
     fedprox_mu: FedProx's ``mu >= 0`` (0: FedAvg's local steps).
     compression: upload / download chains and PVT.
-    weighting, download_accounting, client_ids, seed, name, nonfinite: as
+    weighting, download_accounting, client_ids, seed, nonfinite: as
       :class:`CompressedRound`.
+    name: the algorithm's name in messages (default ``'fedprox'`` if
+      ``fedprox_mu > 0``, else ``'fedavg'``).
     engine, engine_options: :func:`fedlite_jax.rounds.make_engine`'s.
 
   Returns:
@@ -310,6 +329,8 @@ def fedopt(
   """
   if not fedprox_mu >= 0:
     raise ValueError(f'fedprox_mu must be >= 0, got {fedprox_mu!r}.')
+  if name is None:
+    name = 'fedprox' if fedprox_mu else 'fedavg'
   r = CompressedRound(compression, name, seed, weighting, download_accounting,
                       client_ids, nonfinite)
   train = make_engine(engine, rc.delta_client_program(
@@ -334,48 +355,3 @@ def fedopt(
                    server_update)
 
   return fedjax.FederatedAlgorithm(init, apply)
-
-
-def federated_averaging(
-    grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
-    server_optimizer: optax.GradientTransformation,
-    client_batch_hparams: fedjax.ShuffleRepeatBatchHParams, *,
-    name: str = 'fedavg', **kwargs) -> fedjax.FederatedAlgorithm:
-  """FedAvg / FedAdam (McMahan et al. 2017; Reddi et al. 2021).
-
-  As ``fedjax.algorithms.fed_avg``; ``kwargs``: as :func:`fedopt`.
-  """
-  return fedopt(grad_fn, client_optimizer, server_optimizer,
-                client_batch_hparams, name=name, **kwargs)
-
-
-def efficient_federated_averaging(
-    grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
-    server_optimizer: optax.GradientTransformation,
-    client_batch_hparams: fedjax.ShuffleRepeatBatchHParams, *,
-    fedprox_mu: float = 0.0, name: Optional[str] = None,
-    **kwargs) -> fedjax.FederatedAlgorithm:
-  """FedAvg / FedAdam / FedProx (``fedprox_mu > 0``) with compression, PVT.
-
-  Source: Ro et al., "Scaling Language Model Size in Cross-Device Federated
-  Learning" (2022), Sec. 4-6. ``kwargs``: as :func:`fedopt`.
-  """
-  return fedopt(grad_fn, client_optimizer, server_optimizer,
-                client_batch_hparams, fedprox_mu=fedprox_mu,
-                name=name or ('fedprox' if fedprox_mu else 'fedavg'), **kwargs)
-
-
-def compressed_sgd(
-    grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
-    server_optimizer: optax.GradientTransformation, *, batch_size: int,
-    local_steps: int = 1, upload: Optional[tx.CommTransform] = None,
-    name: str = 'compressed_sgd', **kwargs) -> fedjax.FederatedAlgorithm:
-  """SGD, FedAvg with ``local_steps`` local iterations, local Top-K.
-
-  Source: Melas-Kyriazi & Wang (2022), Table 2's "Uncompressed", "FedAvg
-  (2 / 5 local iters)" and "Local Top-K" rows. Client weight 1; ``upload``:
-  e.g. ``transforms.top_k(k)``; ``kwargs``: as :func:`fedopt`.
-  """
-  return fedopt(grad_fn, client_optimizer, server_optimizer,
-                rc.batch_hparams(batch_size, local_steps), weighting='uniform',
-                compression=Compression(upload=upload), name=name, **kwargs)

@@ -19,7 +19,7 @@ import optax
 
 from fedlite_jax.algorithms import rounds_common as rc
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
 from fedlite_jax.common import FLOAT_BITS

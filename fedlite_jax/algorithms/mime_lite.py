@@ -107,16 +107,20 @@ def efficient_mime_lite(
     client_batch_hparams: local batching.
     grads_batch_size: the full-batch gradient's batch size (>= 1).
     server_learning_rate: the server step on the mean delta.
-    compression, weighting, download_accounting, client_ids, seed, name,
-      nonfinite, engine, engine_options: as :func:`fedopt.fedopt`.
+    compression, weighting, download_accounting, client_ids: as
+      :func:`~fedlite_jax.algorithms.fedopt.federated_averaging`.
+    seed, name, nonfinite, engine, engine_options: as
+      :func:`~fedlite_jax.algorithms.fedopt.federated_averaging`.
 
   Returns:
     ``FederatedAlgorithm(init, apply)`` over ``FedOptState`` (``opt_state``:
-    the statistics); diagnostics as ``fedopt``'s (``finite``: both passes).
+    the statistics); diagnostics as ``federated_averaging``'s (``finite``:
+    both passes).
 
   Raises:
-    ValueError: ``grads_batch_size`` not an integer >= 1; as ``fedopt``.
-    FloatingPointError: as ``fedopt``.
+    ValueError: ``grads_batch_size`` not an integer >= 1; as
+      ``federated_averaging``.
+    FloatingPointError: as ``federated_averaging``.
   """
   grads_batch_size = rc.check_int(grads_batch_size, 'grads_batch_size')
   server_learning_rate = float(server_learning_rate)

@@ -13,7 +13,7 @@ import math
 from typing import Mapping, Optional
 
 from fedlite_jax.checks import check_int
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 
 LEDGER_FLOAT_BITS = 32  # Bits per float in the ledger (float32).
 

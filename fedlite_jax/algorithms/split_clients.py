@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.algorithms import batching, split_accounting
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 from fedlite_jax.transforms.product_quantization import product_quantization \
     as pq_transform
 from fedlite_jax.common import PAD_ID
@@ -127,7 +127,7 @@ class QuantizerConfig:
       averaged as in Appendix B eq. 36) or ``'batch'``.
     kmeans_iters: Lloyd iterations per k-means (``>= 0``).
     empty_cluster: ``'farthest'`` or ``'keep'``
-      (:mod:`fedlite_jax.fedlite.kmeans`).
+      (:mod:`fedlite_jax.transforms.kmeans`).
 
   Raises:
     ValueError: a value out of range.
@@ -166,6 +166,7 @@ class QuantizerConfig:
 
   @property
   def shape(self) -> split_accounting.PQShape:
+    """``(q, R, L)`` as a :class:`~.split_accounting.PQShape`."""
     return split_accounting.PQShape(self.num_subvectors, self.num_groups,
                                     self.num_centroids)
 

@@ -19,22 +19,23 @@ import numpy as np
 import optax
 
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
-from fedlite_jax.algorithms.rounds_common import Clients, num_params
+from fedlite_jax.algorithms.rounds_common import (
+    Clients, check_choice, num_params, WEIGHTINGS)
 from fedlite_jax.algorithms import split_accounting
 from fedlite_jax.algorithms import split_clients
 # Re-exported: the client side as users and tests reach it.
 from fedlite_jax.algorithms.split_clients import (  # noqa: F401
     PAD_ID, ClientExecution, LambdaScaling, QuantizerConfig, client_batch,
     loss_vector_mask, resolve_client_execution)
-from fedlite_jax.fedlite import pq
-from fedlite_jax.fedlite import vq_layer
+from fedlite_jax.transforms import pq
+from fedlite_jax.models import vq_layer
 from fedlite_jax.models import split as split_lib
 from fedlite_jax.rounds import stats
 from fedlite_jax.rounds import sharding
 
 Params = Any
 Batch = Mapping[str, Any]
-ClientWeighting = Literal['uniform', 'num_examples']
+ClientWeighting = Literal['examples', 'uniform']  # rounds_common.WEIGHTINGS
 VectorMaskFn = Callable[[Batch, jax.Array], jax.Array]
 
 AUTO_LABEL_BITS = -1
@@ -81,7 +82,8 @@ def split_learning(
     phi: bits per float for the ``paper_*`` accounting (paper: 64).
     label_bits: bits per uploaded label entry; -1: ``ceil(log2 C)``, ``C``
       the number of model outputs (1 for multi-hot labels); 0: not sent.
-    client_weighting: ``'uniform'`` or ``'num_examples'`` (``p_i``).
+    client_weighting: ``p_i``: ``'uniform'`` (1) or ``'examples'`` (the
+      client's example count), as FedOpt's ``weighting``.
     vector_mask_fn: ``(client_batch, client_activations) -> mask`` of the
       vectors that get the gradient correction (:func:`loss_vector_mask`).
     client_execution: ``'vmap'``, ``'unroll'`` or ``'auto'``
@@ -110,9 +112,7 @@ def split_learning(
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or \
       batch_size < 1:
     raise ValueError(f'batch_size must be an integer >= 1, got {batch_size!r}.')
-  if client_weighting not in ('uniform', 'num_examples'):
-    raise ValueError(f"client_weighting must be 'uniform' or 'num_examples', "
-                     f'got {client_weighting!r}.')
+  check_choice(client_weighting, WEIGHTINGS, 'client_weighting')
   if label_bits != AUTO_LABEL_BITS and not label_bits >= 0:
     raise ValueError(f'label_bits must be >= 0 or -1 (auto), got '
                      f'{label_bits!r}.')

@@ -84,6 +84,7 @@ class SentencePieceConfig:
                        f'{self.max_sentence_length!r}.')
 
   def cache_key(self) -> str:
+    """Every field as ``name=repr``, joined by ``|``: the cache key."""
     return '|'.join(f'{f.name}={getattr(self, f.name)!r}'
                     for f in dataclasses.fields(self))
 

@@ -138,10 +138,10 @@ class TagPredictionEncoder:
     """Encodes a batch of [B] bytes: tokens, titles, '|'-separated tags.
 
     Returns:
-      x float32 [B, num_words]: word counts / number of words (OOV
-        included) of ``tokens + b' ' + title`` split on whitespace; zeros
-        for no words (TF's ``reduce_mean`` would give NaN);
-      y float32 [B, num_tags]: vocabulary tag counts (OOV tags dropped).
+      ``(x, y)``. ``x``, float32 ``[B, num_words]``: word counts / number of
+      words (OOV included) of ``tokens + b' ' + title`` split on whitespace;
+      zeros for no words (TF's ``reduce_mean`` would give NaN). ``y``,
+      float32 ``[B, num_tags]``: vocabulary tag counts (OOV tags dropped).
     """
     num = len(tokens)
     x = np.zeros((num, self.num_words), np.float32)

@@ -9,6 +9,11 @@ pair ``client_apply`` / ``server_apply`` used by split learning (FedLite).
     'projection', d = 96 per token.
   * :func:`create_stackoverflow_tag_model`: Stack Overflow tag prediction,
     cut 'dense', d = 2,000.
+
+FedLite's quantization layer (grouped PQ forward, equation-5 ``custom_vjp``
+backward) is :class:`FedLiteQuantizer` / :func:`vq_with_correction` in
+:mod:`fedlite_jax.models.vq_layer`; language models are in
+:mod:`fedlite_jax.models.lm`.
 """
 
 from fedlite_jax.models.emnist import create_emnist_cnn
@@ -17,6 +22,9 @@ from fedlite_jax.models.split import SplitModel
 from fedlite_jax.models.split import SplitNet
 from fedlite_jax.models.stackoverflow import create_stackoverflow_lstm
 from fedlite_jax.models.stackoverflow_tag import create_stackoverflow_tag_model
+from fedlite_jax.models.vq_layer import FedLiteQuantizer
+from fedlite_jax.models.vq_layer import vq_with_correction
 
-__all__ = ['SplitModel', 'SplitNet', 'build_split_model', 'create_emnist_cnn',
-           'create_stackoverflow_lstm', 'create_stackoverflow_tag_model']
+__all__ = ['FedLiteQuantizer', 'SplitModel', 'SplitNet', 'build_split_model',
+           'create_emnist_cnn', 'create_stackoverflow_lstm',
+           'create_stackoverflow_tag_model', 'vq_with_correction']

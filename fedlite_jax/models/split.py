@@ -15,7 +15,7 @@ import fedjax  # fedlite_jax/__init__.py has patched it already.
 import flax.linen as nn
 import jax
 
-from fedlite_jax.fedlite import vq_layer
+from fedlite_jax.models import vq_layer
 
 Array = jax.Array
 Params = Any  # A pytree of arrays: {'client': ..., 'server': ...}.
@@ -44,10 +44,12 @@ class SplitNet(nn.Module):
     return self.server_forward(self.client_forward(batch, train), batch, train)
 
   def client_forward(self, batch: Batch, train: bool) -> Array:
+    """The client part: ``batch`` -> activations at the cut, ``[B, (T,) d]``."""
     return self.client(batch, train)
 
   def server_forward(self, activations: Array, batch: Batch,
                      train: bool) -> Array:
+    """The server part: cut activations (and ``batch``) -> predictions."""
     return self.server(activations, batch, train)
 
 
@@ -123,8 +125,8 @@ def build_split_model(*, client: nn.Module, server: nn.Module,
   Returns:
     A :class:`SplitModel` of jitted functions (``apply_for_train`` without a
     key raises Flax's ``InvalidRngError`` if the model uses dropout). A key
-    ``rng`` also gives a :class:`~fedlite_jax.fedlite.FedLiteQuantizer` its
-    ``'quantize'`` stream ``fold_in(rng, 1)``; without it the quantizer
+    ``rng`` also gives a :class:`~fedlite_jax.models.vq_layer.FedLiteQuantizer`
+    its ``'quantize'`` stream ``fold_in(rng, 1)``; without it the quantizer
     derives its k-means key from its input.
   """
   net = SplitNet(client=client, server=server)

@@ -140,7 +140,7 @@ class TopOneTagAccuracy(_MeanMetric):
 class RecallAtK(_MeanMetric):
   """Micro-averaged recall of the top-k tags, as Keras ``Recall(top_k=k)``.
 
-  Sum over examples of |topk & true| over the sum of |true|.
+  Sum over examples of ``|topk & true|`` over the sum of ``|true|``.
 
   Attributes:
     k: the number of top predicted tags.

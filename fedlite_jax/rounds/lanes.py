@@ -70,6 +70,7 @@ class LanePlan:
 
   @property
   def num_segments(self) -> int:
+    """Calls of the compiled segment program: ``steps / segment_steps``."""
     return self.steps // self.segment_steps
 
   @property

@@ -84,11 +84,13 @@ class RemoteClientDataset:
 
   def shuffle_repeat_batch(self, hparams: fedjax.ShuffleRepeatBatchHParams,
                            **unused) -> RemoteBatches:
+    """The batch count FedJAX's ``shuffle_repeat_batch`` would give."""
     return RemoteBatches(num_shuffle_repeat_batches(self._n, hparams),
                          self.client_id, self.owner)
 
   def padded_batch(self, hparams: fedjax.PaddedBatchHParams,
                    **unused) -> RemoteBatches:
+    """``ceil(n / batch_size)`` batches, as FedJAX's ``padded_batch``."""
     return RemoteBatches(math.ceil(self._n / hparams.batch_size),
                          self.client_id, self.owner)
 
@@ -111,6 +113,8 @@ class PartitionedFederatedData:
     return getattr(self._fd, name)
 
   def get_clients(self, client_ids):
+    """``(client_id, dataset)`` in the order asked: this process's clients
+    loaded, the others as :class:`RemoteClientDataset` stand-ins."""
     client_ids = list(client_ids)
     n = len(client_ids)
     local = [cid for i, cid in enumerate(client_ids) if self._is_local(i, n)]

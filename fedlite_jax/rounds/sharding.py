@@ -43,14 +43,17 @@ class ClientMesh:
 
   @property
   def num_processes(self) -> int:
+    """Processes owning the mesh's devices."""
     return len({d.process_index for d in self.mesh.devices.flat})
 
   @property
   def process_index(self) -> int:
+    """This process's index (``jax.process_index()``)."""
     return jax.process_index()
 
   @property
   def multi_process(self) -> bool:
+    """Whether the mesh spans several processes."""
     return self.num_processes > 1
 
   def padded_size(self, cohort_size: int) -> int:
@@ -89,6 +92,7 @@ class ClientMesh:
     return int(np.searchsorted(bounds, position, side='right'))
 
   def is_local(self, position: int, cohort_size: int) -> bool:
+    """Whether this process runs cohort ``position``."""
     return self.owner(position, cohort_size) == self.process_index
 
   def rows(self, cohort_size: int) -> np.ndarray:
@@ -107,6 +111,7 @@ class ClientMesh:
 
   @property
   def replicated(self) -> NamedSharding:
+    """The same array on every device of the mesh."""
     return NamedSharding(self.mesh, P())
 
   def put_clients(self, local: np.ndarray, cohort_size: int) -> jax.Array:

@@ -42,6 +42,7 @@ class StatsRecorder:
     self._settings: dict[str, Any] = dict.fromkeys(('name',) + SETTINGS)
 
   def add(self, name: str, **counts: int) -> None:
+    """Adds one call of engine ``name``; ValueError for an unknown count."""
     self._settings['name'] = name
     for k, v in counts.items():
       if k in SETTINGS:
@@ -106,10 +107,12 @@ class CompileCounter:
 
   @property
   def total(self) -> int:
+    """Compilations of every program."""
     return int(sum(self.by_program.values()))
 
   @property
   def total_seconds(self) -> float:
+    """Seconds of backend compilation of every program."""
     return float(sum(self.seconds.values()))
 
   def count(self, *names: str) -> int:

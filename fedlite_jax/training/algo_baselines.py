@@ -45,16 +45,17 @@ def _check_common(ctx: spec.BuildContext) -> None:
                       'parameters.')
 
 
-def _compressed_sgd(ctx: spec.BuildContext, name: str, upload,
+def _sgd_baseline(ctx: spec.BuildContext, name: str, upload,
                     download_accounting: str) -> fedjax.FederatedAlgorithm:
   config = ctx.config
-  return fedopt.compressed_sgd(
+  return fedopt.federated_averaging(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
-      batch_size=config.client_batch_size,
-      local_steps=common.local_steps(config.options),
-      upload=upload, download_accounting=download_accounting,
+      fedopt.batch_hparams(config.client_batch_size,
+                           common.local_steps(config.options)),
+      weighting='uniform', compression=fedopt.Compression(upload=upload),
+      download_accounting=download_accounting,
       client_ids=ctx.train_client_ids,
       nonfinite=config.options['nonfinite_updates'], name=name,
       **common.engine_options(config))
@@ -62,7 +63,7 @@ def _compressed_sgd(ctx: spec.BuildContext, name: str, upload,
 
 def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
-  return _compressed_sgd(ctx, 'sgd', None, 'dense')
+  return _sgd_baseline(ctx, 'sgd', None, 'dense')
 
 
 def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
@@ -81,7 +82,7 @@ def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
 def _build_topk(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   opts = ctx.config.options
-  return _compressed_sgd(ctx, 'topk', _topk_upload(opts, ctx.num_params),
+  return _sgd_baseline(ctx, 'topk', _topk_upload(opts, ctx.num_params),
                          opts['download_accounting'])
 
 

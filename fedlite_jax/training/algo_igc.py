@@ -13,7 +13,7 @@ from fedlite_jax.algorithms import igc
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
-from fedlite_jax.igc import fastfood
+from fedlite_jax.transforms import fastfood
 
 ConfigError = spec.ConfigError
 Option = spec.Option

@@ -44,7 +44,7 @@ MIME_GRADS_BATCH_SIZE = Option(
 def _fedopt(ctx: spec.BuildContext, **kwargs) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   compression = compression_from_options(config.options)
-  return fedopt.efficient_federated_averaging(
+  return fedopt.federated_averaging(
       fedjax.model_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
@@ -60,6 +60,7 @@ def build_fedavg(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
 
 
 def build_fedprox(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
+  """``--algorithm=fedprox``: FedAvg's round plus ``--fedprox_mu``'s term."""
   return _fedopt(ctx, name='fedprox',
                  fedprox_mu=float(ctx.config.options[FEDPROX_MU.name]))
 
@@ -78,6 +79,7 @@ def mime_base_optimizer(config) -> optax.GradientTransformation:
 
 
 def build_mime_lite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
+  """``--algorithm=mime_lite``: MimeLite with ``--mime_base_optimizer``."""
   config = ctx.config
   return mime_lite.efficient_mime_lite(
       fedjax.model_grad(ctx.split_model.model),

@@ -15,7 +15,7 @@ from fedlite_jax.algorithms import splitfed
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 
 ConfigError = spec.ConfigError
 Option = spec.Option
@@ -66,7 +66,8 @@ LABEL_BITS = Option(
 CLIENT_WEIGHTING = Option(
     'split_client_weighting', 'uniform', 'Client weights p_i of the server '
     'objective and gradient average: uniform (mini-batch SGD over all '
-    'examples) or num_examples.', choices=('uniform', 'num_examples'))
+    'examples) or examples (the client\'s example count).',
+    choices=('uniform', 'examples'))
 CLIENT_EXECUTION = Option(
     'split_client_execution', 'auto', "Clients' forward/backward in the "
     "compiled iteration: vmap, unroll, or auto (unroll on CPU).",

@@ -49,6 +49,7 @@ class LoadedInfo:
 
   @property
   def synthetic_partition(self) -> bool:
+    """True if the clients come from a synthetic partition (not real users)."""
     return self.dataset.synthetic_partition
 
 

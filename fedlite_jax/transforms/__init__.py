@@ -20,6 +20,14 @@ algorithms accept only a read-only state (:func:`init_read_only`).
 :func:`parse_chain` builds a transform from a stage string such as
 ``'intrinsic_projection:4096,uniform_quantization:8'``.
 
+Beside the transforms sit the kernels they use and the reparameterization:
+:mod:`~fedlite_jax.transforms.fwht` and :mod:`~fedlite_jax.transforms.fastfood`
+(the ``D x d`` matrix ``A`` of :func:`intrinsic_projection`),
+:mod:`~fedlite_jax.transforms.pq` and :mod:`~fedlite_jax.transforms.kmeans`
+(FedLite's grouped PQ, :func:`product_quantization`), and
+:mod:`~fedlite_jax.transforms.reparameterization` (training in the subspace
+``theta_0 + A theta'``).
+
 A new stage returns ``CommTransform(init, encode, decode)`` whose ``encode``
 returns ``Encoded(values, side, value_bits, side_bits, spec)`` (bits from
 static shapes; ``spec = TreeSpec.of(x)`` if ``decode`` rebuilds the input)

@@ -3,7 +3,7 @@
 Source: Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
 Learning" (2022), Alg. 1 (static), Alg. 2 (K-subspace: upload ``(k, A^(k)T
 g)``, ``k ~ Unif{0..K-1}``), Alg. 3 (time-varying: new matrices each epoch).
-Matrices: :mod:`fedlite_jax.igc.fastfood` (``D x d``, from a seed).
+Matrices: :mod:`fedlite_jax.transforms.fastfood` (``D x d``, from a seed).
 Bits per message: ``32 d + ceil(log2 K)`` (index dropped with
 ``count_index_bits=False``, as in the paper's Table 2).
 """
@@ -17,7 +17,7 @@ from typing import Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.transforms import base
 from fedlite_jax.transforms import sketch
 
@@ -38,7 +38,8 @@ class IntrinsicState(NamedTuple):
   """State of :func:`intrinsic_projection`: the current epoch's K matrices.
 
   Attributes:
-    fastfood: :class:`fedlite_jax.igc.FastfoodParams`, fields ``[K, ...]``.
+    fastfood: :class:`~fedlite_jax.transforms.fastfood.FastfoodParams`,
+      fields ``[K, ...]``.
   """
   fastfood: ff.FastfoodParams
 

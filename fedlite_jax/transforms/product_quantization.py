@@ -3,7 +3,7 @@
 Source: Wang et al., "FedLite: A Scalable Approach for Federated Learning on
 Resource-constrained Clients" (2022), Sec. 4.1, Eq. 3-4. Split learning's
 upload (:mod:`fedlite_jax.algorithms.splitfed`); a terminal stage. The Eq. 5
-gradient correction is :func:`fedlite_jax.fedlite.vq_with_correction`.
+gradient correction is :func:`fedlite_jax.models.vq_layer.vq_with_correction`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 from fedlite_jax.transforms import base
 
 __all__ = ['product_quantization']

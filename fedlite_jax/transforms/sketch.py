@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.igc.fastfood import check_int
-from fedlite_jax.igc.fastfood import check_seed
+from fedlite_jax.transforms.fastfood import check_int
+from fedlite_jax.transforms.fastfood import check_seed
 from fedlite_jax.transforms import base
 from fedlite_jax.transforms import topk as topk_lib
 

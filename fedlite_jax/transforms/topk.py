@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedlite_jax.igc.fastfood import check_int
+from fedlite_jax.transforms.fastfood import check_int
 from fedlite_jax.transforms import base
 
 

@@ -1,7 +1,8 @@
 """Batched Lloyd k-means of FedLite's grouped product quantizer (Section 4.1).
 
 Pure JAX over independent groups ``[G, N, m]`` (clients x groups under
-``jax.vmap``). Details (ties, empty clusters): docs/notes/rounds.md.
+``jax.vmap``). Details (ties, empty clusters): docs/notes/transforms.md,
+"kmeans".
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def lloyd(x: jax.Array, c0: jax.Array, num_iters: int, empty_cluster: str,
 
   # Trip i assigns the points to the centroids of trip i and updates them
   # (except on the last trip): the final assignment comes out of the loop,
-  # which has at least 2 trips (docs/notes/rounds.md).
+  # which has at least 2 trips (docs/notes/transforms.md).
   c, assign = lax.fori_loop(
       0, max(num_iters, 1) + 1, trip,
       (c0, jnp.zeros(x.shape[:2], jnp.int32)))

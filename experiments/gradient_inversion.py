@@ -4,6 +4,15 @@ Source: Melas-Kyriazi & Wang, "Intrinsic Gradient Compression for Federated
 Learning" (2022), Appendix E: the attack of Zhu, Liu & Han, "Deep Leakage
 from Gradients" (NeurIPS 2019; DLG) on the full gradient ``g`` and on the
 compressed update ``A^T g``. Pure JAX + optax; deterministic given its key.
+A library of ``experiments/igc_privacy.py``, its only user (not part of the
+``fedlite_jax`` package).
+
+Choices: the matching loss divides DLG's ``||grad' - grad||^2`` by the
+constant ``||target||^2`` (same minimizers; the loss is a relative error
+comparable across observation sizes); the observation's cross-entropy is
+summed over the batch, as DLG's code does for its batch of one; the attacker
+keeps the iterate with the lowest matching loss (no ground truth needed); a
+non-finite objective freezes the iterate.
 """
 
 from __future__ import annotations

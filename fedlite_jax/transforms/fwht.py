@@ -3,7 +3,7 @@
 The product with the unnormalized Sylvester Hadamard matrix ``H_n`` (``H_1 =
 [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``, ``scipy.linalg.hadamard``) as a
 Kronecker product of small factors, one GEMM each (docs/DESIGN_NOTES.md,
-"FWHT"; docs/notes/models.md, "igc/fwht.py").
+"FWHT"; docs/notes/transforms.md, "fwht").
 """
 
 from __future__ import annotations

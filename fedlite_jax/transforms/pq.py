@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.checks import check_int
-from fedlite_jax.fedlite import kmeans
+from fedlite_jax.transforms import kmeans
 
 EmptyClusterRule = Literal['farthest', 'keep']
 UpdateMethod = Literal['auto', 'segment_sum', 'onehot']
@@ -212,13 +212,13 @@ def grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
     num_iters: Lloyd iterations (``>= 0``), then a final assignment.
     phi: bits per float in the message size (paper: 64).
     empty_cluster: ``'farthest'`` or ``'keep'``
-      (:mod:`fedlite_jax.fedlite.kmeans`).
+      (:mod:`fedlite_jax.transforms.kmeans`).
     update_method: ``'segment_sum'`` (a scatter; fastest on CPU), ``'onehot'``
       (a matmul; deterministic on GPU) or ``'auto'`` (the former on CPU).
 
   Returns:
     A :class:`PQResult`; under differentiation only its errors depend on
-    ``z`` (FedLite's gradient: :mod:`fedlite_jax.fedlite.vq_layer`).
+    ``z`` (FedLite's gradient: :mod:`fedlite_jax.models.vq_layer`).
 
   Raises:
     ValueError: ``z`` not a 2-D floating array, an invalid ``q, R, L``

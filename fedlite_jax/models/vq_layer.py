@@ -4,7 +4,7 @@ Source: Wang et al., "FedLite", Section 4.2, equation 5: the client updates
 with ``g~ = [dh/dz~ + lambda (z - z~)] du/dw_c``. ``lambda`` is per example;
 for a batch-mean loss the correction is ``(lambda / B)(z - z~)`` (Appendix B,
 equation 36). ``lambda = 0`` is the straight-through estimator. Derivation:
-docs/notes/rounds.md.
+docs/notes/models.md, "models/vq_layer.py".
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.fedlite import pq
+from fedlite_jax.transforms import pq
 
 LossReduction = Literal['mean', 'sum']
 # The default rng stream of FedLiteQuantizer's k-means initialization.
@@ -141,16 +141,16 @@ def quantize_with_correction(
     z: ``[..., d]`` floating activations with at least one leading axis.
     key: PRNG key of the k-means initialization.
     q, R, L, num_iters, phi, empty_cluster, update_method: as
-      :func:`fedlite_jax.fedlite.pq.grouped_pq`.
+      :func:`fedlite_jax.transforms.pq.grouped_pq`.
     lam, loss_reduction, num_vectors: as :func:`vq_with_correction`.
 
   Returns:
     ``(z_tilde, result)``: ``z_tilde`` like ``z``; ``result`` the
-    :class:`~fedlite_jax.fedlite.pq.PQResult` of the flattened
+    :class:`~fedlite_jax.transforms.pq.PQResult` of the flattened
     ``[prod(z.shape[:-1]), d]`` batch.
 
   Raises:
-    ValueError: as :func:`~fedlite_jax.fedlite.pq.grouped_pq` and
+    ValueError: as :func:`~fedlite_jax.transforms.pq.grouped_pq` and
       :func:`vq_with_correction`, or if ``z`` has fewer than 2 axes.
   """
   if z.ndim < 2:
@@ -189,7 +189,7 @@ class FedLiteQuantizer(nn.Module):
 
   Attributes:
     q, R, L, num_iters, phi, empty_cluster: as
-      :func:`fedlite_jax.fedlite.pq.grouped_pq`.
+      :func:`fedlite_jax.transforms.pq.grouped_pq`.
     lam: gradient-correction ``lambda``, per example (module docstring).
     loss_reduction: ``'mean'`` or ``'sum'``.
     rng_collection: the PRNG stream of the k-means initialization.

@@ -12,7 +12,8 @@ Aghajanyan et al. (ACL 2021)::
 Hadamard matrix; ``B``, ``Pi``, ``G``: see :class:`FastfoodParams`; ``Pad_L``
 zero-pads to length L, ``Unpad_D`` keeps the first D entries. ``A`` is never
 materialized: a product costs ``O(L log L)`` time, ``O(L)`` memory. Why
-``E[A A^T]`` is exact and the block shortcuts: docs/notes/models.md.
+``E[A A^T]`` is exact and the block shortcuts: docs/notes/transforms.md,
+"fastfood".
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.checks import check_int
-from fedlite_jax.igc.fwht import fwht
-from fedlite_jax.igc.fwht import is_power_of_two
+from fedlite_jax.transforms.fwht import fwht
+from fedlite_jax.transforms.fwht import is_power_of_two
 
 __all__ = ['SCALES', 'FastfoodParams', 'check_int', 'check_seed',
            'fastfood_params', 'fastfood_lift', 'fastfood_project',

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from fedlite_jax.igc import fastfood as ff
+from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.common import PyTree
 
 __all__ = ['IntrinsicSubspace', 'intrinsic_subspace', 'make_intrinsic',
@@ -73,7 +73,8 @@ def intrinsic_subspace(params0: PyTree,
     d: intrinsic dimension, >= 1.
     seed: Fastfood seed in ``[0, 2**32)``.
     scale: ``'unit_expectation'`` (default, E[A A^T] = I) or
-      ``'unit_column'`` (E[A A^T] = (d/D) I); see :func:`fastfood_params`.
+      ``'unit_column'`` (E[A A^T] = (d/D) I); see
+      :func:`~fedlite_jax.transforms.fastfood.fastfood_params`.
     L: Fastfood length (default ``2**ceil(log2(max(D, d)))``).
 
   Returns:
@@ -81,7 +82,8 @@ def intrinsic_subspace(params0: PyTree,
 
   Raises:
     ValueError: if ``params0`` has no entries, and as
-      :func:`fastfood_params` (bad seed, d, scale or L).
+      :func:`~fedlite_jax.transforms.fastfood.fastfood_params` (bad seed,
+      d, scale or L).
   """
   flat0, _ = ravel_pytree(params0)
   leaves, treedef = jax.tree.flatten(params0)
