@@ -1,61 +1,66 @@
 #!/usr/bin/env python3
-"""Rounds at accelerator scale: round engines x cohort sizes x models.
+"""Rounds as training runs them: round engines x cohort sizes x models.
 
-For each model, engine and cohort size it times FedAvg rounds and prints
-rounds/s, peak memory, padded/useful local steps, the host share of a round
-and the model FLOP utilization (MFU). Engines:
+For each model, engine and cohort size it runs ``--rounds`` FedAvg rounds,
+each on a FRESH cohort drawn from the population (as training does), and
+prints the steady round time, the wall time of the whole run with
+compilation, the compilations of the run (JAX's own compile events) and
+their seconds, peak memory, sequential steps per round, executed/useful
+local steps, the host share of a round and the model FLOP utilization.
+Engines:
 
 * ``loop``, ``vmap``: ``fedlite_jax.algorithms.federated_averaging`` with
-  our round engines (``vmap``: chunks of ``--clients_per_chunk`` clients),
+  our round engines (``vmap``: ``--lanes_per_device`` lanes that stream
+  clients, ``--segment_steps`` steps per compiled segment),
 * ``fedjax_jit``: ``fedjax.algorithms.fed_avg`` with FedJAX's default ``jit``
-  ``for_each_client`` backend,
+  ``for_each_client`` backend (always float32: the reference),
 * ``fedjax_vmap``: the same FedJAX algorithm with
   ``fedlite_jax.rounds.VmapBackend()``.
 
-Models: the EMNIST CNN on FEMNIST (``femnist``; real data from
-``--data_dir`` / ``$FEDLITE_DATA_DIR`` when present, a cohort larger than the
-writers there repeats writers; else shape-equal synthetic 28x28x1 images, 62
-classes), and the language models of ``fedlite_jax.models.lm`` (Ro et al.
-2022, Table 1: ``lstm_small`` = Small CIFG-LSTM 4.7M, ``transformer_large``
-= Large Transformer 21.0M; CPU presets ``lstm_tiny``, ``transformer_tiny``)
-on shape-equal synthetic tokens (SentencePiece vocabulary 4,096, sequence
-length 30, client batch 16). Synthetic per-client example counts are
-lognormal (FEMNIST: median 200, sigma 0.45, in [8, 500], batch 20; LM:
+Models: the EMNIST CNN on FEMNIST (``femnist``; the real writers under
+``--data_dir`` / ``$FEDLITE_DATA_DIR`` when present, a cohort larger than
+the writers repeats writers under new ids; else shape-equal synthetic 28x28x1
+images, 62 classes), and the language models of ``fedlite_jax.models.lm``
+(Ro et al. 2022, Table 1: ``lstm_small`` = Small CIFG-LSTM 4.7M,
+``transformer_large`` = Large Transformer 21.0M; CPU presets ``lstm_tiny``,
+``transformer_tiny``) on shape-equal synthetic tokens (SentencePiece
+vocabulary 4,096, sequence length 30, client batch 16). Synthetic
+populations hold ``max(4 x cohort, 1,000)`` clients whose example counts
+are lognormal (FEMNIST: median 200, sigma 0.45, in [8, 500], batch 20; LM:
 median 48 sequences, sigma 1.0, in [1, 256]), drawn from ``--seed``.
 
-Measurement (per model and engine, in its own process so that peak memory
-is that configuration's; the clients, example counts and PRNG keys are the
-same in every process, derived from ``--seed``, the round and the client):
-the SAME sampled cohort every round (new keys, so new batch orders, each
-round; the shapes repeat), one untimed warm-up round (compilation), then
-``--rounds`` timed rounds (median).
+Measurement (per model and engine, in its own process with ``--isolate``;
+cohorts, example counts and PRNG keys are the same in every process, from
+``--seed``, the round and the client):
 
+* s/round: median of the rounds after the first (steady state); run wall:
+  every round, compilation included; compilations: XLA compilations during
+  the run (``jax.monitoring``), the client program's (``lanes_*`` /
+  ``loop_*``) apart, and their seconds.
+* sequential steps: local steps the round runs one after another (the loop
+  engine and FedJAX's jit backend: every useful step; the vmap engine: its
+  lane plan's steps), mean over rounds; executed/useful: lane-steps run,
+  masked ones included, over useful steps.
 * peak memory: ``device.memory_stats()['peak_bytes_in_use']`` (GPU/TPU), the
-  process's peak RSS (CPU); the peak up to that cohort (cohorts run in
-  ascending order).
-* padded/useful: local steps executed (masked ones included) / useful local
-  steps per round, from ``fedlite_jax.rounds.engine.recording_stats()``;
-  FedJAX's ``jit`` backend runs exactly the useful steps; for
-  ``VmapBackend`` the rows x steps of its vmapped programs.
-* host share: seconds spent preparing client batches on the host (FedJAX's
-  ``shuffle_repeat_batch`` / ``padded_batch`` iteration, and stacking the
-  batches of a vmapped program, i.e. ``VmappedClients.__call__`` outside
-  its compiled program) / the round's wall seconds.
-* MFU: FLOPs of one client step (``cost_analysis()`` of the jitted gradient
-  + SGD step on one batch; LSTM time loop unrolled so that XLA counts every
-  step) x useful steps / wall seconds / the device's peak FLOP/s (table
-  :data:`PEAK_FLOPS` by ``device_kind``: dense TF32 for float32 on NVIDIA
-  GPUs (JAX's default matmul precision), bf16 on TPU). On CPU the peak is
-  measured in the same process: a 2048x2048 float32 matmul.
+  process's peak RSS (CPU); the peak up to that cohort.
+* host share: seconds preparing client batches on the host (FedJAX's
+  batching, and stacking a segment's batches) / the round's wall seconds.
+* MFU: FLOPs of one client step x useful steps / wall seconds / the
+  device's peak FLOP/s. The step's FLOPs are XLA:CPU's ``cost_analysis()``
+  of the jitted gradient + SGD step on one batch, on every backend (XLA:GPU
+  leaves cuDNN convolutions out of its count); LSTM time loop unrolled so
+  that XLA counts every step. Peaks: :data:`PEAK_FLOPS` by ``device_kind``
+  (dense TF32 for float32 on NVIDIA GPUs, JAX's default matmul precision;
+  dense BF16 with ``--compute_dtype=bfloat16``; bf16 on TPU); on CPU a
+  2048x2048 float32 matmul measured in the same process.
 
 A configuration that cannot run (out of memory, engine error, time budget:
-``--max_seconds`` per configuration, estimated from the previous cohort
-and the first timed round) prints a row with the reason. The table goes to
-``benchmarks/results/rounds_<device>.md`` (``--output``).
+``--max_seconds`` per configuration) prints a row with the reason. The
+table goes to ``benchmarks/results/rounds_<device>.md`` (``--output``).
 
-  python benchmarks/bench_rounds.py            # GPU: 10, 100, 500 clients, < 30 min
+  python benchmarks/bench_rounds.py            # GPU: 10, 100, 1,000 clients
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_rounds.py \\
-      --models=femnist --engines=loop --cohorts=10
+      --models=femnist --engines=loop,vmap --cohorts=10 --no-isolate
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ from fedlite_jax import models
 from fedlite_jax.algorithms import federated_averaging
 from fedlite_jax.models import lm
 from fedlite_jax.rounds import VmapBackend
-from fedlite_jax.rounds import engine as engine_lib
+from fedlite_jax.rounds import stats as stats_lib
+from fedlite_jax.rounds import streaming
 from fedlite_jax.training.runner import client_rng
 
 ENGINES = ('loop', 'vmap', 'fedjax_jit', 'fedjax_vmap')
@@ -113,6 +119,14 @@ PEAK_FLOPS = (
     ('TPU v3', 61.5e12),
     ('TPU v2', 22.5e12),
 )
+#: Dense BF16 peaks of the NVIDIA GPUs above (data sheets), for
+#: ``--compute_dtype=bfloat16``; TPUs' entries above are already bf16.
+PEAK_BF16_FLOPS = (
+    ('H100 PCIe', 756e12),
+    ('H100', 989.4e12),
+    ('H200', 989.4e12),
+    ('A100', 312e12),
+)
 
 FEMNIST_BATCH = 20
 LM_BATCH = 16
@@ -121,7 +135,7 @@ LM_VOCAB = lm.DEFAULT_VOCAB_SIZE
 
 
 # --------------------------------------------------------------------------
-# Data.
+# Data: a population of clients, a fresh cohort every round.
 
 def _lognormal_counts(n: int, median: float, sigma: float, lo: int, hi: int,
                       rng: np.random.RandomState) -> np.ndarray:
@@ -129,17 +143,17 @@ def _lognormal_counts(n: int, median: float, sigma: float, lo: int, hi: int,
                  lo, hi).astype(int)
 
 
-def _synthetic_clients(model: str, cohort: int, seed: int,
-                       max_examples: int) -> list[tuple[bytes, Any]]:
-  """``cohort`` synthetic clients: views into one shared example pool."""
+def _synthetic_population(model: str, size: int, seed: int,
+                          max_examples: int) -> list[tuple[bytes, Any]]:
+  """``size`` synthetic clients: views into one shared example pool."""
   rng = np.random.RandomState(seed)
   if model == 'femnist':
-    counts = _lognormal_counts(cohort, 200, 0.45, 8, 500, rng)
+    counts = _lognormal_counts(size, 200, 0.45, 8, 500, rng)
     pool_n = 1024
     pool = {'x': rng.uniform(0, 1, (pool_n, 28, 28, 1)).astype(np.float32),
             'y': rng.randint(0, 62, pool_n).astype(np.int32)}
   else:
-    counts = _lognormal_counts(cohort, 48, 1.0, 1, 256, rng)
+    counts = _lognormal_counts(size, 48, 1.0, 1, 256, rng)
     pool_n = 1024
     tokens = rng.randint(4, LM_VOCAB, (pool_n, LM_LENGTH + 1)).astype(np.int32)
     pool = {'x': tokens[:, :-1], 'y': tokens[:, 1:]}
@@ -156,9 +170,9 @@ def _synthetic_clients(model: str, cohort: int, seed: int,
 _FEMNIST: dict[Optional[str], Any] = {}
 
 
-def _femnist_clients(data_dir: Optional[str], cohort: int, seed: int,
-                     max_examples: int):
-  """Real FEMNIST writers (repeated with new ids if too few), or None."""
+def _femnist_population(data_dir: Optional[str], size: int,
+                        max_examples: int):
+  """Real FEMNIST writers (repeated under new ids up to ``size``), or None."""
   if data_dir not in _FEMNIST:
     try:
       _FEMNIST[data_dir] = datasets.load_federated_data('emnist', data_dir)[0]
@@ -168,32 +182,53 @@ def _femnist_clients(data_dir: Optional[str], cohort: int, seed: int,
   if train is None:
     return None
   ids = sorted(cid for cid, _ in train.client_sizes())
-  rng = np.random.RandomState(seed)
-  order = rng.permutation(len(ids))
+  writers = dict(train.get_clients(ids))
   clients = []
-  for i in range(cohort):
-    cid = ids[order[i % len(ids)]]
-    cds = train.get_client(cid)
+  for i in range(max(size, len(ids))):
+    cid = ids[i % len(ids)]
+    cds = writers[cid]
     if max_examples:
       cds = cds[:max_examples]
     clients.append((cid if i < len(ids) else cid + f'#{i}'.encode(), cds))
   return clients
 
 
+def population(model: str, cohort: int, seed: int, max_examples: int,
+               data_dir: Optional[str]) -> tuple[list, str]:
+  """``(clients, data description)``: at least ``max(4 cohort, 1000)``
+  synthetic clients, or the real FEMNIST writers (repeated under new ids
+  when the cohort is larger)."""
+  if model == 'femnist':
+    real = _femnist_population(data_dir, cohort, max_examples)
+    if real is not None:
+      return real, 'real FEMNIST'
+  size = max(4 * cohort, 1000)
+  return _synthetic_population(model, size, seed, max_examples), 'synthetic'
+
+
+def fresh_cohort(clients: list, cohort: int, seed: int, round_num: int
+                 ) -> list:
+  """Round ``round_num``'s cohort: ``cohort`` clients drawn without
+  replacement, with their PRNG keys (the runner's ``client_rng``)."""
+  rng = np.random.RandomState([seed, round_num])
+  pick = rng.choice(len(clients), size=cohort, replace=False)
+  return [(clients[i][0], clients[i][1],
+           client_rng(seed, round_num, clients[i][0])) for i in pick]
+
+
 # --------------------------------------------------------------------------
-# Host-time and executed-step accounting (wraps FedJAX's batching and the
-# vmapped program's host side for the duration of the benchmark).
+# Host time (wraps FedJAX's batching and the stacking of a segment's
+# batches for the duration of the benchmark).
 
 class HostClock:
-  """Seconds spent preparing client batches on the host, and vmapped rows x steps."""
+  """Seconds spent preparing client batches on the host; FedJAX batches."""
 
   def __init__(self):
     self.seconds = 0.0
     self.batches = 0
-    self.vmapped_steps = 0
 
   def reset(self) -> None:
-    self.seconds, self.batches, self.vmapped_steps = 0.0, 0, 0
+    self.seconds, self.batches = 0.0, 0
 
 
 class _TimedBatches:
@@ -221,46 +256,29 @@ class _TimedBatches:
 def timing_host(clock: HostClock):
   """Installs the host-time wrappers; restores the originals on exit."""
   cds_cls = fedjax.ClientDataset
-  vc_cls = engine_lib.VmappedClients
   saved = (cds_cls.shuffle_repeat_batch, cds_cls.padded_batch,
-           vc_cls.__call__)
+           streaming._stack)  # pylint: disable=protected-access
 
   def batching(original):
     def wrapped(self, *args, **kwargs):
       return _TimedBatches(original(self, *args, **kwargs), clock)
     return wrapped
 
-  def vmapped_call(self, shared_input, client_batches, client_inputs, steps,
-                   cohort_size=None, **kwargs):
-    run = self._run  # pylint: disable=protected-access
-    spent = [0.0]
-
-    def timed_run(*args):
-      t = time.perf_counter()
-      out = run(*args)
-      spent[0] += time.perf_counter() - t
-      return out
-
-    self._run = timed_run  # pylint: disable=protected-access
-    t0 = time.perf_counter()
+  def stack(*args, **kwargs):
+    t = time.perf_counter()
     try:
-      out = saved[2](self, shared_input, client_batches, client_inputs,
-                     steps, cohort_size, **kwargs)
+      return saved[2](*args, **kwargs)
     finally:
-      self._run = run  # pylint: disable=protected-access
-    clock.seconds += time.perf_counter() - t0 - spent[0]
-    rows = kwargs.get('lanes') or cohort_size or len(client_batches)
-    clock.vmapped_steps += int(rows) * int(steps)
-    return out
+      clock.seconds += time.perf_counter() - t
 
   cds_cls.shuffle_repeat_batch = batching(saved[0])
   cds_cls.padded_batch = batching(saved[1])
-  vc_cls.__call__ = vmapped_call
+  streaming._stack = stack  # pylint: disable=protected-access
   try:
     yield clock
   finally:
     cds_cls.shuffle_repeat_batch, cds_cls.padded_batch = saved[:2]
-    vc_cls.__call__ = saved[2]
+    streaming._stack = saved[2]  # pylint: disable=protected-access
 
 
 # --------------------------------------------------------------------------
@@ -271,11 +289,15 @@ def device_name() -> str:
   return re.sub(r'[^a-z0-9]+', '_', kind.lower()).strip('_') or 'device'
 
 
-def peak_flops_table(kind: str) -> Optional[float]:
-  """The :data:`PEAK_FLOPS` entry for a ``device_kind``, or None."""
-  for key, flops in PEAK_FLOPS:
-    if key.lower() in kind.lower():
-      return flops
+def peak_flops_table(kind: str, dtype: str = 'float32') -> Optional[float]:
+  """The :data:`PEAK_FLOPS` (bfloat16: :data:`PEAK_BF16_FLOPS`) entry for a
+  ``device_kind``, or None."""
+  tables = ((PEAK_BF16_FLOPS, PEAK_FLOPS) if dtype == 'bfloat16' else
+            (PEAK_FLOPS,))
+  for table in tables:
+    for key, flops in table:
+      if key.lower() in kind.lower():
+        return flops
   return None
 
 
@@ -315,14 +337,18 @@ def peak_memory_bytes() -> tuple[int, str]:
 
 
 def step_flops(model: fedjax.Model, params: Any, batch: dict) -> float:
-  """XLA's FLOP count of one client step (gradient + SGD update, one batch)."""
+  """XLA:CPU's FLOP count of one client step (gradient + SGD update, one
+  batch), on any backend: XLA:GPU's count leaves out cuDNN convolutions."""
   grad_fn = fedjax.model_grad(model)
 
   def step(p, b):
     g = grad_fn(p, b, jax.random.PRNGKey(0))
     return jax.tree.map(lambda x, y: x - 0.1 * y, p, g)
 
-  cost = jax.jit(step).lower(params, batch).compile().cost_analysis()
+  cpu = jax.devices('cpu')[0]
+  params, batch = jax.device_put((params, batch), cpu)
+  with jax.default_device(cpu):
+    cost = jax.jit(step).lower(params, batch).compile().cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0]
   return float((cost or {}).get('flops', float('nan')))
@@ -331,21 +357,32 @@ def step_flops(model: fedjax.Model, params: Any, batch: dict) -> float:
 # --------------------------------------------------------------------------
 # One (model, engine) process.
 
-def _model(name: str, for_flops: bool = False) -> fedjax.Model:
+def _model(name: str, engine: str = 'loop', dtype: str = 'float32',
+           for_flops: bool = False) -> fedjax.Model:
+  """The model; the vmap engine's CNN with im2col convolutions (the
+  runner's ``--conv_implementation=auto``), FedJAX's reference in float32."""
+  compute = None if dtype == 'float32' or engine == 'fedjax_jit' else dtype
   if name == 'femnist':
-    return models.create_emnist_cnn(62).model
+    conv = 'im2col' if engine in ('vmap', 'fedjax_vmap') else 'lax'
+    if for_flops:
+      conv, compute = 'lax', None
+    return models.create_emnist_cnn(62, conv_implementation=conv,
+                                    compute_dtype=compute).model
   unroll = LM_LENGTH if for_flops else 1
-  return lm.create_lm(name, LM_VOCAB, lstm_unroll=unroll).model
+  return lm.create_lm(name, LM_VOCAB, lstm_unroll=unroll,
+                      compute_dtype=None if for_flops else compute).model
 
 
-def _algorithm(engine: str, model: fedjax.Model, batch_size: int,
-               clients_per_chunk):
+def _algorithm(engine: str, model: fedjax.Model, batch_size: int, args):
   grad_fn = fedjax.model_grad(model)
   if engine in ('loop', 'vmap'):
     hp = fedjax.ShuffleRepeatBatchHParams(batch_size=batch_size)
+    lanes = (args.lanes_per_device if args.lanes_per_device == 'auto' else
+             int(args.lanes_per_device))
+    options = (dict(lanes_per_device=lanes, segment_steps=args.segment_steps)
+               if engine == 'vmap' else {})
     return federated_averaging(grad_fn, optax.sgd(0.1), optax.sgd(1.0), hp,
-                               engine=engine,
-                               clients_per_chunk=clients_per_chunk)
+                               engine=engine, **options)
   backend = 'jit' if engine == 'fedjax_jit' else VmapBackend()
   # FedJAX binds the backend when the algorithm is built.
   with fedjax.for_each_client_backend(backend):
@@ -361,34 +398,37 @@ def _short(err: BaseException) -> str:
   return text[:200]
 
 
+def _useful_steps(cohort: list, batch_size: int) -> int:
+  return sum(-(-len(cds) // batch_size) for _, cds, _ in cohort)
+
+
 def run_worker(args, emit: bool = False) -> list[dict]:
   """Rows for one model and engine over the cohorts (ascending)."""
   name, engine = args.models, args.engines
   batch_size = FEMNIST_BATCH if name == 'femnist' else LM_BATCH
-  model = _model(name)
+  dtype = 'float32' if engine == 'fedjax_jit' else args.compute_dtype
+  model = _model(name, engine, dtype)
   params = model.init(jax.random.PRNGKey(args.seed))
-  cpc = (args.clients_per_chunk if args.clients_per_chunk == 'auto'
-         else int(args.clients_per_chunk))
   kind = jax.devices()[0].device_kind
-  peak = peak_flops_table(kind)
-  peak_source = f'table ({kind})'
+  peak = peak_flops_table(kind, dtype)
+  peak_source = f'table ({kind}, {dtype})'
   if peak is None:
     peak, peak_source = _cpu_reference_flops(), 'measured f32 matmul'
   clock = HostClock()
   rows = []
   flops = None
-  data_source = 'synthetic'
-  last = None  # (cohort, seconds per round, compile seconds) of the last cohort
+  last = None  # (cohort, seconds per round, compile seconds) of the last one
   deadline = args.deadline or math.inf
   failed = None
   for cohort in sorted(args.cohorts):
-    row = {'model': name, 'engine': engine, 'cohort': cohort}
+    row = {'model': name, 'engine': engine, 'cohort': cohort,
+           'dtype': dtype}
     rows.append(row)
     if failed:
       row['skip'] = f'not run: {failed}'
       continue
     estimate = 0.0 if not last else (
-        last[2] + last[1] * cohort / last[0] * (args.rounds + 1))
+        last[2] + last[1] * cohort / last[0] * args.rounds)
     if estimate > args.max_seconds:
       row['skip'] = (f'estimated {estimate:.0f} s > '
                      f'--max_seconds={args.max_seconds:g}')
@@ -396,77 +436,78 @@ def run_worker(args, emit: bool = False) -> list[dict]:
     if time.time() + estimate > deadline:
       row['skip'] = 'over the run\'s --total_seconds budget'
       continue
-    clients = None
     t_load = time.perf_counter()
-    if name == 'femnist':
-      clients = _femnist_clients(args.data_dir, cohort, args.seed,
-                                 args.max_examples)
-      if clients is not None:
-        data_source = 'real FEMNIST'
-    if clients is None:
-      clients = _synthetic_clients(name, cohort, args.seed, args.max_examples)
-    row['data'] = data_source
+    clients, row['data'] = population(name, cohort, args.seed,
+                                      args.max_examples, args.data_dir)
+    if cohort > len(clients):
+      row['skip'] = f'the population has {len(clients)} clients'
+      continue
     row['load_s'] = time.perf_counter() - t_load
-    useful = sum(-(-len(cds) // batch_size) for _, cds in clients)
     try:
       if flops is None:
-        batch = next(iter(clients[0][1].padded_batch(batch_size=batch_size)))
+        first = fresh_cohort(clients, 1, args.seed, 0)[0][1]
+        batch = next(iter(first.padded_batch(batch_size=batch_size)))
         batch = {k: v for k, v in batch.items()
                  if k != fedjax.EXAMPLE_MASK_KEY}
         flops = step_flops(_model(name, for_flops=True), params, batch)
-      alg = _algorithm(engine, model, batch_size, cpc)
+      alg = _algorithm(engine, model, batch_size, args)
       state = alg.init(params)
-
-      def cohort_for(r):
-        return [(cid, cds, client_rng(args.seed, r, cid))
-                for cid, cds in clients]
-
+      walls, hosts, useful, executed, sequential = [], [], [], [], []
       start = time.perf_counter()
-      with timing_host(clock), engine_lib.recording_stats() as rec:
-        state, _ = alg.apply(state, cohort_for(0))
-        jax.block_until_ready(state.params)
-        row['warmup_s'] = time.perf_counter() - start
-        rec.take()
-        walls, hosts, padded = [], [], []
-        for r in range(1, args.rounds + 1):
+      with timing_host(clock), stats_lib.recording_stats() as rec, \
+          stats_lib.counting_compilations() as compiles:
+        for r in range(args.rounds):
+          cohort_r = fresh_cohort(clients, cohort, args.seed, r)
+          useful.append(_useful_steps(cohort_r, batch_size))
           clock.reset()
           t0 = time.perf_counter()
-          state, _ = alg.apply(state, cohort_for(r))
+          state, _ = alg.apply(state, cohort_r)
           jax.block_until_ready(state.params)
           walls.append(time.perf_counter() - t0)
           hosts.append(clock.seconds)
-          stats = rec.take()
-          if stats['clients']:
-            if stats['client_steps'] != useful:
-              raise AssertionError(f'engine counted {stats["client_steps"]} '
-                                   f'useful steps, expected {useful}')
-            padded.append(stats['padded_steps'])
-            row['clients_per_chunk'] = stats['clients_per_chunk']
-            row['chunks'] = stats['chunks']
-          elif engine == 'fedjax_vmap':
-            padded.append(clock.vmapped_steps)
+          counts = rec.take()
+          if counts['clients']:
+            if counts['client_steps'] != useful[-1]:
+              raise AssertionError(
+                  f'engine counted {counts["client_steps"]} useful steps, '
+                  f'expected {useful[-1]}')
+            executed.append(counts['padded_steps'])
+            sequential.append(counts['sequential_steps'])
+            for key in ('lanes', 'segment_steps', 'slots'):
+              row[key] = counts[key]
           else:  # FedJAX's jit backend: one call per useful step.
-            if clock.batches != useful:
+            if clock.batches != useful[-1]:
               raise AssertionError(f'FedJAX ran {clock.batches} batches, '
-                                   f'expected {useful}')
-            padded.append(clock.batches)
+                                   f'expected {useful[-1]}')
+            executed.append(clock.batches)
+            sequential.append(clock.batches)
           elapsed = time.perf_counter() - start
-          if (elapsed + walls[-1] > args.max_seconds or
+          if r >= 1 and r + 1 < args.rounds and (  # At least one steady round.
+              elapsed + walls[-1] > args.max_seconds or
               time.time() + walls[-1] > deadline):
             break
+      row['run_s'] = time.perf_counter() - start
     except Exception as err:  # pylint: disable=broad-except
       row['skip'] = _short(err)
       failed = f'failed at cohort {cohort}'
       continue
-    wall = statistics.median(walls)
-    last = (cohort, wall, max(row['warmup_s'] - wall, 0.0))
+    steady = walls[1:] or walls
+    wall = statistics.median(steady)
+    last = (cohort, wall, compiles.total_seconds)
     mem, mem_source = peak_memory_bytes()
+    mean_useful = float(np.mean(useful))
     row.update(
         rounds=len(walls), s_per_round=wall, rounds_per_s=1 / wall,
-        peak_mem_bytes=mem, mem_source=mem_source, useful_steps=useful,
-        padded_steps=max(padded), host_share=sum(hosts) / sum(walls),
-        step_flops=flops, mfu=flops * useful / wall / peak, peak_flops=peak,
-        peak_source=peak_source)
+        first_round_s=walls[0], compilations=compiles.total,
+        client_program_compilations=compiles.count(
+            *stats_lib.CLIENT_PROGRAMS),
+        compile_s=compiles.total_seconds, peak_mem_bytes=mem,
+        mem_source=mem_source, useful_steps=mean_useful,
+        padded_steps=float(np.mean(executed)),
+        sequential_steps=float(np.mean(sequential)),
+        host_share=sum(hosts) / sum(walls), step_flops=flops,
+        mfu=flops * float(np.mean([u for u in useful[1:]] or useful)) /
+        wall / peak, peak_flops=peak, peak_source=peak_source)
     if emit:
       print('ROW ' + json.dumps(row), flush=True)
   return rows
@@ -477,7 +518,9 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
          f'--models={model}', f'--engines={engine}',
          f'--cohorts={",".join(map(str, args.cohorts))}',
          f'--rounds={args.rounds}', f'--max_seconds={args.max_seconds}',
-         f'--clients_per_chunk={args.clients_per_chunk}',
+         f'--lanes_per_device={args.lanes_per_device}',
+         f'--segment_steps={args.segment_steps}',
+         f'--compute_dtype={args.compute_dtype}',
          f'--max_examples={args.max_examples}', f'--seed={args.seed}']
   if args.data_dir:
     cmd.append(f'--data_dir={args.data_dir}')
@@ -518,38 +561,48 @@ def _run_isolated(args, model: str, engine: str, budget: float
 # --------------------------------------------------------------------------
 # Report.
 
-def _speedups(rows: list[dict]) -> dict[int, str]:
-  """Row index -> FedJAX ``jit`` s/round / this row's s/round, same run."""
+def _ratios(rows: list[dict], engine: str) -> dict[int, str]:
+  """Row index -> ``engine``'s s/round / this row's, same model and cohort
+  in the same run."""
   ref = {(r['model'], r['cohort']): r['s_per_round'] for r in rows
-         if r['engine'] == 'fedjax_jit' and 'skip' not in r}
+         if r['engine'] == engine and 'skip' not in r}
   return {i: f'{ref[(r["model"], r["cohort"])] / r["s_per_round"]:.2f}x'
           for i, r in enumerate(rows)
           if 'skip' not in r and (r['model'], r['cohort']) in ref}
 
 
-def _fmt_row(row: dict, speedup: str = '') -> str:
-  head = f'| {row["model"]} | {row["engine"]} | {row["cohort"]:,} |'
+def _fmt_row(row: dict, vs_jit: str = '', vs_loop: str = '') -> str:
+  head = (f'| {row["model"]} | {row["engine"]} | {row.get("dtype", "")} |'
+          f' {row["cohort"]:,} |')
   if 'skip' in row:
-    return head + f' skipped: {row["skip"]} | | | | | | |'
+    return head + f' skipped: {row["skip"]} |' + ' |' * 10
   return head + (
-      f' {row["rounds_per_s"]:.3g} | {row["s_per_round"]:.3g} | {speedup} |'
+      f' {row["s_per_round"]:.3g} | {vs_jit} | {vs_loop} |'
+      f' {row["run_s"]:.3g} ({row["rounds"]}) |'
+      f' {row["compilations"]} ({row["client_program_compilations"]}) |'
+      f' {row["compile_s"]:.3g} |'
       f' {row["peak_mem_bytes"] / 2**20:,.0f} |'
-      f' {row["padded_steps"]:,} / {row["useful_steps"]:,}'
-      f' ({row["padded_steps"] / row["useful_steps"]:.2f}x) |'
+      f' {row["sequential_steps"]:,.1f} |'
+      f' {row["padded_steps"] / row["useful_steps"]:.2f}x |'
       f' {100 * row["host_share"]:.1f}% | {100 * row["mfu"]:.2f}%'
       + (f' of {row["peak_flops"] / 1e9:.0f} GFLOP/s'
          if row['peak_source'].startswith('measured') else '') + ' |')
 
 
 def _table(rows: list[dict]) -> str:
-  ups = _speedups(rows)
-  return '\n'.join([TABLE_HEAD] + [_fmt_row(r, ups.get(i, ''))
+  jit, loop = _ratios(rows, 'fedjax_jit'), _ratios(rows, 'loop')
+  return '\n'.join([TABLE_HEAD] + [_fmt_row(r, jit.get(i, ''),
+                                             loop.get(i, ''))
                                    for i, r in enumerate(rows)])
 
 
-TABLE_HEAD = ('| model | engine | cohort | rounds/s | s/round | vs FedJAX jit '
-              '| peak mem (MiB) | padded / useful steps | host share | MFU |\n'
-              '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
+TABLE_HEAD = (
+    '| model | engine | dtype | cohort | s/round | vs FedJAX jit | vs loop '
+    '| run s (rounds) | compilations (client program) | compile s '
+    '| peak mem (MiB) | sequential steps | executed / useful | host share '
+    '| MFU |\n'
+    '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:'
+    '|---:|')
 
 
 def _version(package: str) -> str:
@@ -579,21 +632,32 @@ def _defaults(args) -> None:
     args.models = ('femnist,lstm_tiny,transformer_tiny' if cpu else
                    'femnist,lstm_small,transformer_large')
   if args.cohorts is None:
-    args.cohorts = '10' if cpu else '10,100,500'
+    args.cohorts = '10' if cpu else '10,100,1000'
   if args.rounds is None:
-    args.rounds = 2 if cpu else 3
+    args.rounds = 4 if cpu else 5
   if args.max_seconds is None:
-    args.max_seconds = 120.0 if cpu else 150.0
+    args.max_seconds = 300.0 if cpu else 150.0
   if args.total_seconds is None:
     args.total_seconds = 3600.0 if cpu else 1800.0
+  if args.extra is None:
+    args.extra = '' if cpu else 'transformer_large:vmap:800'
   args.cohorts = [int(c) for c in str(args.cohorts).split(',')]
   bad = [c for c in args.cohorts if c < 1]
   if bad:
     raise SystemExit(f'--cohorts must be positive ints; got {bad}.')
-  if args.clients_per_chunk != 'auto' and not (
-      args.clients_per_chunk.isdigit()):
-    raise SystemExit(f"--clients_per_chunk must be 'auto' or an int >= 0; "
-                     f'got {args.clients_per_chunk!r}.')
+  if args.lanes_per_device != 'auto' and not (
+      args.lanes_per_device.isdigit() and int(args.lanes_per_device) >= 1):
+    raise SystemExit(f"--lanes_per_device must be 'auto' or an int >= 1; "
+                     f'got {args.lanes_per_device!r}.')
+  args.extra_runs = []
+  for item in filter(None, args.extra.split(',')):
+    parts = item.split(':')
+    if (len(parts) != 3 or parts[0] not in MODELS or parts[1] not in ENGINES
+        or not parts[2].isdigit()):
+      raise SystemExit(f'--extra: {item!r} is not model:engine:cohort with a '
+                       f'model of {", ".join(MODELS)} and an engine of '
+                       f'{", ".join(ENGINES)}.')
+    args.extra_runs.append((parts[0], parts[1], int(parts[2])))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -605,16 +669,27 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument('--engines', default=','.join(ENGINES),
                       help=f'comma list of {", ".join(ENGINES)}')
   parser.add_argument('--cohorts', default=None,
-                      help='clients per round, comma list (default 10,100,500; '
-                      '10 on CPU)')
+                      help='clients per round, comma list (default 10,100,'
+                      '1000; 10 on CPU)')
   parser.add_argument('--rounds', type=int, default=None,
-                      help='timed rounds (default 3; 2 on CPU)')
+                      help='rounds of the run, each on a fresh cohort; '
+                      's/round is the median after the first (default 5; 4 '
+                      'on CPU)')
   parser.add_argument('--max_seconds', type=float, default=None,
-                      help='time budget per configuration (default 150; 120 on '
+                      help='time budget per configuration (default 150; 300 on '
                       'CPU)')
-  parser.add_argument('--clients_per_chunk', default='auto',
-                      help="vmap engine: clients per chunk, int (0: whole "
-                      "cohort) or 'auto'")
+  parser.add_argument('--lanes_per_device', default='auto',
+                      help="vmap engine: lanes per device, int >= 1 or 'auto'")
+  parser.add_argument('--segment_steps', type=int, default=4,
+                      help='vmap engine: local steps per compiled segment')
+  parser.add_argument('--compute_dtype', default='float32',
+                      choices=('float32', 'bfloat16'),
+                      help='our engines\' and VmapBackend\'s model '
+                      'computation dtype (FedJAX jit: always float32)')
+  parser.add_argument('--extra', default=None,
+                      help='comma list of model:engine:cohort runs of one '
+                      'round after the table (default on GPU/TPU: '
+                      'transformer_large:vmap:800; none on CPU)')
   parser.add_argument('--data_dir', default=None,
                       help='FEMNIST data (default $FEDLITE_DATA_DIR)')
   parser.add_argument('--max_examples', type=int, default=0,
@@ -666,23 +741,29 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'jax {jax.__version__}, jaxlib '
             f'{_version("jaxlib")}, fedjax {_version("fedjax")}, python '
             f'{platform.python_version()}',
-            f'cohorts {args.cohorts}, {args.rounds} timed rounds after one '
-            f'warm-up round, --max_seconds={args.max_seconds:g}, '
-            f'--clients_per_chunk={args.clients_per_chunk}, '
+            f'cohorts {args.cohorts}, {args.rounds} rounds on fresh cohorts '
+            '(s/round: median after the first), '
+            f'--max_seconds={args.max_seconds:g}, '
+            f'--lanes_per_device={args.lanes_per_device}, '
+            f'--segment_steps={args.segment_steps}, '
+            f'--compute_dtype={args.compute_dtype}, '
             f'--total_seconds={args.total_seconds:g}']
   print('\n'.join(header), flush=True)
   print(TABLE_HEAD, flush=True)
   rows = []
-  configs = [(m, e) for m in model_list for e in engine_list]
+  configs = [argparse.Namespace(**{**vars(args), 'models': m, 'engines': e})
+             for m in model_list for e in engine_list]
+  configs += [argparse.Namespace(**{**vars(args), 'models': m, 'engines': e,
+                                    'cohorts': [c], 'rounds': 1})
+              for m, e, c in args.extra_runs]
   end = time.time() + args.total_seconds
-  for i, (m, e) in enumerate(configs):
+  for i, sub in enumerate(configs):
     if args.isolate:
       # Fair share of what is left of the run's budget.
       budget = max(end - time.time(), 0) / (len(configs) - i)
-      got = _run_isolated(args, m, e, budget)
+      got = _run_isolated(sub, sub.models, sub.engines, budget)
     else:
-      sub = argparse.Namespace(**{**vars(args), 'models': m, 'engines': e,
-                                  'deadline': end})
+      sub.deadline = end
       got = run_worker(sub)
     for row in got:
       print(_fmt_row(row), flush=True)  # Ratios: in the file.
@@ -702,24 +783,22 @@ def _notes(rows: list[dict]) -> list[str]:
   notes = []
   if done:
     r0 = done[0]
-    notes.append(f'peak memory: {r0["mem_source"]}; MFU against '
-                 f'{r0["peak_flops"] / 1e12:.3g} TFLOP/s ({r0["peak_source"]}); '
-                 'vs FedJAX jit: FedJAX\'s `jit` s/round at the same model and '
-                 'cohort in the same run / this row\'s; data: ' +
-                 ', '.join(sorted({f'{r["model"]}: {r["data"]}'
-                                   for r in done})))
+    notes.append(
+        f'peak memory: {r0["mem_source"]}; MFU against '
+        f'{r0["peak_flops"] / 1e12:.3g} TFLOP/s ({r0["peak_source"]}), step '
+        'FLOPs from XLA:CPU\'s cost analysis; vs FedJAX jit / vs loop: that '
+        'engine\'s s/round at the same model and cohort in the same run / '
+        'this row\'s; run s: the whole run, compilation included; '
+        'compilations: every XLA compilation of the run (the client '
+        'program\'s); data: ' +
+        ', '.join(sorted({f'{r["model"]}: {r["data"]}' for r in done})))
     for r in done:
-      if r['data'] != 'synthetic':
+      if r['engine'] == 'vmap' and 'lanes' in r:
         notes.append(
-            f'{r["model"]} {r["engine"]} cohort {r["cohort"]}: reading the '
-            f'cohort\'s {r["data"]} clients from storage took '
-            f'{r["load_s"]:.3g} s, once, before the timed rounds (not in the '
-            f'host share; per round it would be '
-            f'{100 * (r["host_share"] * r["s_per_round"] + r["load_s"]) / (r["s_per_round"] + r["load_s"]):.1f}%)')
-      if 'chunks' in r and r['engine'] == 'vmap':
-        notes.append(f'{r["model"]} vmap cohort {r["cohort"]}: '
-                     f'clients_per_chunk={r["clients_per_chunk"]}, '
-                     f'{r["chunks"]} chunk(s)')
+            f'{r["model"]} vmap cohort {r["cohort"]}: {r["lanes"]} lanes, '
+            f'{r["segment_steps"]} steps per segment, {r["slots"]} '
+            f'finalization slot(s) per step; first round '
+            f'{r["first_round_s"]:.3g} s')
   return notes
 
 

@@ -1,10 +1,11 @@
 """Smoke run of ``benchmarks/bench_rounds.py`` and its device-facts helpers.
 
-The run is tiny (a CPU language model, cohorts of 2 clients, one timed
-round) and checks the plumbing: every (model, engine, cohort) row is
-printed and written, ratios are finite, executed steps >= useful steps, and
-a configuration over the time budget is skipped with a reason. No timing is
-asserted. The GPU/TPU code paths (allocator peak, peak FLOP/s table) are
+The run is tiny (a CPU language model, cohorts of 2 clients, two rounds on
+fresh cohorts) and checks the plumbing: every (model, engine, cohort) row is
+printed and written, ratios are finite, executed steps >= useful steps, the
+vmap engine compiles its client programs once for both cohorts (JAX's
+compile events), and a configuration over the time budget is skipped with a
+reason. No timing is asserted. The GPU/TPU code paths (allocator peak, peak FLOP/s table) are
 checked with stand-in devices.
 """
 
@@ -39,12 +40,12 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
   env['PYTHONPATH'] = os.pathsep.join(
       p for p in (str(repo_root), env.get('PYTHONPATH')) if p)
   env['JAX_PLATFORMS'] = 'cpu'
-  # Cohort 2 runs; cohort 400 is estimated at ~200x cohort 2's round time,
+  # Cohort 2 runs; cohort 2,000 is estimated at ~1,000x cohort 2's round time,
   # far over the 20 s budget, and must be skipped with a reason.
   cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
          '--models=lstm_tiny', f'--engines={",".join(ENGINES)}',
-         '--cohorts=2,400', '--rounds=1', '--max_examples=40',
-         '--max_seconds=20', '--clients_per_chunk=1', '--no-isolate',
+         '--cohorts=2,2000', '--rounds=2', '--max_examples=40',
+         '--max_seconds=20', '--lanes_per_device=1', '--no-isolate',
          f'--output={out_file}']
   proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True,
                         text=True, timeout=900, check=False)
@@ -56,36 +57,43 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
   assert 'jax ' in text and 'machine: ' in text
   rows = json.loads(re.search(r'<!-- rows: (.*) -->', text).group(1))
   assert sorted((r['engine'], r['cohort']) for r in rows) == sorted(
-      (e, c) for e in ENGINES for c in (2, 400))
+      (e, c) for e in ENGINES for c in (2, 2000))
   for r in rows:
-    line = f'| lstm_tiny | {r["engine"]} | {r["cohort"]:,} |'
+    line = f'| lstm_tiny | {r["engine"]} | float32 | {r["cohort"]:,} |'
     assert line in out and line in text, line
-    if r['cohort'] == 400:
+    if r['cohort'] == 2000:
       assert 'skip' in r and '--max_seconds' in r['skip'], r
       continue
     assert 'skip' not in r, r
     # Two clients, at most ceil(40 / 16) = 3 steps each.
-    assert 2 <= r['useful_steps'] <= 6
+    assert 2 <= r['useful_steps'] <= 6 and r['rounds'] == 2
     assert r['padded_steps'] >= r['useful_steps']
     for key in ('rounds_per_s', 'host_share', 'mfu', 'step_flops',
-                'peak_mem_bytes'):
+                'peak_mem_bytes', 'run_s', 'compile_s'):
       assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+    assert r['compilations'] >= r['client_program_compilations']
     assert r['host_share'] < 1
     # No upper bound on mfu: a ratio of two timings (the peak is measured
     # while other jobs may run); tests assert no timings.
     assert r['rounds_per_s'] == pytest.approx(1 / r['s_per_round'])
     if r['engine'] == 'fedjax_jit' or r['engine'] == 'loop':
-      assert r['padded_steps'] == r['useful_steps']
+      assert r['padded_steps'] == r['useful_steps'] == r['sequential_steps']
+    if r['engine'] == 'loop':  # loop_init, loop_step, loop_final.
+      assert r['client_program_compilations'] == 3
     if r['engine'] == 'vmap':
-      # One client per chunk (--clients_per_chunk=1): one chunk per client.
-      assert r['clients_per_chunk'] == 1 and r['chunks'] == 2
-  # vs FedJAX jit: FedJAX's s/round / the row's, 1.00x on FedJAX's own row.
-  ref = next(r for r in rows if r['engine'] == 'fedjax_jit' and
-             r['cohort'] == 2)
+      # One lane streams both clients; lanes_begin, lanes_segment and
+      # lanes_finish compile once for both rounds' cohorts.
+      assert r['lanes'] == 1 and r['segment_steps'] == 4
+      assert r['sequential_steps'] >= r['useful_steps']
+      assert r['client_program_compilations'] == 3
+  # vs FedJAX jit / vs loop: their s/round / the row's, 1.00x on their own.
+  ref = {e: next(r for r in rows if r['engine'] == e and r['cohort'] == 2)
+         for e in ('fedjax_jit', 'loop')}
   for r in rows:
     if r['cohort'] == 2:
-      ratio = f'{ref["s_per_round"] / r["s_per_round"]:.2f}x'
-      assert f'| {r["s_per_round"]:.3g} | {ratio} |' in text, (r, ratio)
+      jit, loop = (f'{ref[e]["s_per_round"] / r["s_per_round"]:.2f}x'
+                   for e in ('fedjax_jit', 'loop'))
+      assert f'| {r["s_per_round"]:.3g} | {jit} | {loop} |' in text, r
   # --merge: two files -> one file with both runs' rows and headers.
   merged = tmp_path / 'merged.md'
   proc = subprocess.run(
@@ -109,6 +117,8 @@ def test_peak_flops_table_and_device_name(repo_root, monkeypatch):
   assert bench.peak_flops_table('TPU v5 lite') == 197e12
   assert bench.peak_flops_table('TPU v4') == 275e12
   assert bench.peak_flops_table('cpu') is None
+  assert bench.peak_flops_table('NVIDIA H100 80GB HBM3', 'bfloat16') == 989.4e12
+  assert bench.peak_flops_table('TPU v4', 'bfloat16') == 275e12
 
   class FakeDevice:
     device_kind = 'NVIDIA H100 80GB HBM3'
@@ -120,6 +130,38 @@ def test_peak_flops_table_and_device_name(repo_root, monkeypatch):
   assert bench.device_name() == 'nvidia_h100_80gb_hbm3'
   assert bench.peak_memory_bytes() == (123456789,
                                        'device peak_bytes_in_use')
+
+
+def test_fresh_cohorts_differ_and_repeat(repo_root):
+  bench = _load(repo_root)
+  clients, data = bench.population('lstm_tiny', 10, 0, 40, None)
+  assert data == 'synthetic' and len(clients) == 1000
+  a = [c for c, _, _ in bench.fresh_cohort(clients, 10, 0, 1)]
+  b = [c for c, _, _ in bench.fresh_cohort(clients, 10, 0, 2)]
+  assert len(set(a)) == 10 and a != b
+  assert a == [c for c, _, _ in bench.fresh_cohort(clients, 10, 0, 1)]
+
+
+def test_cnn_step_flops_count_the_convolutions(repo_root):
+  """XLA:CPU's count of the EMNIST CNN step vs a hand count of its
+  multiply-adds (forward, input and weight gradients)."""
+  import jax
+  import numpy as np
+  from fedlite_jax import models
+  bench = _load(repo_root)
+  model = models.create_emnist_cnn(62).model
+  params = model.init(jax.random.PRNGKey(0))
+  batch = {'x': np.zeros((20, 28, 28, 1), np.float32),
+           'y': np.zeros((20,), np.int32)}
+  b = 20
+  conv1 = 2 * b * 26 * 26 * 32 * 9 * 1
+  conv2 = 2 * b * 24 * 24 * 64 * 9 * 32
+  dense = 2 * b * (9216 * 128 + 128 * 62)
+  # Forward of each layer, its weight gradient, and the input gradient of
+  # all but the first layer.
+  hand = 3 * (conv2 + dense) + 2 * conv1
+  flops = bench.step_flops(model, params, batch)
+  assert hand <= flops <= 1.1 * hand, (flops, hand)
 
 
 def test_step_flops_matches_dense_count(repo_root):

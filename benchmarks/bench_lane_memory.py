@@ -1,24 +1,23 @@
 #!/usr/bin/env python3
-"""Peak memory of a vmapped round vs the cohort, with and without chunks.
+"""Peak memory of a vmapped round follows the lanes, not the cohort.
 
 Runs ``experiments/run_experiment.py`` for one round of a task (default
 Shakespeare, its task defaults) in separate processes, each process's peak
 resident memory read from ``resource.getrusage(RUSAGE_CHILDREN)``:
 
-* reference: ``--round_engine=vmap`` with ``--clients_per_round=C``
-  (``--clients_per_chunk=C``);
-* chunked: ``N`` clients with ``--clients_per_chunk=C``;
-* unchunked: ``N`` clients with ``--clients_per_chunk=0`` (one chunk);
+* reference: ``--round_engine=vmap``, ``C`` clients on ``C`` lanes;
+* streamed: ``N`` clients on ``C`` lanes (each lane streams ``N / C``);
+* wide: ``N`` clients on ``N`` lanes;
 * loop: ``N`` clients on the loop engine (the result every vmapped run
   must give).
 
 It prints each run's peak RSS as a ratio to the reference, the final test
-loss against the loop engine's (relative difference), and the padded /
-useful local steps from ``summary.json``'s ``engine`` section, and writes
-the table to ``--output`` (markdown).
+loss against the loop engine's (relative difference), the executed /
+useful local steps and sequential steps from ``summary.json``'s ``engine``
+section, and writes the table to ``--output`` (markdown).
 
-  FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_chunk_memory.py
-  python benchmarks/bench_chunk_memory.py --task=embedded_mnist --clients=20 --chunk=5
+  FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_lane_memory.py
+  python benchmarks/bench_lane_memory.py --task=embedded_mnist --clients=20 --lanes=5
 """
 
 from __future__ import annotations
@@ -67,32 +66,32 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--task', default='shakespeare')
   parser.add_argument('--clients', type=int, default=40, help='N')
-  parser.add_argument('--chunk', type=int, default=10, help='C')
+  parser.add_argument('--lanes', type=int, default=10, help='C')
   parser.add_argument('--seed', type=int, default=0)
-  parser.add_argument('--skip_unchunked', action='store_true',
-                      help='Skip the N-clients-in-one-chunk run.')
+  parser.add_argument('--skip_wide', action='store_true',
+                      help='Skip the N-clients-on-N-lanes run.')
   parser.add_argument('--output', default=str(
-      REPO / 'benchmarks' / 'results' / 'chunk_memory.md'))
+      REPO / 'benchmarks' / 'results' / 'lane_memory.md'))
   parser.add_argument('extra', nargs='*',
                       help='More runner flags (after --), e.g. --data_dir=...')
   args = parser.parse_args()
-  n, c = args.clients, args.chunk
+  n, c = args.clients, args.lanes
   runs = []
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
     plan = [
         ('loop', [f'--clients_per_round={n}', '--round_engine=loop']),
-        (f'vmap {c} clients', [f'--clients_per_round={c}',
-                               '--round_engine=vmap',
-                               f'--clients_per_chunk={c}']),
-        (f'vmap {n} clients, chunks of {c}', [
+        (f'vmap {c} clients on {c} lanes', [
+            f'--clients_per_round={c}', '--round_engine=vmap',
+            f'--lanes_per_device={c}']),
+        (f'vmap {n} clients on {c} lanes', [
             f'--clients_per_round={n}', '--round_engine=vmap',
-            f'--clients_per_chunk={c}']),
+            f'--lanes_per_device={c}']),
     ]
-    if not args.skip_unchunked:
-      plan.append((f'vmap {n} clients, one chunk', [
+    if not args.skip_wide:
+      plan.append((f'vmap {n} clients on {n} lanes', [
           f'--clients_per_round={n}', '--round_engine=vmap',
-          '--clients_per_chunk=0']))
+          f'--lanes_per_device={n}']))
     for name, flags in plan:
       runs.append(_run(args, name, flags, tmp))
       print(f"{name}: peak RSS {runs[-1]['peak_rss_gib']:.2f} GiB, "
@@ -100,15 +99,15 @@ def main() -> None:
             flush=True)
   loop, ref = runs[0], runs[1]
   lines = [
-      f'# Peak memory of a vmapped round: {n} clients vs {c}',
+      f'# Peak memory of a vmapped round: {n} clients on {c} lanes',
       '',
-      f'Command: `python benchmarks/bench_chunk_memory.py {shlex.join(sys.argv[1:])}`',
+      f'Command: `python benchmarks/bench_lane_memory.py {shlex.join(sys.argv[1:])}`',
       f'(task {args.task}, 1 round, seed {args.seed}; {platform.machine()}, '
       f'Python {platform.python_version()}; each run a separate process, '
       'peak resident memory of that process).',
       '',
       '| run | peak RSS (GiB) | vs reference | final loss | rel. diff vs loop '
-      '| padded / useful steps | chunks | wall (s) |',
+      '| executed / useful steps | sequential steps | wall (s) |',
       '|---|---|---|---|---|---|---|---|',
   ]
   for r in runs:
@@ -120,7 +119,7 @@ def main() -> None:
         f"| {r['name']}{' (reference)' if r is ref else ''} | "
         f"{r['peak_rss_gib']:.2f} | {r['peak_rss_gib'] / ref['peak_rss_gib']:.2f}x"
         f" | {r['loss']:.7g} | {rel:.1e} | {ratio:.3f} | "
-        f"{eng.get('chunks', '-')} | {r['wall_s']:.0f} |")
+        f"{eng.get('sequential_steps', '-')} | {r['wall_s']:.0f} |")
   lines += ['', 'Commands:', '']
   lines += [f'- {r["name"]}: `{r["command"]}`' for r in runs]
   text = '\n'.join(lines) + '\n'
