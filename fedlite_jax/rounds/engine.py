@@ -177,7 +177,7 @@ class LoopEngine:
     stats.record(self.name, clients=len(work), client_steps=sum(steps),
                  padded_steps=sum(padded), sequential_steps=sum(padded),
                  segments=sum(p // self._k for p in padded), lanes=1,
-                 segment_steps=self._k)
+                 segment_steps=self._k, longest_client_steps=max(steps))
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
 
   def _output_shape(self, shared_input: PyTree, state: PyTree) -> PyTree:
@@ -271,7 +271,7 @@ class VmapEngine:
                  padded_steps=plan.executed_steps,
                  sequential_steps=plan.steps, segments=plan.num_segments,
                  lanes=plan.lanes, segment_steps=plan.segment_steps,
-                 slots=plan.slots)
+                 slots=plan.slots, longest_client_steps=max(steps))
     total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
     return RoundResult(weighted_sum, total, diags)
 

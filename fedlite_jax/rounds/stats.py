@@ -25,6 +25,8 @@ ADDITIVE = ('clients', 'client_steps', 'padded_steps', 'sequential_steps',
 #: Settings of the last engine call: lanes (over all devices), steps per
 #: segment, finalization slots per device and step.
 SETTINGS = ('lanes', 'segment_steps', 'slots')
+#: Largest over the engine calls: the longest client's local steps.
+MAXIMA = ('longest_client_steps',)
 
 
 class StatsRecorder:
@@ -32,13 +34,13 @@ class StatsRecorder:
 
   :data:`ADDITIVE` counts (``client_steps``: useful steps, ``padded_steps``:
   lane-steps executed, masks included, ``sequential_steps``: steps one
-  after another, ``segments``: compiled-program calls) and the last call's
-  ``name`` and :data:`SETTINGS`.
+  after another, ``segments``: compiled-program calls), :data:`MAXIMA`, and
+  the last call's ``name`` and :data:`SETTINGS`.
   """
 
   def __init__(self):
-    self._counts = dict.fromkeys(ADDITIVE, 0)
-    self._totals = dict.fromkeys(ADDITIVE, 0)
+    self._counts = dict.fromkeys(ADDITIVE + MAXIMA, 0)
+    self._totals = dict.fromkeys(ADDITIVE + MAXIMA, 0)
     self._settings: dict[str, Any] = dict.fromkeys(('name',) + SETTINGS)
 
   def add(self, name: str, **counts: int) -> None:
@@ -50,14 +52,17 @@ class StatsRecorder:
       elif k in ADDITIVE:
         self._counts[k] += int(v)
         self._totals[k] += int(v)
+      elif k in MAXIMA:
+        self._counts[k] = max(self._counts[k], int(v))
+        self._totals[k] = max(self._totals[k], int(v))
       else:
         raise ValueError(f'Unknown engine count {k!r}; allowed: '
-                         f'{ADDITIVE + SETTINGS}.')
+                         f'{ADDITIVE + SETTINGS + MAXIMA}.')
 
   def take(self) -> dict[str, Any]:
     """The counts since the last ``take`` (then reset), and the settings."""
     out = {**self._settings, **self._counts}
-    self._counts = dict.fromkeys(ADDITIVE, 0)
+    self._counts = dict.fromkeys(ADDITIVE + MAXIMA, 0)
     return out
 
   def totals(self) -> dict[str, Any]:

@@ -45,7 +45,8 @@ ConfigError = config_lib.ConfigError
 #: Engine counts of a metrics.jsonl row's rounds (``rounds.recording_stats``):
 #: useful local steps, lane-steps executed (incl. masked), steps one after
 #: another, compiled-program calls.
-ROW_COUNTS = ('client_steps', 'padded_steps', 'sequential_steps', 'segments')
+ROW_COUNTS = ('client_steps', 'padded_steps', 'sequential_steps', 'segments',
+              'longest_client_steps')
 #: Wall-clock fields of a metrics.jsonl row (differ between identical runs).
 ROW_TIMINGS = ('seconds_per_round', 'data_seconds', 'train_seconds',
                'eval_seconds')
@@ -357,7 +358,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
         pending['train_seconds'] += recent[-1]
         counts = recorder.take()
         for k in ROW_COUNTS:
-          pending[k] += counts[k]
+          pending[k] = (max(pending[k], counts[k]) if k in stats_lib.MAXIMA
+                        else pending[k] + counts[k])
         skipped.append(ledger.record_round(r, diagnostics)['skipped_clients'])
         done = r + 1
         if done % config.eval_every == 0 or done == config.num_rounds:
@@ -411,7 +413,8 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       # Counts over every round (rows of earlier runs of a resumed one too);
       # compilations of this process since it started or resumed.
       'engine': {**{k: engine_stats[k] for k in ('name',) + stats_lib.SETTINGS},
-                 **{k: int(sum(r.get(k, 0) for r in rows))
+                 **{k: int((max if k in stats_lib.MAXIMA else sum)(
+                     [r.get(k, 0) for r in rows] or [0]))
                     for k in ROW_COUNTS},
                  'compilations': compiles.summary(stats_lib.CLIENT_PROGRAMS),
                  'conv_implementation': split_model_conv,

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Compilations of whole training runs on the vmap engine, and their steps.
+
+Runs ``experiments/run_experiment.py --round_engine=vmap`` for each task
+(fresh cohorts every round, as training does) and reads ``summary.json``'s
+``engine`` section: XLA compilations counted from JAX's own compile events
+(every program; the client program ``lanes_begin``/``lanes_segment``/
+``lanes_finish`` apart) and their seconds, lanes, steps per segment, and
+per row of ``metrics.jsonl`` the sequential steps against the bound
+``max(ceil(useful / lanes), longest client) + segment_steps``, and executed
+/ useful lane-steps. Writes a markdown table.
+
+  FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_run_compilations.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RUNNER = REPO / 'experiments' / 'run_experiment.py'
+
+#: name -> runner flags (besides the engine, rounds and cohort).
+RUNS = {
+    'shakespeare': ['--task=shakespeare'],
+    'emnist': ['--task=emnist'],
+    'emnist_25_lanes': ['--task=emnist', '--lanes_per_device=25'],
+}
+
+
+def run(name: str, flags: list[str], args, out: pathlib.Path) -> dict:
+  """One runner process; its summary's engine section and metrics rows."""
+  command = [sys.executable, str(RUNNER), *flags, '--round_engine=vmap',
+             f'--num_rounds={args.rounds}',
+             f'--clients_per_round={args.clients}',
+             f'--eval_every={args.rounds}', f'--seed={args.seed}',
+             '--noprogress', '--checkpoint_every=0', f'--output_dir={out}']
+  t0 = time.perf_counter()
+  done = subprocess.run(command, capture_output=True, text=True, check=False)
+  wall = time.perf_counter() - t0
+  if done.returncode != 0:
+    sys.exit(f'{name} failed ({shlex.join(command)}):\n{done.stderr[-3000:]}')
+  summary = json.loads((out / 'summary.json').read_text())
+  rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()
+          if l.strip()]
+  return {'name': name, 'command': shlex.join(command), 'wall_s': wall,
+          'engine': summary['engine'], 'rows': rows,
+          'seconds_per_round': summary['seconds_per_round'],
+          'final_eval': summary['final_eval']}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--runs', default=','.join(RUNS),
+                      help=f'comma list of {", ".join(RUNS)}')
+  parser.add_argument('--rounds', type=int, default=20)
+  parser.add_argument('--clients', type=int, default=100)
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--output', default=str(
+      REPO / 'benchmarks' / 'results' / 'compilations_cpu.md'))
+  args = parser.parse_args()
+  names = args.runs.split(',')
+  bad = [n for n in names if n not in RUNS]
+  if bad:
+    sys.exit(f'--runs: unknown {bad}; allowed: {", ".join(RUNS)}.')
+  results = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in names:
+      results.append(run(name, RUNS[name], args, pathlib.Path(tmp) / name))
+      e = results[-1]['engine']
+      print(f"{name}: {e['compilations']['client_program']} client-program "
+            f"compilations, {e['compilations']['total']} in all, "
+            f"{results[-1]['wall_s']:.0f} s", flush=True)
+  lines = [
+      f'# Compilations of {args.rounds}-round runs on the vmap engine',
+      '',
+      f'Command: `python benchmarks/bench_run_compilations.py '
+      f'{shlex.join(sys.argv[1:])}`',
+      f'({args.clients} clients per round, a fresh cohort every round, seed '
+      f'{args.seed}; {platform.machine()}, Python '
+      f'{platform.python_version()}; one process per run).',
+      '',
+      '| run | lanes | steps per segment | client-program compilations '
+      '| all compilations | compile s | sequential steps per round '
+      '| executed / useful | s/round | wall s |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
+  ]
+  for r in results:
+    e = r['engine']
+    c = e['compilations']
+    lines.append(
+        f"| {r['name']} | {e['lanes']} | {e['segment_steps']} | "
+        f"{c['client_program']} | {c['total']} | {c['seconds']:.0f} | "
+        f"{e['sequential_steps'] / args.rounds:.1f} | "
+        f"{e['padded_steps'] / e['client_steps']:.3f} | "
+        f"{r['seconds_per_round']:.1f} | {r['wall_s']:.0f} |")
+  lines += ['', 'Rows of `metrics.jsonl` (one per evaluation, or per round '
+            'where the runner writes one): sequential steps against the '
+            'bound `max(ceil(useful / lanes), longest client) + '
+            'segment_steps` of the rounds they cover:', '']
+  for r in results:
+    e = r['engine']
+    rows = [x for x in r['rows'] if x.get('segments')]
+    over = [x for x in rows if x['sequential_steps'] > max(
+        -(-x['client_steps'] // e['lanes']), x['longest_client_steps']) +
+            e['segment_steps'] * x.get('rounds', 1)]
+    lines.append(f"- {r['name']}: {len(rows)} rows, {len(over)} above the "
+                 'bound')
+  lines += ['', 'Commands:', '']
+  lines += [f'- {r["name"]}: `{r["command"]}`' for r in results]
+  text = '\n'.join(lines) + '\n'
+  print(text)
+  pathlib.Path(args.output).write_text(text)
+
+
+if __name__ == '__main__':
+  main()
