@@ -263,10 +263,12 @@ class VmapEngine:
                                 self._slots, mesh.num_devices, groups)
     first = next(w for w in work
                  if not isinstance(w.batches, remote.RemoteBatches))
+    # Client inputs (keys) to the host in one transfer: a segment stacks
+    # them there with its batches.
+    inputs = jax.device_get([w.client_input for w in work])
     weighted_sum, diags, _, _ = self._streams.run(
-        shared_input, plan, [w.batches for w in work],
-        [w.client_input for w in work], [w.weight for w in work],
-        (first.batches[0], first.client_input))
+        shared_input, plan, [w.batches for w in work], inputs,
+        [w.weight for w in work], (first.batches[0], inputs[0]))
     stats.record(self.name, clients=len(work), client_steps=sum(steps),
                  padded_steps=plan.executed_steps,
                  sequential_steps=plan.steps, segments=plan.num_segments,
