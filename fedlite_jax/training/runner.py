@@ -220,11 +220,10 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
 
   train_fd, test_fd, info = task.load_data(config)
   num_train_clients = train_fd.num_clients()
-  # What the sampler reads: decoded clients kept across rounds (inside the
-  # multi-process partition, which decides by cohort position).
-  source = train_fd
-  if config.client_cache_mb:
-    source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)
+  # What the sampler reads, from the background thread too: decoded clients
+  # kept across rounds (--client_cache_mb=0: none), a SQLite connection per
+  # thread; inside the multi-process partition (it decides by position).
+  source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)
   if config.clients_per_round > num_train_clients:
     raise ConfigError(
         f'--clients_per_round={config.clients_per_round} exceeds the '
