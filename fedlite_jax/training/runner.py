@@ -101,8 +101,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     if writer_process:
       out.mkdir(parents=True, exist_ok=True)
       stack.enter_context(outputs.lock_output_dir(out))
-      # Leftovers of writes killed mid-way (nobody else writes here now).
-      checkpoint.remove_partial_files(out / 'checkpoints')
+      # Leftovers of writes killed mid-way (nobody else writes here now;
+      # the checkpointer removes those of killed checkpoint saves).
       outputs.remove_partial_files(out)
       scratch = out
     else:
@@ -149,8 +149,12 @@ def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
   Raises:
     ConfigError: ``out`` holds results these flags cannot continue (without
       ``--overwrite``).
-    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint.
+    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint;
+      with ``--resume``, msgpack checkpoints of fedlite_jax 644e428 or
+      before (:func:`checkpoint.legacy_error`).
   """
+  if config.resume and checkpoint.legacy_checkpoints(out / 'checkpoints'):
+    raise checkpoint.legacy_error(out / 'checkpoints')
   latest = checkpoint.latest_checkpoint(out / 'checkpoints')
   if latest is not None and config.resume:
     if not config.overwrite:
@@ -395,6 +399,9 @@ def _round_loop(config: RunConfig, task: tasks.Task,
   cap = config.max_examples_per_client
   csv = (scratch / 'communication.csv').open('a')
   built.ledger.attach_csv(csv)
+  # Process 0 writes the checkpoints (the others read them on a restart).
+  ckpt = (checkpoint.Checkpointer(scratch / 'checkpoints', keep=2)
+          if jax.process_index() == 0 else None)
   bar = tqdm.tqdm(range(built.start_round, config.num_rounds),
                   initial=built.start_round, total=config.num_rounds,
                   disable=not config.progress or jax.process_index() != 0,
@@ -428,14 +435,16 @@ def _round_loop(config: RunConfig, task: tasks.Task,
                            f'{row.get(task.metric, float("nan")):.4f}'})
         writer.write(row)
         built.rows.append(row)
-        if (config.checkpoint_every and
-            done % config.checkpoint_every == 0) or done == config.num_rounds:
+        if ckpt is not None and ((config.checkpoint_every and
+                                  done % config.checkpoint_every == 0) or
+                                 done == config.num_rounds):
           csv.flush()  # The CSV rows of the checkpointed rounds are on disk.
-          checkpoint.save_checkpoint(
-              scratch / 'checkpoints', done, built.checkpoint_state(),
-              fingerprint, params=built.spec.eval_params(built.state))
+          ckpt.save(done, built.checkpoint_state(), fingerprint,
+                    params=built.spec.eval_params(built.state))
       return recorder.totals()
   finally:
+    if ckpt is not None:
+      ckpt.close()  # Waits for a save still being written.
     cohorts.close()
     bar.close()
     csv.close()
