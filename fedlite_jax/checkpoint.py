@@ -86,7 +86,7 @@ class Checkpointer:
                use_async: bool = True):
     if keep < 1:
       raise ValueError(f'keep must be >= 1; got {keep}.')
-    self.directory = pathlib.Path(directory)
+    self.directory = pathlib.Path(directory).absolute()  # orbax needs it.
     # orbax creates it only without active_processes.
     self.directory.mkdir(parents=True, exist_ok=True)
     self._manager = ocp.CheckpointManager(
@@ -196,7 +196,7 @@ def _restore(path: str | os.PathLike, items: tuple[str, ...]) -> Any:
     reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
                               multiprocessing_options=_process_options())
     restored = reader.restore(
-        pathlib.Path(path), args=ocp.args.Composite(
+        pathlib.Path(path).absolute(), args=ocp.args.Composite(
             **{k: args[k] for k in items}))
     meta = restored.meta if 'meta' in items else None
     if meta is not None and meta.get('format') != FORMAT:

@@ -121,3 +121,12 @@ def test_legacy_msgpack_checkpoint_is_named_in_one_line(tmp_path):
   np.testing.assert_array_equal(params['dense']['kernel'],
                                 3 * np.arange(6, dtype=np.float32).reshape(2, 3))
   assert checkpoint.decode_legacy(json.dumps({'a': 1}).encode()) is None
+
+
+def test_relative_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  path = checkpoint.save_checkpoint('ckpts', 3, _state(), {'seed': 0})
+  assert path == tmp_path / 'ckpts' / '3'
+  latest = checkpoint.latest_checkpoint('ckpts')
+  assert latest == pathlib.Path('ckpts', '3')
+  assert checkpoint.restore_checkpoint(latest, _state(), {'seed': 0})[0] == 3

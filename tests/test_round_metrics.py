@@ -99,6 +99,10 @@ def test_engine_counts_flow_through_whatever_their_names():
   row = round_metrics.engine_metrics(counts)
   assert row == {'engine/clients': 3, 'engine/client_steps': 9,
                  'engine/segments': 2, 'engine/compilations': 1}
+  assert [k for k in row if round_metrics.varies_between_runs(k)] == [
+      'engine/compilations']
+  assert round_metrics.varies_between_runs('time/train_seconds')
+  assert not round_metrics.varies_between_runs('train/loss')
   assert round_metrics.engine_totals([row, {'engine/segments': 5},
                                       {'round': 0}]) == {
       'clients': 3, 'client_steps': 9, 'segments': 7, 'compilations': 1}

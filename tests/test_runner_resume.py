@@ -25,7 +25,7 @@ from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import outputs
-from fedlite_jax.training import runner
+from fedlite_jax.training import round_metrics
 from fedlite_jax.training import run
 from fedlite_jax.training import tasks
 
@@ -131,7 +131,7 @@ def _partial_saves(out_dir):
 
 def _metrics(out_dir):
   return [{k: v for k, v in json.loads(line).items()
-           if k not in runner.ROW_TIMINGS}
+           if not round_metrics.varies_between_runs(k)}
           for line in (out_dir / 'metrics.jsonl').read_text().splitlines()]
 
 

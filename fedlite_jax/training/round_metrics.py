@@ -16,7 +16,7 @@ are also its TensorBoard tags (the step is ``round``):
   ``comm/total_upload_bytes``, ``comm/total_download_bytes`` (so far);
 * ``time/data_seconds`` (waiting for the cohort), ``time/train_seconds``,
   ``time/eval_seconds`` (evaluation rounds only): wall-clock, they differ
-  between identical runs (:data:`TIMINGS`);
+  between identical runs (:func:`varies_between_runs`);
 * ``engine/<count>``: every count the round engines recorded this round
   (``rounds.recording_stats``), whatever their names.
 
@@ -40,8 +40,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 from fedlite_jax.comm.ledger import BITS_PER_BYTE
 
-#: The wall-clock keys of a row (differ between identical runs).
-TIMINGS = ('time/data_seconds', 'time/train_seconds', 'time/eval_seconds')
 #: Flat keys of an evaluation row that are not evaluation metrics.
 EVAL_BYTES = ('upload_bytes', 'download_bytes')
 #: Engine recorder entries that are settings, not per-round counts.
@@ -116,6 +114,13 @@ def engine_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
       if k.startswith('engine/'):
         out[k[len('engine/'):]] = out.get(k[len('engine/'):], 0) + v
   return out
+
+
+def varies_between_runs(key: str) -> bool:
+  """Whether a row key's value depends on the process's history rather
+  than on the flags: wall-clock times (``time/``) and compile counts
+  (``engine/compil*``: a resumed process compiles again)."""
+  return key.startswith(('time/', 'engine/compil'))
 
 
 def is_evaluation(row: Mapping[str, Any]) -> bool:

@@ -41,10 +41,6 @@ from fedlite_jax.rounds import sharding
 RunConfig = config_lib.RunConfig
 ConfigError = config_lib.ConfigError
 
-#: Wall-clock fields of a metrics.jsonl row (differ between identical runs).
-ROW_TIMINGS = round_metrics.TIMINGS
-
-
 def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
   """The PRNG key of ``client_id`` in round ``round_num`` of a run."""
   key = jax.random.fold_in(jax.random.PRNGKey(seed), round_num)
