@@ -254,7 +254,7 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       # The start, evaluated (nothing sent yet).
       built.rows.append({'round': 0, **built.evaluate(0)})
       writer.write(built.rows[-1])
-    engine_stats = _round_loop(config, task, mesh, built, writer, scratch,
+    engine_stats = _round_loop(config, task, built, writer, scratch,
                                start.fingerprint)
     return _finish(config, task, mesh, built, writer, engine_stats, start,
                    out, scratch)
@@ -377,8 +377,7 @@ def _build(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       init=init, engine=engine, start_round=start_round, rows=rows)
 
 
-def _round_loop(config: RunConfig, task: tasks.Task,
-                mesh: sharding.ClientMesh, built: _Built,
+def _round_loop(config: RunConfig, task: tasks.Task, built: _Built,
                 writer: outputs.MetricsWriter, scratch: pathlib.Path,
                 fingerprint: dict[str, Any]) -> dict[str, Any]:
   """Rounds ``built.start_round`` .. ``num_rounds - 1``: one row each
@@ -388,7 +387,6 @@ def _round_loop(config: RunConfig, task: tasks.Task,
   Returns:
     The round engines' totals (``recorder.totals()``).
   """
-  del mesh  # The algorithm holds it.
   cohorts = data_path.CohortPrefetcher(
       built.source, config.clients_per_round, config.seed,
       prefetch=config.prefetch_clients)
