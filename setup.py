@@ -9,6 +9,7 @@ INSTALL_REQUIRES = [
     'fedjax==0.0.17',
     'dm-haiku>=0.0.13',  # FedJAX's own models (used as reference in tests).
     'flax>=0.12,<0.13',
+    'orbax-checkpoint>=0.12.8,<0.13',  # Round checkpoints (flax's own dep).
     'optax>=0.2.8',
     'numpy>=2.0',
     'scipy>=1.13',

@@ -6,9 +6,10 @@ Runs ``experiments/run_experiment.py --round_engine=vmap`` for each task
 ``engine`` section: XLA compilations counted from JAX's own compile events
 (every program; the client program ``lanes_begin``/``lanes_segment``/
 ``lanes_finish`` apart) and their seconds, lanes, steps per segment, and
-per row of ``metrics.jsonl`` the sequential steps against the bound
-``max(ceil(useful / lanes), longest client) + segment_steps``, and executed
-/ useful lane-steps. Writes a markdown table.
+per round (``metrics.jsonl``) the sequential steps against the bound
+``max(ceil(useful / lanes), longest client) + segment_steps``, the rounds
+that compiled the client program, and executed / useful lane-steps. Writes
+a markdown table.
 
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_run_compilations.py
 """
@@ -76,8 +77,8 @@ def main() -> None:
     for name in names:
       results.append(run(name, RUNS[name], args, pathlib.Path(tmp) / name))
       e = results[-1]['engine']
-      print(f"{name}: {e['compilations']['client_program']} client-program "
-            f"compilations, {e['compilations']['total']} in all, "
+      print(f"{name}: {e['client_program_compilations']} client-program "
+            f"compilations, {e['compilations']} in all, "
             f"{results[-1]['wall_s']:.0f} s", flush=True)
   lines = [
       f'# Compilations of {args.rounds}-round runs on the vmap engine',
@@ -95,25 +96,28 @@ def main() -> None:
   ]
   for r in results:
     e = r['engine']
-    c = e['compilations']
     lines.append(
         f"| {r['name']} | {e['lanes']} | {e['segment_steps']} | "
-        f"{c['client_program']} | {c['total']} | {c['seconds']:.0f} | "
+        f"{e['client_program_compilations']} | {e['compilations']} | "
+        f"{e['compile_seconds']:.0f} | "
         f"{e['sequential_steps'] / args.rounds:.1f} | "
         f"{e['padded_steps'] / e['client_steps']:.3f} | "
         f"{r['seconds_per_round']:.1f} | {r['wall_s']:.0f} |")
-  lines += ['', 'Rows of `metrics.jsonl` (one per evaluation, or per round '
-            'where the runner writes one): sequential steps against the '
+  lines += ['', 'Per round (`metrics.jsonl`): sequential steps against the '
             'bound `max(ceil(useful / lanes), longest client) + '
-            'segment_steps` of the rounds they cover:', '']
+            'segment_steps`, and the client-program compilations of each '
+            'round:', '']
   for r in results:
     e = r['engine']
-    rows = [x for x in r['rows'] if x.get('segments')]
-    over = [x for x in rows if x['sequential_steps'] > max(
-        -(-x['client_steps'] // e['lanes']), x['longest_client_steps']) +
-            e['segment_steps'] * x.get('rounds', 1)]
-    lines.append(f"- {r['name']}: {len(rows)} rows, {len(over)} above the "
-                 'bound')
+    rows = [x for x in r['rows'] if x.get('engine/segments')]
+    over = [x for x in rows if x['engine/sequential_steps'] > max(
+        -(-x['engine/client_steps'] // e['lanes']),
+        x['engine/longest_client_steps']) + e['segment_steps']]
+    compiled = [x['round'] for x in r['rows']
+                if x.get('engine/client_program_compilations')]
+    lines.append(f"- {r['name']}: {len(rows)} rounds, {len(over)} above the "
+                 f'bound; the client program compiled in round(s) '
+                 f'{compiled}')
   lines += ['', 'Commands:', '']
   lines += [f'- {r["name"]}: `{r["command"]}`' for r in results]
   text = '\n'.join(lines) + '\n'

@@ -221,13 +221,18 @@ def _fig3(seeds: list[int], split: dict[int, dict]) -> dict:
   errors, ckpts, d = [], [], None
   for seed in seeds:
     it = min(FIG3_ITERATION, split[seed]['rounds'])
-    ckpt = (provenance.REPO / _run_dir('femnist_splitfed', seed) /
-            'checkpoints' / f'ckpt_{it:08d}.msgpack')
+    ckpts_dir = (provenance.REPO / _run_dir('femnist_splitfed', seed) /
+                 'checkpoints')
+    # checkpoints/<it> (orbax), or the ckpt_<it>.msgpack of a finished run
+    # written by fedlite_jax 644e428 or before (studies reuse such runs).
+    ckpt = ckpts_dir / str(it)
+    if not ckpt.exists():
+      ckpt = ckpts_dir / f'ckpt_{it:08d}.msgpack'
     if not ckpt.exists():
       raise FileNotFoundError(
-          f'{ckpt}: Figure 3 reads SplitFed\'s checkpoint at iteration {it}; '
-          f'rerun that run with a --checkpoint_every dividing {it} (the '
-          'runner keeps its last 2 checkpoints).')
+          f'{ckpts_dir / str(it)}: Figure 3 reads SplitFed\'s checkpoint at '
+          f'iteration {it}; rerun that run with a --checkpoint_every '
+          f'dividing {it} (the runner keeps its last 2 checkpoints).')
     params = init_params.load_init_params(
         ckpt, model.model.init(jax.random.PRNGKey(0))).params
     z = np.stack([np.asarray(model.client_apply(params['client'], b))

@@ -120,7 +120,8 @@ def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
 
   Returns:
     ``{'command', 'commit', 'dirty', 'summary' (summary.json), 'curve'
-    (metrics.jsonl rows), 'wall_seconds' (the whole process: start-up, data
+    (metrics.jsonl rows: one per round, evaluations with ``accuracy``),
+    'wall_seconds' (the whole process: start-up, data
     loading, compilation, training, evaluation)}``.
 
   Raises:
@@ -211,10 +212,11 @@ def seed_major(names: Sequence[str], seeds: Sequence[int],
 
 
 def check_record(flags: Sequence[str], label: str) -> dict[str, Any]:
-  """A results file's ``check``: a fresh run of ``flags`` and its curve."""
+  """A results file's ``check``: a fresh run of ``flags`` and its curve (the
+  evaluation rows, ``stats.eval_rows``)."""
   rec = run_experiment(list(flags) + ['--noresume', '--overwrite'])
-  return {'label': label, **{k: rec[k] for k in ('command', 'commit', 'dirty',
-                                                 'curve')}}
+  return {'label': label, **{k: rec[k] for k in ('command', 'commit', 'dirty')},
+          'curve': stats.eval_rows(rec['curve'])}
 
 
 def seeded_run(flags: Sequence[str], rounds: int, seed: int,

@@ -120,8 +120,9 @@ def paired_at_equal_upload(a: Mapping, b: Mapping, key: str) -> dict:
 
 def eval_rows(curve: Sequence[Mapping]) -> list[dict]:
   """The evaluation rows of a run's ``metrics.jsonl`` (those with
-  ``accuracy``), keeping round, accuracy, loss, perplexity (language
-  models) and the byte counts."""
+  ``accuracy``; the per-round rows between evaluations hold only ``train/``,
+  ``comm/``, ``time/``, ``engine/`` keys), keeping round, accuracy, loss,
+  perplexity (language models) and the cumulative byte counts."""
   keys = ('round', 'accuracy', 'loss', 'perplexity', 'upload_bytes',
           'download_bytes')
   return [{k: r[k] for k in keys if k in r} for r in curve if 'accuracy' in r]

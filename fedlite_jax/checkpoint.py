@@ -1,9 +1,23 @@
-"""Round checkpoints: save every N rounds, resume exactly, fail loudly.
+"""Round checkpoints (orbax-checkpoint): save every N rounds, resume exactly,
+fail loudly.
 
-One msgpack file per checkpoint (round, state leaves, treedef, metadata such
-as the flags, optionally which leaves are the model parameters), written
-atomically. Restoring checks the metadata, structure, shapes and dtypes and
-raises :class:`CheckpointError` on any difference; it never restarts silently.
+A checkpoint is ``<directory>/<round>/``, written by
+``orbax.checkpoint.CheckpointManager`` (into a temporary directory renamed
+when complete, in a background thread where the backend allows it, the
+newest ``keep`` kept; leftovers of a save killed mid-way are removed when
+the next :class:`Checkpointer` opens the directory). It holds two items:
+
+* ``arrays``: NumPy copies of the state's arrays by leaf index (``'3'``),
+  and of model parameters that are not state arrays (``'p0'``, ...);
+* ``meta`` (JSON): format version, round, the run's metadata (its flags),
+  the state's treedef, zero-size leaves (orbax stores none), which leaves
+  are the model parameters.
+
+Restoring checks the metadata, structure, shapes and dtypes and raises
+:class:`CheckpointError` on any difference; it never restarts silently.
+Checkpoints of fedlite_jax's earlier msgpack format (``ckpt_<round>.msgpack``
+files, commit 644e428 and before) are not resumed (:func:`legacy_error`);
+the model parameters they record still load (:func:`legacy_stored_params`).
 """
 
 from __future__ import annotations
@@ -12,127 +26,228 @@ import json
 import os
 import pathlib
 import re
-import tempfile
 from typing import Any, Mapping, Optional
 
+from absl import logging
 from flax import serialization
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
-_NAME = re.compile(r'^ckpt_(\d{8})\.msgpack$')
-_PARTIAL_PREFIX = '.tmp_ckpt_'
-FORMAT_VERSION = 1
+FORMAT = 'fedlite_jax.checkpoint'
+FORMAT_VERSION = 2
+#: The last commit that wrote msgpack checkpoints.
+LEGACY_COMMIT = '644e428'
+_ITEMS = ('arrays', 'meta')
+_LEGACY_NAME = re.compile(r'^ckpt_(\d{8})\.msgpack$')
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint is corrupt or does not match the run resuming from it."""
 
 
-def checkpoint_path(directory: str | os.PathLike,
-                    round_num: int) -> pathlib.Path:
-  return pathlib.Path(directory) / f'ckpt_{round_num:08d}.msgpack'
+def _json(x: Any) -> Any:
+  """``x`` after a JSON round trip (tuples become lists; odd values str)."""
+  return json.loads(json.dumps(x, sort_keys=True, default=str))
 
 
-def _checkpoints(directory: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
-  return sorted((int(m.group(1)), p) for p in directory.iterdir()
-                if (m := _NAME.match(p.name)))
+def _process_options() -> ocp.options.MultiprocessingOptions:
+  """orbax acting for this process alone (process 0 writes; every process
+  may read)."""
+  me = jax.process_index()
+  return ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me},
+      barrier_sync_key_prefix=f'fedlite_ckpt_p{me}')
+
+
+def _step_dir(path: str | os.PathLike) -> None:
+  """CheckpointError unless ``path`` is a directory ``<dir>/<round>``."""
+  path = pathlib.Path(path)
+  if not path.name.isdigit() or not path.is_dir():
+    raise CheckpointError(
+        f'{path} is not a checkpoint (a <output_dir>/checkpoints/<round> '
+        'directory).')
+
+
+class Checkpointer:
+  """Saves a run's checkpoints into ``directory`` (this process writes).
+
+  Args:
+    directory: where checkpoints live (created if missing).
+    keep: how many most recent checkpoints to keep (>= 1).
+    use_async: write in a background thread (:meth:`save` returns once the
+      arrays are copied); :meth:`wait` / :meth:`close` wait for it.
+
+  Raises:
+    ValueError: ``keep < 1``.
+  """
+
+  def __init__(self, directory: str | os.PathLike, keep: int = 2,
+               use_async: bool = True):
+    if keep < 1:
+      raise ValueError(f'keep must be >= 1; got {keep}.')
+    self.directory = pathlib.Path(directory).absolute()  # orbax needs it.
+    # orbax creates it only without active_processes.
+    self.directory.mkdir(parents=True, exist_ok=True)
+    self._manager = ocp.CheckpointManager(
+        self.directory, item_names=_ITEMS,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=False, cleanup_tmp_directories=True,
+            enable_async_checkpointing=use_async,
+            multiprocessing_options=_process_options()))
+
+  def save(self, round_num: int, state: Any, metadata: Mapping[str, Any],
+           params: Any = None) -> pathlib.Path:
+    """Starts writing ``state`` after ``round_num`` rounds; returns the
+    checkpoint's path (complete after :meth:`wait`).
+
+    Args:
+      round_num: number of completed rounds (the round to resume at).
+      state: any pytree of arrays / Python scalars.
+      metadata: JSON-serializable dict compared on restore (e.g. flags).
+      params: the model parameters within ``state``, recorded for
+        :func:`stored_params` (None: not recorded).
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    # Copies: the state's device buffers may be donated while orbax writes.
+    arrays = {str(i): np.array(x, copy=True) for i, x in enumerate(leaves)}
+    meta = {'format': FORMAT, 'format_version': FORMAT_VERSION,
+            'round': int(round_num), 'metadata': _json(dict(metadata)),
+            'treedef': str(treedef), 'num_leaves': len(leaves)}
+    if params is not None:
+      index = {id(x): i for i, x in enumerate(leaves)}
+      param_leaves, param_treedef = jax.tree.flatten(params)
+      refs = []
+      for j, x in enumerate(param_leaves):
+        if id(x) in index:
+          refs.append(str(index[id(x)]))
+        else:
+          refs.append(f'p{j}')
+          arrays[f'p{j}'] = np.array(x, copy=True)
+      meta['params'] = {'treedef': str(param_treedef), 'leaves': refs}
+    meta['empty'] = {k: [list(a.shape), a.dtype.name]
+                     for k, a in arrays.items() if a.size == 0}
+    arrays = {k: a for k, a in arrays.items() if a.size}
+    self._manager.save(int(round_num), args=ocp.args.Composite(
+        arrays=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta)))
+    return self.directory / str(int(round_num))
+
+  def wait(self) -> None:
+    """Blocks until every started save is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the saves, then releases the manager."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> 'Checkpointer':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def save_checkpoint(directory: str | os.PathLike, round_num: int, state: Any,
+                    metadata: Mapping[str, Any], keep: int = 2,
+                    params: Any = None) -> pathlib.Path:
+  """:meth:`Checkpointer.save`, complete on return; returns the path."""
+  with Checkpointer(directory, keep=keep, use_async=False) as ckpt:
+    return ckpt.save(round_num, state, metadata, params)
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Optional[pathlib.Path]:
-  """The checkpoint with the highest round in ``directory``, or None."""
+  """The complete checkpoint with the highest round in ``directory``, or
+  None (also for a missing directory)."""
   directory = pathlib.Path(directory)
-  found = _checkpoints(directory) if directory.is_dir() else []
-  return found[-1][1] if found else None
+  if not directory.is_dir():
+    return None
+  steps = ocp.path.step.checkpoint_steps(directory)
+  return directory / str(max(steps)) if steps else None
 
 
-def remove_partial_files(directory: str | os.PathLike) -> list[pathlib.Path]:
-  """Deletes (and returns) the temporary files of saves killed mid-write;
-  call it only while no other process saves into ``directory``."""
+def legacy_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
+  """The msgpack checkpoints of the earlier format in ``directory``, by
+  round ([] for none or a missing directory)."""
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     return []
-  removed = [p for p in directory.iterdir()
-             if p.name.startswith(_PARTIAL_PREFIX) and p.is_file()]
-  for p in removed:
-    p.unlink()
-  return removed
+  return sorted((p for p in directory.iterdir() if _LEGACY_NAME.match(p.name)),
+                key=lambda p: p.name)
+
+
+def legacy_error(directory: str | os.PathLike) -> CheckpointError:
+  """The one-line error for resuming from msgpack checkpoints."""
+  found = legacy_checkpoints(directory)
+  return CheckpointError(
+      f'{directory} holds checkpoints in the msgpack format of fedlite_jax '
+      f'{LEGACY_COMMIT} and before ({found[-1].name if found else "none"}); '
+      'this version resumes only its orbax checkpoints: finish the run with '
+      f'fedlite_jax at commit {LEGACY_COMMIT}, or pass --noresume '
+      '--overwrite to start it over (their model parameters still load as '
+      '--init_checkpoint).')
+
+
+def _restore(path: str | os.PathLike, items: tuple[str, ...]) -> Any:
+  """The named items of checkpoint ``path``, or CheckpointError."""
+  _step_dir(path)
+  args = {'meta': ocp.args.JsonRestore(), 'arrays': ocp.args.PyTreeRestore()}
+  try:
+    reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
+                              multiprocessing_options=_process_options())
+    restored = reader.restore(
+        pathlib.Path(path).absolute(), args=ocp.args.Composite(
+            **{k: args[k] for k in items}))
+    meta = restored.meta if 'meta' in items else None
+    if meta is not None and meta.get('format') != FORMAT:
+      raise ValueError(f'format {meta.get("format")!r}, not {FORMAT!r}')
+  except Exception as e:  # Any decoding failure means a corrupt checkpoint.
+    raise CheckpointError(
+        f'Checkpoint {path} is corrupt or not a fedlite_jax checkpoint '
+        f'({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}). '
+        'Delete it (or the output directory) to start over, or point '
+        '--output_dir elsewhere.') from e
+  return restored
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+  """The metadata a checkpoint was saved with (CheckpointError if corrupt)."""
+  return dict(_restore(path, ('meta',)).meta['metadata'])
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+  """Whether ``path`` is a checkpoint directory of this module."""
+  try:
+    _restore(path, ('meta',))
+  except CheckpointError:
+    return False
+  return True
+
+
+def _arrays(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+  """``(meta, {key: array})`` of a checkpoint, zero-size arrays included."""
+  restored = _restore(path, ('meta', 'arrays'))
+  meta, arrays = restored.meta, dict(restored.arrays)
+  for k, (shape, dtype) in meta['empty'].items():
+    arrays[k] = np.zeros(shape, dtype)
+  return meta, arrays
+
+
+def read_leaves(path: str | os.PathLike) -> tuple[int, list[np.ndarray]]:
+  """``(round, the state's leaves as NumPy arrays, in tree order)``."""
+  meta, arrays = _arrays(path)
+  return int(meta['round']), [np.asarray(arrays[str(i)])
+                              for i in range(meta['num_leaves'])]
 
 
 def metadata_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
                          saved_name: str = 'checkpoint') -> list[str]:
   """``'key: <saved_name>=<saved> now=<current>'`` per differing key (after
   a JSON round trip: tuples equal lists)."""
-  saved = json.loads(json.dumps(dict(saved), sort_keys=True, default=str))
-  current = json.loads(json.dumps(dict(current), sort_keys=True, default=str))
+  saved, current = _json(dict(saved)), _json(dict(current))
   keys = sorted(set(saved) | set(current))
   return [f'{k}: {saved_name}={saved.get(k)!r} now={current.get(k)!r}'
           for k in keys if saved.get(k) != current.get(k)]
-
-
-def save_checkpoint(directory: str | os.PathLike, round_num: int, state: Any,
-                    metadata: Mapping[str, Any], keep: int = 2,
-                    params: Any = None) -> pathlib.Path:
-  """Writes ``state`` after ``round_num`` rounds atomically; returns the path.
-
-  Args:
-    directory: where checkpoints live (created if missing).
-    round_num: number of completed rounds (the round to resume at).
-    state: any pytree of arrays / Python scalars.
-    metadata: JSON-serializable dict compared on restore (e.g. flags).
-    keep: how many most recent checkpoints to keep (>= 1).
-    params: the model parameters within ``state``, recorded for
-      :func:`stored_params` (None: not recorded).
-  """
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
-  leaves, treedef = jax.tree.flatten(state)
-  payload = {
-      'format_version': FORMAT_VERSION,
-      'round': int(round_num),
-      'metadata': json.dumps(dict(metadata), sort_keys=True, default=str),
-      'treedef': str(treedef),
-      'leaves': {str(i): np.asarray(x) for i, x in enumerate(leaves)},
-  }
-  if params is not None:
-    index = {id(x): i for i, x in enumerate(leaves)}
-    param_leaves, param_treedef = jax.tree.flatten(params)
-    payload['params'] = {
-        'treedef': str(param_treedef),
-        # An int is the index of a state array; an array is a copy.
-        'leaves': {str(j): index[id(x)] if id(x) in index else np.asarray(x)
-                   for j, x in enumerate(param_leaves)},
-    }
-  data = serialization.msgpack_serialize(payload)
-  path = checkpoint_path(directory, round_num)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=_PARTIAL_PREFIX)
-  try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-  for _, p in _checkpoints(directory)[:-keep] if keep >= 1 else []:
-    p.unlink()
-  return path
-
-
-def _decode(path: pathlib.Path) -> tuple[int, dict, Mapping[str, Any], str]:
-  """``(round, metadata, leaves, treedef)`` of a file, or CheckpointError."""
-  try:
-    return _fields(serialization.msgpack_restore(path.read_bytes()))
-  except Exception as e:  # Any decoding failure means a corrupt file.
-    raise CheckpointError(
-        f'Checkpoint {path} is corrupt or not a fedlite_jax checkpoint '
-        f'({type(e).__name__}: {e}). Delete it (or the output directory) to '
-        'start over, or point --output_dir elsewhere.') from e
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-  """The metadata a checkpoint was saved with (CheckpointError if corrupt)."""
-  return _decode(pathlib.Path(path))[1]
 
 
 def restore_checkpoint(path: str | os.PathLike, target: Any,
@@ -140,26 +255,25 @@ def restore_checkpoint(path: str | os.PathLike, target: Any,
   """``(round_num, state)`` of a checkpoint, as ``target``'s structure.
 
   Raises:
-    CheckpointError: corrupt file, ``metadata`` other than the saved one, or
-      a structure, shape or dtype other than ``target``'s.
+    CheckpointError: corrupt checkpoint, ``metadata`` other than the saved
+      one, or a structure, shape or dtype other than ``target``'s.
   """
-  path = pathlib.Path(path)
-  round_num, saved_meta, saved_leaves, saved_treedef = _decode(path)
-  diffs = metadata_differences(saved_meta, metadata)
+  meta, arrays = _arrays(path)
+  diffs = metadata_differences(meta['metadata'], metadata)
   if diffs:
     raise CheckpointError(
         f'Checkpoint {path} was written with different flags; refusing to '
         f'resume. Differences: {"; ".join(diffs)}. Use the same flags, or a '
         'new --output_dir.')
   leaves, treedef = jax.tree.flatten(target)
-  if saved_treedef != str(treedef) or len(saved_leaves) != len(leaves):
+  if meta['treedef'] != str(treedef) or meta['num_leaves'] != len(leaves):
     raise CheckpointError(
         f'Checkpoint {path} holds a different state structure than this run '
-        f'({len(saved_leaves)} vs {len(leaves)} arrays); was the model or '
+        f'({meta["num_leaves"]} vs {len(leaves)} arrays); was the model or '
         'algorithm changed?')
   restored = []
   for i, ref in enumerate(leaves):
-    arr = np.asarray(saved_leaves[str(i)])
+    arr = np.asarray(arrays[str(i)])
     ref_arr = np.asarray(ref)
     if arr.shape != ref_arr.shape or arr.dtype != ref_arr.dtype:
       raise CheckpointError(
@@ -167,49 +281,75 @@ def restore_checkpoint(path: str | os.PathLike, target: Any,
           f'this run expects {ref_arr.shape} {ref_arr.dtype}.')
     restored.append(arr if isinstance(ref, (np.ndarray, jax.Array)) else
                     type(ref)(arr.item()) if np.ndim(ref) == 0 else arr)
-  return round_num, jax.tree.unflatten(treedef, restored)
+  logging.info('Restored round %d from %s.', meta['round'], path)
+  return int(meta['round']), jax.tree.unflatten(treedef, restored)
 
 
-def _fields(payload: Any) -> tuple[int, dict, Mapping[str, Any], str]:
-  """``(round, metadata, leaves, treedef)`` of a decoded checkpoint."""
-  return (int(payload['round']), json.loads(payload['metadata']),
-          payload['leaves'], payload['treedef'])
-
-
-def is_checkpoint(payload: Any) -> bool:
-  """Whether a decoded msgpack payload looks like a checkpoint."""
-  return (isinstance(payload, Mapping) and 'format_version' in payload and
-          'leaves' in payload and 'round' in payload)
-
-
-def stored_params(payload: Mapping[str, Any], like: Any) -> Any:
-  """The model parameters recorded (``params=``) in a decoded checkpoint,
-  as numpy arrays in ``like``'s structure.
-
-  Raises:
-    CheckpointError: none recorded, or a structure, shape or dtype other
-      than ``like``'s (naming the first bad variable, not the file).
-  """
-  section = payload.get('params')
-  if not isinstance(section, Mapping):
-    raise CheckpointError(
-        'the checkpoint does not record which of its arrays are the model '
-        'parameters (saved without params=, e.g. by an older fedlite_jax)')
+def _params_as(like: Any, treedef_str: str, values: list[Any]) -> Any:
+  """``values`` (one per parameter) in ``like``'s structure, or
+  CheckpointError naming the first parameter of another shape or dtype."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-  saved = section['leaves']
-  if section['treedef'] != str(treedef) or len(saved) != len(flat):
+  if treedef_str != str(treedef) or len(values) != len(flat):
     raise CheckpointError(
-        f'its model parameters have a different structure ({len(saved)} '
+        f'its model parameters have a different structure ({len(values)} '
         f'arrays) than this model ({len(flat)} arrays); was it written for '
         'another task or --model?')
   out = []
-  for j, (key_path, ref) in enumerate(flat):
-    v = saved[str(j)]
-    arr = np.asarray(payload['leaves'][str(v)] if isinstance(v, int) else v)
-    ref = np.asarray(ref)
+  for (key_path, ref), v in zip(flat, values):
+    arr, ref = np.asarray(v), np.asarray(ref)
     if arr.shape != ref.shape or arr.dtype != ref.dtype:
       raise CheckpointError(
           f'parameter {jax.tree_util.keystr(key_path)} has shape {arr.shape} '
           f'{arr.dtype}, this model needs {ref.shape} {ref.dtype}')
     out.append(arr)
   return jax.tree.unflatten(treedef, out)
+
+
+def stored_params(path: str | os.PathLike, like: Any) -> tuple[int, Any]:
+  """``(round, the model parameters recorded in checkpoint path)`` as
+  NumPy arrays in ``like``'s structure.
+
+  Raises:
+    CheckpointError: a corrupt checkpoint, none recorded (saved without
+      ``params=``), or a structure, shape or dtype other than ``like``'s
+      (naming the first bad variable, not the checkpoint).
+  """
+  meta, arrays = _arrays(path)
+  section = meta.get('params')
+  if not isinstance(section, Mapping):
+    raise CheckpointError(
+        'the checkpoint does not record which of its arrays are the model '
+        'parameters (saved without params=)')
+  return int(meta['round']), _params_as(
+      like, section['treedef'], [arrays[k] for k in section['leaves']])
+
+
+def decode_legacy(data: bytes) -> Optional[dict[str, Any]]:
+  """A decoded msgpack checkpoint of the earlier format, or None if
+  ``data`` is not one."""
+  try:
+    payload = serialization.msgpack_restore(data)
+  except Exception:  # pylint: disable=broad-except  # Not msgpack at all.
+    return None
+  if (isinstance(payload, Mapping) and 'format_version' in payload and
+      'leaves' in payload and 'round' in payload):
+    return dict(payload)
+  return None
+
+
+def legacy_stored_params(payload: Mapping[str, Any], like: Any) -> Any:
+  """The model parameters a msgpack checkpoint of the earlier format
+  recorded (``params=``), as NumPy arrays in ``like``'s structure.
+
+  Raises:
+    CheckpointError: as :func:`stored_params`.
+  """
+  section = payload.get('params')
+  if not isinstance(section, Mapping):
+    raise CheckpointError(
+        'the checkpoint does not record which of its arrays are the model '
+        'parameters (saved without params=, e.g. by an older fedlite_jax)')
+  saved = section['leaves']
+  values = [payload['leaves'][str(v)] if isinstance(v, int) else v
+            for v in (saved[str(j)] for j in range(len(saved)))]
+  return _params_as(like, section['treedef'], values)

@@ -1,4 +1,10 @@
-"""Checkpoints: exact round trip, corrupt and mismatched files fail loudly."""
+"""Checkpoints (orbax): exact round trip, retention, killed saves ignored,
+corrupt and mismatched checkpoints fail loudly, the earlier msgpack format
+named in one line."""
+
+import json
+import pathlib
+import shutil
 
 import numpy as np
 import jax.numpy as jnp
@@ -8,41 +14,77 @@ import pytest
 from fedlite_jax import checkpoint
 from fedlite_jax.algorithms import FedOptState
 
+#: A round checkpoint written by fedlite_jax/checkpoint.py at commit 644e428
+#: (msgpack): save_checkpoint(dir, 2, {'server': FedOptState(params,
+#: adam(1e-3).init(params), 0, int32[0], int32[0]), 'ledger':
+#: {'upload_bits': 1.0}}, {'seed': 0}, params=params) with params
+#: {'dense': {'kernel': 3 * arange(6).reshape(2, 3), 'bias': full(3, 3.)}}.
+LEGACY = pathlib.Path(__file__).parent / 'golden' / 'ckpt_00000002.msgpack'
+
 
 def _server(params):
   ints = jnp.zeros((0,), jnp.int32)
   return FedOptState(params, optax.adam(1e-3).init(params),
                      jnp.zeros((), jnp.int32), ints, ints)
 
+
 def _state(scale=1.0, shape=(2, 3)):
   params = {'w': np.arange(np.prod(shape), dtype=np.float32).reshape(shape) * scale}
   return {'server': _server(params),
-          'ledger': {'upload_bits': 12.5, 'rounds': 3}}
+          'ledger': {'upload_bits': 12.5, 'rounds': 3,
+                     'extra_bits': {'activation_bits': 0.1 + 0.2}}}
 
 
 def test_roundtrip_is_exact_and_keeps_latest(tmp_path):
-  for r in (2, 4, 6):
-    checkpoint.save_checkpoint(tmp_path, r, _state(r), {'seed': 0}, keep=2)
-  assert sorted(p.name for p in tmp_path.glob('ckpt_*')) == [
-      'ckpt_00000004.msgpack', 'ckpt_00000006.msgpack']
+  with checkpoint.Checkpointer(tmp_path, keep=2) as ckpt:  # Async saves.
+    for r in (2, 4, 6):
+      ckpt.save(r, _state(r), {'seed': 0})
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['4', '6']
   latest = checkpoint.latest_checkpoint(tmp_path)
+  assert latest == tmp_path / '6'
   r, state = checkpoint.restore_checkpoint(latest, _state(), {'seed': 0})
   assert r == 6
   np.testing.assert_array_equal(state['server'].params['w'],
                                 _state(6)['server'].params['w'])
-  assert state['ledger'] == {'upload_bits': 12.5, 'rounds': 3}
+  # Python scalars come back as their type, bit for bit.
+  assert state['ledger'] == {'upload_bits': 12.5, 'rounds': 3,
+                             'extra_bits': {'activation_bits': 0.1 + 0.2}}
+  assert isinstance(state['ledger']['rounds'], int)
   assert isinstance(state['server'], FedOptState)
+  # Zero-size arrays (orbax stores none) keep their shape and dtype.
+  assert state['server'].last_round.shape == (0,)
+  assert state['server'].last_round.dtype == np.int32
+  assert checkpoint.read_leaves(latest)[0] == 6
+
+
+def test_a_killed_save_is_ignored_and_cleaned_up(tmp_path):
+  checkpoint.save_checkpoint(tmp_path, 1, _state(), {})
+  # What a save killed mid-way leaves: orbax's temporary directory.
+  shutil.copytree(tmp_path / '1', tmp_path / '2.orbax-checkpoint-tmp')
+  assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / '1'
+  # The next run's checkpointer removes it (before its first save).
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(2, _state(2), {})
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['1', '2']
+  assert checkpoint.read_leaves(tmp_path / '2')[0] == 2
 
 
 def test_corrupt_checkpoint(tmp_path):
   path = checkpoint.save_checkpoint(tmp_path, 1, _state(), {})
-  path.write_bytes(path.read_bytes()[:20])
+  (path / 'meta' / 'metadata').write_text('{"round": ')
   with pytest.raises(checkpoint.CheckpointError, match='corrupt'):
     checkpoint.restore_checkpoint(path, _state(), {})
+  shutil.rmtree(path / 'arrays')
+  with pytest.raises(checkpoint.CheckpointError, match='corrupt'):
+    checkpoint.read_leaves(path)
+  with pytest.raises(checkpoint.CheckpointError, match='not a checkpoint'):
+    checkpoint.read_metadata(tmp_path)
+  assert not checkpoint.is_checkpoint(tmp_path)
 
 
 def test_mismatched_flags_and_shapes(tmp_path):
   path = checkpoint.save_checkpoint(tmp_path, 1, _state(), {'lr': 0.1})
+  assert checkpoint.is_checkpoint(path)
   with pytest.raises(checkpoint.CheckpointError, match=r'lr: checkpoint=0.1 now=0.2'):
     checkpoint.restore_checkpoint(path, _state(), {'lr': 0.2})
   with pytest.raises(checkpoint.CheckpointError, match='shape'):
@@ -50,3 +92,41 @@ def test_mismatched_flags_and_shapes(tmp_path):
   with pytest.raises(checkpoint.CheckpointError, match='structure'):
     checkpoint.restore_checkpoint(path, {'other': 1}, {'lr': 0.1})
   assert checkpoint.latest_checkpoint(tmp_path / 'missing') is None
+
+
+def test_recorded_params(tmp_path):
+  state = _state(3)
+  path = checkpoint.save_checkpoint(tmp_path, 7, state, {},
+                                    params=state['server'].params)
+  r, params = checkpoint.stored_params(path, {'w': np.zeros((2, 3),
+                                                            np.float32)})
+  assert r == 7
+  np.testing.assert_array_equal(params['w'], state['server'].params['w'])
+
+
+def test_legacy_msgpack_checkpoint_is_named_in_one_line(tmp_path):
+  assert checkpoint.legacy_checkpoints(tmp_path / 'missing') == []
+  shutil.copy(LEGACY, tmp_path / LEGACY.name)
+  assert checkpoint.legacy_checkpoints(tmp_path) == [tmp_path / LEGACY.name]
+  assert checkpoint.latest_checkpoint(tmp_path) is None
+  message = str(checkpoint.legacy_error(tmp_path))
+  assert '\n' not in message
+  assert 'ckpt_00000002.msgpack' in message and '644e428' in message
+  assert '--noresume --overwrite' in message
+  payload = checkpoint.decode_legacy(LEGACY.read_bytes())
+  assert payload['round'] == 2
+  params = checkpoint.legacy_stored_params(
+      payload, {'dense': {'bias': np.zeros(3, np.float32),
+                          'kernel': np.zeros((2, 3), np.float32)}})
+  np.testing.assert_array_equal(params['dense']['kernel'],
+                                3 * np.arange(6, dtype=np.float32).reshape(2, 3))
+  assert checkpoint.decode_legacy(json.dumps({'a': 1}).encode()) is None
+
+
+def test_relative_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  path = checkpoint.save_checkpoint('ckpts', 3, _state(), {'seed': 0})
+  assert path == tmp_path / 'ckpts' / '3'
+  latest = checkpoint.latest_checkpoint('ckpts')
+  assert latest == pathlib.Path('ckpts', '3')
+  assert checkpoint.restore_checkpoint(latest, _state(), {'seed': 0})[0] == 3

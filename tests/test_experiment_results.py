@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from fedlite_jax.training import round_metrics
+
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _RESULTS = _REPO / 'experiments' / 'results'
 _RUNNER = 'experiments/run_experiment.py'
@@ -115,8 +117,9 @@ def test_check_run_reproduces(name, data_dir, tmp_path):
       for key in ('psnr', 'best_loss'):
         assert g[key] == pytest.approx(w[key], rel=1e-4), (g['run'], key)
     return
-  rows = [json.loads(line) for line in
-          (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  rows = round_metrics.evaluations(
+      [json.loads(line) for line in
+       (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()])
   assert [r['round'] for r in rows] == [r['round'] for r in check['curve']]
   for got, want in zip(rows, check['curve']):
     for key in ('loss', 'accuracy'):

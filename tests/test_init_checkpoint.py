@@ -43,6 +43,16 @@ def _rows(out_dir):
           (out_dir / 'metrics.jsonl').read_text().splitlines()]
 
 
+def _dir_sha256(path):
+  """SHA-256 over a directory's files: length-prefixed relative path and
+  contents, in path order."""
+  digest = hashlib.sha256()
+  for f in sorted(p for p in path.rglob('*') if p.is_file()):
+    for part in (f.relative_to(path).as_posix().encode(), f.read_bytes()):
+      digest.update(len(part).to_bytes(8, 'little') + part)
+  return digest.hexdigest()
+
+
 def _cnn_params(seed=3):
   """The embedded_mnist model's random init (what a plain run starts from)."""
   return models.create_emnist_cnn(num_classes=10).model.init(
@@ -51,9 +61,7 @@ def _cnn_params(seed=3):
 
 def _final_params(out_dir):
   path = checkpoint.latest_checkpoint(out_dir / 'checkpoints')
-  from flax import serialization
-  payload = serialization.msgpack_restore(path.read_bytes())
-  return checkpoint.stored_params(payload, _cnn_params())
+  return checkpoint.stored_params(path, _cnn_params())[1]
 
 
 @pytest.fixture(scope='module')
@@ -67,22 +75,23 @@ def trained(tmp_path_factory):
 def test_starts_at_the_checkpoint_of_a_20_round_run(trained, tmp_path):
   src, src_rows = trained
   ckpt = checkpoint.latest_checkpoint(src / 'checkpoints')
-  assert ckpt.name == 'ckpt_00000020.msgpack'
+  assert ckpt.name == '20' and ckpt.is_dir()
   out = tmp_path / 'fine_tune'
   summary = run(RunConfig(num_rounds=2, eval_every=2, init_checkpoint=str(ckpt),
                           output_dir=str(out), **TINY))
   rows = _rows(out)
-  assert [r['round'] for r in rows] == [0, 2]
+  assert [r['round'] for r in rows] == [0, 1, 2]
+  assert [r['round'] for r in rows if 'loss' in r] == [0, 2]
   # Round 0 is the 20-round model evaluated on the same test batches.
   assert rows[0]['accuracy'] == pytest.approx(src_rows[-1]['accuracy'], abs=1e-6)
   assert rows[0]['loss'] == pytest.approx(src_rows[-1]['loss'], rel=1e-5)
   assert rows[0]['upload_bytes'] == rows[0]['download_bytes'] == 0
-  assert 'seconds_per_round' not in rows[0]
+  assert not any(k.startswith(('train/', 'time/')) for k in rows[0])
   # Trained from there, not from the random init: far above chance (0.1).
   assert rows[0]['accuracy'] > 0.4
   assert summary['init_checkpoint'] == {
       'path': str(ckpt), 'source': 'checkpoint', 'round': 20,
-      'sha256': hashlib.sha256(ckpt.read_bytes()).hexdigest()}
+      'sha256': _dir_sha256(ckpt)}
   saved = json.loads((out / 'summary.json').read_text())
   assert saved['init_checkpoint'] == summary['init_checkpoint']
 
@@ -200,6 +209,8 @@ def test_load_round_checkpoint_takes_the_recorded_params(tmp_path):
                                     params=state['server'].params)
   got = init_params.load_init_params(path, _like())
   assert got.source == 'checkpoint' and got.round == 7
+  assert init_params.file_kind(path) == 'checkpoint'
+  assert got.sha256 == _dir_sha256(path)
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
   # Parameters that are not arrays of the state are stored as copies.
@@ -218,3 +229,21 @@ def test_load_round_checkpoint_takes_the_recorded_params(tmp_path):
   old = checkpoint.save_checkpoint(tmp_path / 'old', 1, state, {})
   with pytest.raises(ValueError, match='does not record'):
     init_params.load_init_params(old, _like())
+  # The checkpoints directory itself is not a checkpoint.
+  with pytest.raises(ValueError, match='checkpoints/<round>'):
+    init_params.load_init_params(tmp_path / 'old', _like())
+
+
+def test_msgpack_checkpoint_of_644e428_still_loads(repo_root):
+  """Runner checkpoints of the earlier msgpack format still give their
+  model parameters (see tests/test_checkpoint.py for how it was written)."""
+  path = repo_root / 'tests' / 'golden' / 'ckpt_00000002.msgpack'
+  got = init_params.load_init_params(path, _like())
+  assert got.source == 'checkpoint' and got.round == 2
+  assert init_params.file_kind(path) == 'checkpoint'
+  assert got.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+  np.testing.assert_array_equal(
+      got.params['dense']['kernel'],
+      3 * np.arange(6, dtype=np.float32).reshape(2, 3))
+  np.testing.assert_array_equal(got.params['dense']['bias'],
+                                np.full(3, 3.0, np.float32))

@@ -13,6 +13,7 @@ commit): ``FEDLITE_DATA_DIR=... python tests/test_regression_runner.py --write [
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import sys
 
@@ -83,6 +84,14 @@ def run_case(name: str, data_dir: str, output_dir: str,
           'download_bytes': float(comm['total_download_bytes'])}
 
 
+def _check_training_rows(output_dir: pathlib.Path) -> None:
+  """One row per round, each with a finite client training loss."""
+  from fedlite_jax.training import outputs  # pylint: disable=g-import-not-at-top
+  rows = outputs.read_metrics(output_dir / 'metrics.jsonl')
+  assert [r['round'] for r in rows] == [1, 2]
+  assert all(math.isfinite(r['train/loss']) for r in rows), rows
+
+
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_runner_matches_recorded_baseline(name, data_dir, tmp_path):
   if not (data_dir / 'femnist105').is_dir():
@@ -92,6 +101,7 @@ def test_runner_matches_recorded_baseline(name, data_dir, tmp_path):
   assert got['upload_bytes'] == golden['upload_bytes']
   assert got['download_bytes'] == golden['download_bytes']
   assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
+  _check_training_rows(tmp_path / name)
 
 
 @pytest.mark.parametrize('name', VMAP_CASES)
@@ -106,6 +116,7 @@ def test_vmap_engine_on_lanes_matches_recorded_baseline(name, data_dir,
   assert got['upload_bytes'] == golden['upload_bytes']
   assert got['download_bytes'] == golden['download_bytes']
   assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
+  _check_training_rows(tmp_path / name)
 
 
 def _write(names: list[str]) -> None:

@@ -22,9 +22,7 @@ SMALL = dict(task='embedded_mnist', num_clients=12, clients_per_round=3,
 
 def _final_params(out_dir):
   path = checkpoint.latest_checkpoint(os.path.join(out_dir, 'checkpoints'))
-  from flax import serialization
-  payload = serialization.msgpack_restore(path.read_bytes())
-  return [np.asarray(payload['leaves'][k]) for k in sorted(payload['leaves'], key=int)]
+  return checkpoint.read_leaves(path)[1]
 
 
 def test_outputs_and_summary(tmp_path):
@@ -35,10 +33,13 @@ def test_outputs_and_summary(tmp_path):
     assert (out / name).exists(), name
   assert list((out / 'tb').iterdir())
   rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()]
-  assert [r['round'] for r in rows] == [2, 4]
+  # One row per round; evaluations (flat keys) every 2 rounds.
+  assert [r['round'] for r in rows] == [1, 2, 3, 4]
+  assert [r['round'] for r in rows if 'accuracy' in r] == [2, 4]
   for key in ('accuracy', 'loss', 'upload_bytes', 'download_bytes',
-              'seconds_per_round'):
+              'train/loss', 'time/train_seconds', 'time/eval_seconds'):
     assert key in rows[-1]
+  assert 'loss' not in rows[0] and 'train/loss' in rows[0]
   saved = json.loads((out / 'summary.json').read_text())
   assert saved['final_eval'] == summary['final_eval']
   assert saved['final_eval']['accuracy'] == pytest.approx(rows[-1]['accuracy'])
@@ -78,17 +79,23 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, monkeypatch):
     run(RunConfig(output_dir=str(tmp_path / 'resumed'), **cfg))
   monkeypatch.setattr(evaluation, 'evaluate', real_evaluate)
   assert checkpoint.latest_checkpoint(tmp_path / 'resumed' / 'checkpoints').name \
-      == 'ckpt_00000002.msgpack'
+      == '2'
   summary = run(RunConfig(output_dir=str(tmp_path / 'resumed'), **cfg))
 
   for a, b in zip(_final_params(tmp_path / 'full'),
                   _final_params(tmp_path / 'resumed')):
     np.testing.assert_array_equal(a, b)
   rows = (tmp_path / 'resumed' / 'metrics.jsonl').read_text().splitlines()
-  assert [json.loads(l)['round'] for l in rows] == [2, 4, 6]
+  assert [json.loads(l)['round'] for l in rows] == [1, 2, 3, 4, 5, 6]
   full = json.loads((tmp_path / 'full' / 'summary.json').read_text())
   assert summary['communication'] == full['communication']
   assert summary['final_eval'] == full['final_eval']
+  # TensorBoard: one point per round and tag, the killed rounds purged.
+  got, _ = outputs.read_tensorboard(tmp_path / 'resumed' / 'tb')
+  want, _ = outputs.read_tensorboard(tmp_path / 'full' / 'tb')
+  assert [s for s, _ in got['train/loss']] == [1, 2, 3, 4, 5, 6]
+  assert got['train/loss'] == want['train/loss']
+  assert got['eval/accuracy'] == want['eval/accuracy']
 
 
 def test_mismatched_resume_and_foreign_output_dir(tmp_path):
@@ -105,7 +112,7 @@ def test_mismatched_resume_and_foreign_output_dir(tmp_path):
   latest = checkpoint.latest_checkpoint(os.path.join(out, 'checkpoints'))
   assert checkpoint.read_metadata(latest)['client_lr'] == 0.5
   assert [r['round'] for r in outputs.read_metrics(
-      os.path.join(out, 'metrics.jsonl'))] == [2]
+      os.path.join(out, 'metrics.jsonl'))] == [1, 2]
 
 
 def test_bad_config_values():
@@ -193,11 +200,9 @@ def test_skipped_clients_counted_per_round_in_metrics_and_summary(
   out = tmp_path / 'skip'
   summary = run(RunConfig(num_rounds=3, output_dir=str(out), **SMALL))
   rows = outputs.read_metrics(out / 'metrics.jsonl')
-  assert [r['round'] for r in rows] == [2, 3]
-  assert rows[0]['skipped_clients'] == 1
-  assert rows[0]['skipped_clients_by_round'] == {'2': 1}
-  assert rows[1]['skipped_clients'] == 0
-  assert 'skipped_clients_by_round' not in rows[1]
+  assert [r['round'] for r in rows] == [1, 2, 3]
+  assert [r['train/skipped_clients'] for r in rows] == [0, 1, 0]
+  assert [r['train/clients'] for r in rows] == [3, 3, 3]
   assert 'skipped_clients' not in summary['final_eval']
   comm = summary['communication']
   assert comm['skipped_client_rounds'] == 1

@@ -10,6 +10,7 @@ communication.csv equal those of an uninterrupted run.
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import outputs
-from fedlite_jax.training import runner
+from fedlite_jax.training import round_metrics
 from fedlite_jax.training import run
 from fedlite_jax.training import tasks
 
@@ -57,20 +58,31 @@ _DRIVER = textwrap.dedent('''
           die()
         return real_evaluate(*args, **kwargs)
       evaluation.evaluate = evaluate
-    elif what == 'checkpoint_write':  # amid writing the n-th checkpoint
-      real_mkstemp = tempfile.mkstemp
-      def mkstemp(*args, **kwargs):
-        fd, name = real_mkstemp(*args, **kwargs)
-        if kwargs.get('prefix', '').startswith('.tmp_ckpt_') and nth():
-          os.write(fd, b'half a checkpoint')
+    elif what == 'checkpoint_write':  # the n-th checkpoint written, not
+      # yet renamed into place (orbax's atomic rename, in its save thread)
+      from orbax.checkpoint._src.path import atomicity
+      real_finalize = atomicity.AtomicRenameTemporaryPath.finalize
+      async def finalize(self):
+        if self.get_final().name.isdigit() and nth():
           die()
-        return fd, name
-      tempfile.mkstemp = mkstemp
-    elif what == 'metrics_line':  # amid the n-th metrics.jsonl line
+        return await real_finalize(self)
+      atomicity.AtomicRenameTemporaryPath.finalize = finalize
+    elif what == 'metrics_line':  # amid the n-th metrics.jsonl line, once
+      # the checkpoints saved so far are complete (they are written in the
+      # background)
+      import orbax.checkpoint as ocp
       from fedlite_jax.training import outputs
+      managers = []
+      real_init = ocp.CheckpointManager.__init__
+      def init(self, *args, **kwargs):
+        managers.append(self)
+        real_init(self, *args, **kwargs)
+      ocp.CheckpointManager.__init__ = init
       real_write = outputs.MetricsWriter.write
       def write(self, row):
         if nth():
+          for manager in managers:
+            manager.wait_until_finished()
           with self.path.open('a') as f:
             f.write(json.dumps(row)[:25])
           with (self.dir / 'communication.csv').open('a') as f:
@@ -108,16 +120,18 @@ def _binary(repo_root, out_dir, kill_at=None, tmp_path=None):
 
 
 def _final_leaves(out_dir):
-  path = checkpoint.latest_checkpoint(out_dir / 'checkpoints')
-  from flax import serialization
-  payload = serialization.msgpack_restore(path.read_bytes())
-  return payload['round'], [np.asarray(payload['leaves'][str(i)])
-                            for i in range(len(payload['leaves']))]
+  return checkpoint.read_leaves(
+      checkpoint.latest_checkpoint(out_dir / 'checkpoints'))
+
+
+def _partial_saves(out_dir):
+  """Temporary directories of orbax saves killed mid-way."""
+  return list((out_dir / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))
 
 
 def _metrics(out_dir):
   return [{k: v for k, v in json.loads(line).items()
-           if k not in runner.ROW_TIMINGS}
+           if not round_metrics.varies_between_runs(k)}
           for line in (out_dir / 'metrics.jsonl').read_text().splitlines()]
 
 
@@ -135,7 +149,7 @@ def _assert_equal_runs(reference, resumed):
   got = json.loads((resumed / 'summary.json').read_text())
   assert got['final_eval'] == ref['final_eval']
   assert got['communication'] == ref['communication']
-  assert not list((resumed / 'checkpoints').glob('.tmp_ckpt_*'))
+  assert not _partial_saves(resumed)
 
 
 @pytest.fixture(scope='module')
@@ -150,7 +164,8 @@ def reference(tmp_path_factory):
     # After the first evaluation, before the first checkpoint: no
     # checkpoint yet, so the rerun starts over from round 0.
     ('evaluate:2', dict(rows=1, checkpoint=None, partial=False)),
-    # Amid the first checkpoint's write: its temporary file is left behind.
+    # Amid the first checkpoint's save (written, not renamed): its
+    # temporary directory is left behind.
     ('checkpoint_write:1', dict(rows=3, checkpoint=None, partial=True)),
     # Amid the round-4 metrics line (and a CSV row), after the round-3
     # checkpoint: resumes there and drops the partial lines.
@@ -166,8 +181,7 @@ def test_killed_binary_reruns_to_the_uninterrupted_result(
   assert len(complete) == expect['rows']
   latest = checkpoint.latest_checkpoint(out / 'checkpoints')
   assert (latest and _final_leaves(out)[0]) == expect['checkpoint']
-  assert bool(list((out / 'checkpoints').glob('.tmp_ckpt_*'))) == \
-      expect['partial']
+  assert bool(_partial_saves(out)) == expect['partial']
   rerun = _binary(repo_root, out)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   _assert_equal_runs(reference, out)
@@ -239,8 +253,7 @@ def test_run_identity_decides_between_restart_and_refusal(tmp_path):
   out = tmp_path / 'run'
   out.mkdir()
   (out / 'metrics.jsonl').write_text('{"round": 1, "accuracy": 0.5}\n{"rou')
-  (out / 'checkpoints').mkdir()
-  (out / 'checkpoints' / '.tmp_ckpt_x').write_bytes(b'half')
+  (out / 'checkpoints' / '3.orbax-checkpoint-tmp').mkdir(parents=True)
   # Another run's identity: refused, naming the differing flag.
   outputs.write_run_identity(out, {**resolved.fingerprint(), 'client_lr': 0.5})
   with pytest.raises(ConfigError, match=r'client_lr: run.json=0.5 now=0.1'):
@@ -251,7 +264,7 @@ def test_run_identity_decides_between_restart_and_refusal(tmp_path):
     run(RunConfig(output_dir=str(out), resume=False, **cfg))
   run(RunConfig(output_dir=str(out), **cfg))
   assert [r['round'] for r in outputs.read_metrics(out / 'metrics.jsonl')] == [1]
-  assert not list((out / 'checkpoints').glob('.tmp_ckpt_*'))
+  assert not _partial_saves(out)
   assert outputs.read_run_identity(out) == json.loads(
       json.dumps(resolved.fingerprint()))
 
@@ -273,10 +286,21 @@ def test_truncation_drops_partial_lines(tmp_path):
   assert not csv.exists()
 
 
-def test_remove_partial_checkpoint_files(tmp_path):
-  kept = checkpoint.save_checkpoint(tmp_path, 1, {'w': np.ones(2)}, {})
-  (tmp_path / '.tmp_ckpt_abc').write_bytes(b'half')
-  removed = checkpoint.remove_partial_files(tmp_path)
-  assert [p.name for p in removed] == ['.tmp_ckpt_abc']
-  assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name]
-  assert checkpoint.remove_partial_files(tmp_path / 'missing') == []
+def test_msgpack_checkpoints_of_644e428_are_one_clear_line(repo_root, tmp_path):
+  """A run directory of the earlier msgpack format: its rerun stops with
+  one line naming what to do; --noresume --overwrite starts it over."""
+  out = tmp_path / 'run'
+  (out / 'checkpoints').mkdir(parents=True)
+  legacy = repo_root / 'tests' / 'golden' / 'ckpt_00000002.msgpack'
+  shutil.copy(legacy, out / 'checkpoints' / legacy.name)
+  (out / 'metrics.jsonl').write_text('{"round": 2, "accuracy": 0.5}\n')
+  rerun = _binary(repo_root, out)
+  assert rerun.returncode == 2, rerun.stderr[-2000:]
+  error = [l for l in rerun.stderr.splitlines() if 'error:' in l]
+  assert len(error) == 1 and 'ckpt_00000002.msgpack' in error[0], error
+  assert '644e428' in error[0] and '--noresume --overwrite' in error[0]
+  assert 'Traceback' not in rerun.stderr
+  run(RunConfig(output_dir=str(out), progress=False, resume=False,
+                overwrite=True, **dict(SETTINGS, num_rounds=1)))
+  assert not checkpoint.legacy_checkpoints(out / 'checkpoints')
+  assert _final_leaves(out)[0] == 1

@@ -52,7 +52,6 @@ ALGORITHMS = {
 _HELPER = textwrap.dedent('''
     import json, pathlib, sys
     import fedlite_jax
-    from flax import serialization
     import jax
     import numpy as np
     from fedlite_jax import checkpoint
@@ -60,11 +59,8 @@ _HELPER = textwrap.dedent('''
     from fedlite_jax.training import runner
 
     def final_leaves(out):
-      path = checkpoint.latest_checkpoint(pathlib.Path(out) / 'checkpoints')
-      payload = serialization.msgpack_restore(path.read_bytes())
-      leaves = payload['leaves']
-      return payload['round'], [np.asarray(leaves[str(i)])
-                                for i in range(len(leaves))]
+      return checkpoint.read_leaves(
+          checkpoint.latest_checkpoint(pathlib.Path(out) / 'checkpoints'))
 
     def run(out, **kw):
       return runner.run(config_lib.RunConfig(output_dir=str(out),

@@ -7,9 +7,11 @@ et al. 2022, Sec. 4); ``'changed'`` download accounting (FetchSGD's code).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import fedjax
+from fedjax.core import util as fedjax_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,14 +35,19 @@ PlanFn = Callable[[], Optional[pvt_lib.PVTPlan]]
 WEIGHTINGS = ('examples', 'uniform')
 DOWNLOAD_ACCOUNTING = ('changed', 'dense')
 
+#: Per-client training diagnostics (:func:`client_diagnostics`): the mean
+#: loss and accuracy over the examples of the client's local steps (each
+#: measured at the parameters the step starts from), and their number.
+TRAIN_DIAGNOSTICS = ('train_loss', 'train_accuracy', 'train_examples')
+
 __all__ = [
     'COMPRESS_STREAM', 'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'FLOAT_BITS',
-    'GRAD_UPLOAD_STREAM', 'LocalState', 'UPLOAD_STREAM', 'WEIGHTINGS',
-    'batch_hparams', 'changed_counts', 'check_choice', 'check_int',
-    'client_diagnostics', 'client_id_index', 'client_positions',
-    'compression_key', 'delta_client_program', 'download_bits', 'make_work',
-    'mark_changed', 'model_spec', 'num_params', 'participation', 'pvt_mask',
-    'skip_nonfinite']
+    'GRAD_UPLOAD_STREAM', 'LocalState', 'TRAIN_DIAGNOSTICS', 'TrainGrad',
+    'UPLOAD_STREAM', 'WEIGHTINGS', 'batch_hparams', 'changed_counts',
+    'check_choice', 'check_int', 'client_diagnostics', 'client_id_index',
+    'client_positions', 'compression_key', 'delta_client_program',
+    'download_bits', 'make_work', 'mark_changed', 'model_spec', 'num_params',
+    'participation', 'pvt_mask', 'skip_nonfinite', 'train_grad']
 
 
 def check_choice(value: str, allowed: Sequence[str], name: str) -> str:
@@ -91,6 +98,78 @@ def _masked(tree: PyTree, mask: Optional[jax.Array]) -> PyTree:
   return tree if mask is None else pvt_lib.apply_mask(tree, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainGrad:
+  """A :data:`GradFn` that also measures the batch's training loss.
+
+  Called, it is ``grad`` (gradients only); :func:`delta_client_program`
+  calls ``with_stats`` instead and accumulates the statistics over the
+  client's local steps, in the same compiled step.
+
+  Attributes:
+    grad: ``(params, batch, rng) -> grads`` of the mean batch loss.
+    with_stats: ``(params, batch, rng) -> (grads, stats)``: the same
+      gradients (``jax.value_and_grad`` of the same loss) and ``{'loss':
+      MeanStat, 'accuracy': Stat}`` (fedjax stats, float32; ``'accuracy'``
+      only where the model defines it) over the batch's real examples.
+    zero_stats: ``() -> stats`` of no examples (float32 zeros).
+  """
+  grad: GradFn
+  with_stats: Callable[[Params, dict, jax.Array], tuple[Params, dict]]
+  zero_stats: Callable[[], dict]
+
+  def __call__(self, params: Params, batch: dict, rng: jax.Array) -> Params:
+    return self.grad(params, batch, rng)
+
+
+def train_grad(model: fedjax.Model) -> TrainGrad:
+  """``fedjax.model_grad(model)`` plus the training loss and accuracy.
+
+  The loss is FedJAX's: the mean of ``model.train_loss`` over the examples
+  whose ``__mask__`` is set (all without a mask); the accuracy is
+  ``model.eval_metrics['accuracy']`` (if any) on the training predictions
+  (dropout on), over the same examples.
+  """
+  mask_key = fedjax.EXAMPLE_MASK_KEY
+  accuracy = model.eval_metrics.get('accuracy')
+
+  def loss_and_aux(params, batch, rng):
+    preds = model.apply_for_train(params, batch, rng)
+    losses = model.train_loss(batch, preds)
+    if mask_key in batch:
+      mask = batch[mask_key]
+      num = jnp.sum(mask)
+      loss_sum = jnp.vdot(losses, mask)
+      loss = fedjax_util.safe_div(loss_sum, num)
+    else:
+      num = jnp.asarray(losses.shape[0], jnp.float32)
+      loss_sum = jnp.sum(losses)
+      loss = jnp.mean(losses)
+    return loss, (preds, loss_sum, num)
+
+  def zero_stats():
+    zero = {'loss': fedjax.metrics.MeanStat.new(0.0, 0.0)}
+    if accuracy is not None:
+      zero['accuracy'] = accuracy.zero()
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), zero)
+
+  @jax.jit
+  def with_stats(params, batch, rng):
+    (_, (preds, loss_sum, num)), grads = jax.value_and_grad(
+        loss_and_aux, has_aux=True)(params, batch, rng)
+    stats = {'loss': fedjax.metrics.MeanStat.new(loss_sum, num)}
+    if accuracy is not None:
+      stat = jax.vmap(accuracy.evaluate_example)(batch, preds)
+      if mask_key in batch:
+        stat = jax.tree.map(
+            lambda a, b: fedjax.metrics.apply_mask(batch[mask_key], a, b),
+            stat, accuracy.zero())
+      stats['accuracy'] = stat.reduce()
+    return grads, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stats)
+
+  return TrainGrad(fedjax.model_grad(model), with_stats, zero_stats)
+
+
 class LocalState(NamedTuple):
   """A client's state between local steps of :func:`delta_client_program`.
 
@@ -101,6 +180,8 @@ class LocalState(NamedTuple):
     input: the client input ``{'rng': key}``.
     anchor: FedProx's ``Q(w)``, or None.
     mask: the PVT mask ``bool[num_leaves]``, or None.
+    stats: the training statistics of the steps so far (a
+      :class:`TrainGrad`'s), or None.
   """
   params: Params
   opt_state: optax.OptState
@@ -108,6 +189,7 @@ class LocalState(NamedTuple):
   input: Mapping[str, jax.Array]
   anchor: Optional[Params]
   mask: Optional[jax.Array]
+  stats: Optional[dict] = None
 
 
 def delta_client_program(grad_fn: GradFn,
@@ -118,7 +200,8 @@ def delta_client_program(grad_fn: GradFn,
   """Local steps from ``Q(w)``, then ``compress(.., Q(w) - w_client, ..)``.
 
   Args:
-    grad_fn: ``(params, batch, rng) -> grads``.
+    grad_fn: ``(params, batch, rng) -> grads``; a :class:`TrainGrad` also
+      gives the ``train_*`` diagnostics.
     optimizer: the client optimizer (MimeLite: the base optimizer).
     compress: ``(shared, client_input, delta, mask) -> (output, diag)``;
       ``mask``: ``bool[num_leaves]`` or None.
@@ -129,8 +212,12 @@ def delta_client_program(grad_fn: GradFn,
   Returns:
     A ``ClientProgram`` over :class:`LocalState` (shared input ``{'params':
     Q(w), ...}``, client input ``{'rng': key}``); output ``compress``'s,
-    zeroed when not finite; diagnostics add ``delta_l2_norm``, ``finite``.
+    zeroed when not finite; diagnostics add ``delta_l2_norm``, ``finite``
+    and (:class:`TrainGrad`) ``train_loss``, ``train_examples``,
+    ``train_accuracy`` (if the model has one; see
+    :data:`TRAIN_DIAGNOSTICS`).
   """
+  stats_fn = grad_fn.with_stats if isinstance(grad_fn, TrainGrad) else None
 
   def init(shared, client_input):
     params = shared['params']
@@ -139,12 +226,19 @@ def delta_client_program(grad_fn: GradFn,
         opt_state=shared['opt_state'] if mime else optimizer.init(params),
         rng=client_input['rng'], input=client_input,
         anchor=params if fedprox_mu else None,
-        mask=pvt_mask(plan(), client_input))
+        mask=pvt_mask(plan(), client_input),
+        stats=grad_fn.zero_stats() if stats_fn else None)
 
   def step(state, batch):
     rng, use_rng = jax.random.split(state.rng)
     params = state.params
-    grads = _masked(grad_fn(params, batch, use_rng), state.mask)
+    stats = state.stats
+    if stats_fn is None:
+      grads = grad_fn(params, batch, use_rng)
+    else:
+      grads, batch_stats = stats_fn(params, batch, use_rng)
+      stats = {k: v.merge(batch_stats[k]) for k, v in stats.items()}
+    grads = _masked(grads, state.mask)
     if fedprox_mu:
       # d/dw of 0.5 mu ||w - w_s||^2 (FedProx, Li et al. 2020, Alg. 2).
       grads = _masked(jax.tree.map(lambda g, w, s: g + fedprox_mu * (w - s),
@@ -152,13 +246,20 @@ def delta_client_program(grad_fn: GradFn,
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     return state._replace(
         params=optax.apply_updates(params, _masked(updates, state.mask)),
-        opt_state=state.opt_state if mime else opt_state, rng=rng)
+        opt_state=state.opt_state if mime else opt_state, rng=rng,
+        stats=stats)
 
   def final(shared, state):
     delta = jax.tree.map(lambda a, b: a - b, shared['params'], state.params)
     output, diag = compress(shared, state.input, delta, state.mask)
     sq = sum(jnp.vdot(x, x) for x in jax.tree.leaves(delta))
-    return output, {**diag, 'delta_l2_norm': jnp.sqrt(sq)}
+    diag = {**diag, 'delta_l2_norm': jnp.sqrt(sq)}
+    if state.stats is not None:
+      diag['train_loss'] = state.stats['loss'].result()
+      diag['train_examples'] = state.stats['loss'].weight
+      if 'accuracy' in state.stats:
+        diag['train_accuracy'] = state.stats['accuracy'].result()
+    return output, diag
 
   return nonfinite_lib.guarded(ClientProgram(init, step, final))
 
@@ -251,8 +352,9 @@ def client_diagnostics(work: Sequence[ClientWork], result, *, upload_bits,
                        skipped: Sequence[bytes] = (), extra=None
                        ) -> dict[bytes, dict[str, Any]]:
   """``{client_id: {'upload_bits', 'download_bits', 'num_examples',
-  'delta_l2_norm', 'finite', 'skipped', **extra(diag)}}``; ``upload_bits``:
-  a number or ``diag -> bits`` (0 for ``skipped`` clients)."""
+  'delta_l2_norm', 'finite', 'skipped', **extra(diag)}}`` plus the
+  :data:`TRAIN_DIAGNOSTICS` the program reported; ``upload_bits``: a number
+  or ``diag -> bits`` (0 for ``skipped`` clients)."""
   out = {}
   for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
     up = upload_bits(diag) if callable(upload_bits) else upload_bits
@@ -260,5 +362,7 @@ def client_diagnostics(work: Sequence[ClientWork], result, *, upload_bits,
         'upload_bits': float(up), 'download_bits': float(download[i]),
         'num_examples': float(num_examples[i]),
         'delta_l2_norm': float(diag['delta_l2_norm']),
-        'finite': bool(diag['finite']), **(extra(diag) if extra else {})}
+        'finite': bool(diag['finite']),
+        **{k: float(diag[k]) for k in TRAIN_DIAGNOSTICS if k in diag},
+        **(extra(diag) if extra else {})}
   return nonfinite_lib.mark_skipped(out, skipped)

@@ -96,7 +96,8 @@ def split_learning(
 
   Returns:
     ``FederatedAlgorithm(init, apply)`` over :class:`SplitState`; diagnostics
-    ``num_examples`` (``B``), ``loss`` (batch mean before the update), for
+    ``num_examples`` (``B``), ``loss`` and ``train_loss`` (the server-side
+    batch mean loss before the update), for
     FedLite ``quantization_error`` (mean squared error per vector) and
     ``relative_quantization_error`` (``||Z - Z~||_F^2 / ||Z||_F^2``), the
     bits of :data:`split_accounting.BIT_KEYS`, ``finite``, ``skipped``.
@@ -316,6 +317,7 @@ def split_learning(
     for i, cid in enumerate(ids):
       d = {'num_examples': float(batch_size)}
       d.update({k: float(v[i]) for k, v in diag.items() if k != 'finite'})
+      d['train_loss'] = d['loss']  # The runner's per-client training loss.
       d.update(bits.diagnostics() if cid not in skipped else
                split_accounting.skipped_client_bits(bits))
       d['finite'] = bool(diag['finite'][i])

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd as fetchsgd_lib
+from fedlite_jax.algorithms import rounds_common
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
@@ -49,7 +50,7 @@ def _sgd_baseline(ctx: spec.BuildContext, name: str, upload,
                     download_accounting: str) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   return fedopt.federated_averaging(
-      fedjax.model_grad(ctx.split_model.model),
+      rounds_common.train_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
       fedopt.batch_hparams(config.client_batch_size,
@@ -98,7 +99,7 @@ def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
     raise ConfigError(f'--sketch_momentum={opts["sketch_momentum"]}: must be '
                       'in [0, 1).')
   return fetchsgd_lib.fetchsgd(
-      fedjax.model_grad(ctx.split_model.model),
+      rounds_common.train_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       batch_size=config.client_batch_size,
       rows=opts['sketch_rows'], cols=opts['sketch_cols'], k=opts['topk_k'],

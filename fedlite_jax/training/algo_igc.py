@@ -10,6 +10,7 @@ from __future__ import annotations
 import fedjax
 
 from fedlite_jax.algorithms import igc
+from fedlite_jax.algorithms import rounds_common
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
@@ -77,7 +78,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
       rpe = opts['igc_rounds_per_epoch'] or igc.default_rounds_per_epoch(
           len(ctx.train_client_ids), config.clients_per_round)
     return igc.intrinsic_gradient_compression(
-        fedjax.model_grad(ctx.split_model.model),
+        rounds_common.train_grad(ctx.split_model.model),
         optimizers.client_optimizer(config),
         optimizers.server_optimizer(config),
         batch_size=config.client_batch_size,

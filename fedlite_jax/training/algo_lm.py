@@ -14,6 +14,7 @@ import optax
 
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import mime_lite
+from fedlite_jax.algorithms import rounds_common
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
@@ -45,7 +46,7 @@ def _fedopt(ctx: spec.BuildContext, **kwargs) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   compression = compression_from_options(config.options)
   return fedopt.federated_averaging(
-      fedjax.model_grad(ctx.split_model.model),
+      rounds_common.train_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       optimizers.server_optimizer(config),
       optimizers.client_batch_hparams(config),
@@ -82,7 +83,7 @@ def build_mime_lite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   """``--algorithm=mime_lite``: MimeLite with ``--mime_base_optimizer``."""
   config = ctx.config
   return mime_lite.efficient_mime_lite(
-      fedjax.model_grad(ctx.split_model.model),
+      rounds_common.train_grad(ctx.split_model.model),
       mime_base_optimizer(config),
       optimizers.client_batch_hparams(config),
       grads_batch_size=int(config.options[MIME_GRADS_BATCH_SIZE.name]),

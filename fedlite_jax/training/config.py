@@ -174,7 +174,7 @@ class RunConfig:
       'token cross-entropies.', choices=tuple(lm.LOSS_REDUCTIONS))
   init_checkpoint: str | None = _field(
       None, 'Start from the parameters of experiments/pretrain_centralized.py '
-      'or a runner checkpoint (checkpoints/ckpt_*.msgpack).', kind=str)
+      'or a runner checkpoint (checkpoints/<round>).', kind=str)
   # Algorithm-specific options (registry.Option), by name.
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -329,9 +329,9 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.output_dir is not None:
     check_output_dir(config.output_dir)
   if config.init_checkpoint is not None and \
-      not os.path.isfile(config.init_checkpoint):
+      not os.path.exists(config.init_checkpoint):
     raise ConfigError(f'--init_checkpoint={config.init_checkpoint}: no such '
-                      'file.')
+                      'file or directory.')
   check_explicit(config, explicit)
   compression_options.check_options(config.options)
   return config

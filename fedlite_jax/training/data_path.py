@@ -1,7 +1,9 @@
 """The runner's host data path: decoded clients kept across rounds
-(:class:`ClientCache`), the next round's cohort loaded in a background
-thread while the current one trains (:class:`CohortPrefetcher`). Neither
-changes results.
+(:class:`ClientCache`, which also gives every thread its own SQLite
+connection), the next round's cohort loaded in a background thread while
+the current one trains (:class:`CohortPrefetcher`). Neither changes results;
+a background load that fails raises (on the training thread, at the round
+that needs it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import sqlite3
 import threading
 from typing import Any, Iterable, Iterator, Optional
 
-from absl import logging
 import fedjax
 import numpy as np
 
@@ -25,13 +26,22 @@ def dataset_bytes(dataset: Any) -> int:
   return int(sum(np.asarray(v).nbytes for v in examples.values()))
 
 
-def _thread_reader(fd: Any) -> Any:
-  """``fd`` usable from this thread (SQLite data: a new connection)."""
+def _sqlite_path(fd: Any) -> Optional[str]:
+  """The database file of FedJAX SQLite data (None for other data); call it
+  on the thread that opened ``fd``."""
   if not isinstance(fd, fedjax.SQLiteFederatedData):
-    return fd
+    return None
   # pylint: disable=protected-access
   rows = fd._connection.execute('PRAGMA database_list').fetchall()
-  path = next(r[2] for r in rows if r[1] == 'main')
+  return next(r[2] for r in rows if r[1] == 'main')
+
+
+def _thread_reader(fd: Any, path: Optional[str]) -> Any:
+  """``fd`` usable from this thread: SQLite data (``path`` not None) gets
+  a new connection to ``path`` with ``fd``'s parsing and preprocessing."""
+  if path is None:
+    return fd
+  # pylint: disable=protected-access
   return fedjax.SQLiteFederatedData(
       sqlite3.connect(path), fd._parse_examples, fd._start, fd._stop,
       fd._preprocess_client, fd._preprocess_batch)
@@ -39,13 +49,21 @@ def _thread_reader(fd: Any) -> Any:
 
 class ClientCache:
   """Decoded clients of ``fd`` kept across rounds within ``budget_bytes``
-  (LRU); a thread-safe ``FederatedData`` as far as FedJAX's client sampler
-  needs one (other attributes are ``fd``'s)."""
+  (LRU; 0 keeps none); a thread-safe ``FederatedData`` as far as FedJAX's
+  client sampler needs one: ``client_ids()`` (read once, here) and
+  ``get_clients`` from any thread (FedJAX SQLite: a connection per thread).
+  Other attributes are ``fd``'s (use them on the creating thread).
+
+  Raises:
+    ValueError: ``budget_bytes < 0``.
+  """
 
   def __init__(self, fd: Any, budget_bytes: int):
     if budget_bytes < 0:
       raise ValueError(f'budget_bytes must be >= 0; got {budget_bytes}.')
     self._fd = fd
+    self._path = _sqlite_path(fd)
+    self._client_ids = tuple(fd.client_ids())
     self._budget = int(budget_bytes)
     self._entries: collections.OrderedDict[ClientId, tuple[Any, int]] = (
         collections.OrderedDict())
@@ -70,13 +88,13 @@ class ClientCache:
       return client_id in self._entries
 
   def client_ids(self) -> Iterator[ClientId]:
-    return self._fd.client_ids()
+    return iter(self._client_ids)
 
   def _reader(self) -> Any:
     if threading.get_ident() == self._owner:
       return self._fd
     if not hasattr(self._local, 'fd'):
-      self._local.fd = _thread_reader(self._fd)
+      self._local.fd = _thread_reader(self._fd, self._path)
     return self._local.fd
 
   def get_clients(self, client_ids: Iterable[ClientId]
@@ -111,7 +129,16 @@ class ClientCache:
 class CohortPrefetcher:
   """Round ``r``'s cohort, ``UniformGetClientSampler(fd, clients_per_round,
   seed, r).sample()``, with (``prefetch``) the next one loaded in a
-  background thread."""
+  background thread.
+
+  With ``prefetch``, ``fd`` must be readable from another thread: a
+  :class:`ClientCache` (FedJAX SQLite data), in-memory data, or a wrapper
+  of those (``rounds.remote.PartitionedFederatedData``). A background load
+  that fails raises its error from :meth:`get`.
+
+  Attributes:
+    background_loads: cohorts :meth:`get` took from the background thread.
+  """
 
   def __init__(self, fd: Any, clients_per_round: int, seed: int,
                prefetch: bool = True):
@@ -122,6 +149,7 @@ class CohortPrefetcher:
     self._pool = (concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix='cohort') if prefetch else None)
     self._pending: Optional[tuple[int, concurrent.futures.Future]] = None
+    self.background_loads = 0
 
   def _load(self, round_num: int) -> list[tuple[ClientId, Any, Any]]:
     return fedjax.client_samplers.UniformGetClientSampler(
@@ -136,13 +164,8 @@ class CohortPrefetcher:
       r, future = self._pending
       self._pending = None
       if r == round_num:
-        try:
-          cohort = future.result()
-        except (sqlite3.ProgrammingError, RuntimeError) as e:
-          logging.warning('Loading clients in the background failed (%s); '
-                          'loading them on the training thread from now on.',
-                          e)
-          self.close()
+        cohort = future.result()  # Raises what the background load raised.
+        self.background_loads += 1
       else:
         future.cancel()
     if cohort is None:

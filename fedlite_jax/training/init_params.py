@@ -3,7 +3,9 @@
 Source: Ro et al. (2022), Sec. 5 and App. D (centralized pretraining, then
 federated fine-tuning). A parameter file is one msgpack dict ``{'format':
 FORMAT, 'version', 'params': <state dict>, 'metadata': <json str>}``;
-``--init_checkpoint`` also takes a runner round checkpoint.
+``--init_checkpoint`` also takes a runner round checkpoint (an orbax
+directory ``<output_dir>/checkpoints/<round>``, or a ``ckpt_*.msgpack`` file
+of fedlite_jax 644e428 and before).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 from typing import Any, Mapping, Optional
 
 from flax import serialization
@@ -59,9 +62,29 @@ def _read_bytes(path: str | os.PathLike[str]) -> bytes:
     return f.read()
 
 
+def _check_exists(path: str | os.PathLike[str]) -> str:
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'--init_checkpoint={path}: no such file or '
+                            'directory.')
+  return path
+
+
 def file_sha256(path: str | os.PathLike[str]) -> str:
-  """Hex SHA-256 of the file (FileNotFoundError naming --init_checkpoint)."""
-  return hashlib.sha256(_read_bytes(path)).hexdigest()
+  """Hex SHA-256 of the file, or of a directory's files (their relative
+  paths and contents, in path order); FileNotFoundError naming
+  --init_checkpoint."""
+  path = _check_exists(path)
+  if not os.path.isdir(path):
+    return hashlib.sha256(_read_bytes(path)).hexdigest()
+  digest = hashlib.sha256()
+  root = pathlib.Path(path)
+  for f in sorted(p for p in root.rglob('*') if p.is_file()):
+    name = f.relative_to(root).as_posix().encode()
+    digest.update(len(name).to_bytes(8, 'little') + name)
+    data = f.read_bytes()
+    digest.update(len(data).to_bytes(8, 'little') + data)
+  return digest.hexdigest()
 
 
 def _decode(path: str | os.PathLike[str], data: bytes) -> Any:
@@ -141,42 +164,54 @@ def load_init_params(path: str | os.PathLike[str], like: PyTree) -> InitParams:
   """Reads starting parameters from a parameter file or a runner checkpoint.
 
   Args:
-    path: a :func:`save_params` file or a runner checkpoint saved with
-      ``params=`` (:func:`fedlite_jax.checkpoint.save_checkpoint`); a
-      checkpoint gives its model (SplitFed/FedLite: client + server part).
+    path: a :func:`save_params` file, or a runner checkpoint saved with
+      ``params=`` (:class:`fedlite_jax.checkpoint.Checkpointer`: a
+      ``checkpoints/<round>`` directory; or a msgpack ``ckpt_*.msgpack`` of
+      the earlier format); a checkpoint gives its model (SplitFed/FedLite:
+      client + server part).
     like: the model's parameters (structure, shapes and dtypes to match).
 
   Raises:
-    FileNotFoundError: no such file.
+    FileNotFoundError: no such file or directory.
     ValueError: neither kind of file, or parameters that do not fit
       ``like``; one line starting ``--init_checkpoint=<path>:``.
   """
-  path = os.fspath(path)
-  data = _read_bytes(path)
-  digest = hashlib.sha256(data).hexdigest()
+  path = _check_exists(path)
+  digest = file_sha256(path)
+  try:
+    if os.path.isdir(path):
+      if not checkpoint.is_checkpoint(path):
+        raise _neither(path)
+      round_num, params = checkpoint.stored_params(path, like)
+      return InitParams(params, path, digest, 'checkpoint', round_num)
+    data = _read_bytes(path)
+    legacy = checkpoint.decode_legacy(data)
+    if legacy is not None:
+      params = checkpoint.legacy_stored_params(legacy, like)
+      return InitParams(params, path, digest, 'checkpoint',
+                        int(legacy['round']))
+  except (checkpoint.CheckpointError, KeyError, TypeError) as e:
+    raise ValueError(f'--init_checkpoint={path}: cannot start from this '
+                     f'round checkpoint: {e}.') from None
   payload = _decode(path, data)
   if _is_params_file(payload):
     return InitParams(_params_from_payload(path, payload, like), path, digest,
                       'params_file')
-  if checkpoint.is_checkpoint(payload):
-    try:
-      params = checkpoint.stored_params(payload, like)
-      round_num = int(payload['round'])
-    except (checkpoint.CheckpointError, KeyError, TypeError, ValueError) as e:
-      raise ValueError(f'--init_checkpoint={path}: cannot start from this '
-                       f'round checkpoint: {e}.') from None
-    return InitParams(params, path, digest, 'checkpoint', round_num)
   raise _neither(path)
 
 
 def file_kind(path: str | os.PathLike[str]) -> str:
   """``'params_file'`` or ``'checkpoint'`` (as :func:`load_init_params`)."""
-  path = os.fspath(path)
-  payload = _decode(path, _read_bytes(path))
-  if _is_params_file(payload):
-    return 'params_file'
-  if checkpoint.is_checkpoint(payload):
+  path = _check_exists(path)
+  if os.path.isdir(path):
+    if checkpoint.is_checkpoint(path):
+      return 'checkpoint'
+    raise _neither(path)
+  data = _read_bytes(path)
+  if checkpoint.decode_legacy(data) is not None:
     return 'checkpoint'
+  if _is_params_file(_decode(path, data)):
+    return 'params_file'
   raise _neither(path)
 
 
@@ -184,7 +219,7 @@ def _neither(path: str) -> ValueError:
   return ValueError(f'--init_checkpoint={path}: neither a {FORMAT} file '
                     '(experiments/pretrain_centralized.py, '
                     'init_params.save_params) nor a runner checkpoint '
-                    '(<output_dir>/checkpoints/ckpt_*.msgpack).')
+                    '(<output_dir>/checkpoints/<round>).')
 
 
 def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:

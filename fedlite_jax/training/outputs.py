@@ -1,7 +1,9 @@
-"""Run outputs in ``output_dir``: metrics.jsonl, communication.csv,
-summary.json, tb/ (TensorBoard, tensorboardX), curves.png, run.json (the
-run's fingerprint and code version) and .lock (the running pid, ``flock``).
-Files are written atomically or cut back to complete lines on resume.
+"""Run outputs in ``output_dir``: metrics.jsonl (one row per round,
+:mod:`round_metrics`), communication.csv, summary.json, tb/ (TensorBoard,
+tensorboardX: the rows' scalars and the run's hparams), curves.png, run.json
+(the run's fingerprint and code version) and .lock (the running pid,
+``flock``). Files are written atomically or cut back to complete lines on
+resume.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import math
 import os
 import pathlib
 import shutil
+import struct
 import subprocess
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
+from fedlite_jax.training import round_metrics
 from fedlite_jax.training.config import ConfigError
 
 RUN_FILE = 'run.json'
@@ -167,7 +171,9 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[pathlib.Path]:
 
 
 class MetricsWriter:
-  """Appends evaluations to metrics.jsonl and TensorBoard.
+  """Appends rows to metrics.jsonl and their scalars to TensorBoard (tags:
+  :func:`round_metrics.tb_tag`, step: the row's ``round``); a context
+  manager that closes the TensorBoard writer.
 
   Args:
     output_dir: the run's output directory.
@@ -191,18 +197,85 @@ class MetricsWriter:
     return self._tb
 
   def write(self, row: dict[str, Any]) -> None:
+    """Appends ``row`` (a dict with ``round``); finite numbers go to TB."""
     with self.path.open('a') as f:
       f.write(json.dumps(_jsonable(row)) + '\n')
     tb = self._writer()
     for k, v in row.items():
-      if k != 'round' and isinstance(v, (int, float)) and math.isfinite(v):
-        tb.add_scalar(k, v, row['round'])
+      tag = round_metrics.tb_tag(k)
+      if (tag is not None and isinstance(v, (int, float)) and
+          not isinstance(v, bool) and math.isfinite(v)):
+        tb.add_scalar(tag, v, row['round'])
+    tb.flush()
+
+  def write_hparams(self, hparams: Mapping[str, bool | int | float | str],
+                    metrics: Iterable[str]) -> None:
+    """Records the run's settings for TensorBoard's HPARAMS tab (hparams
+    plugin), with ``metrics`` (scalar tags of this run, e.g.
+    ``eval/accuracy``) as the columns to compare runs by."""
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+    tb = self._writer()
+    for s in summary.hparams(dict(hparams), dict.fromkeys(metrics, 0.0)):
+      tb.file_writer.add_summary(s)
     tb.flush()
 
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+  def __enter__(self) -> 'MetricsWriter':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _records(path: pathlib.Path) -> Iterator[bytes]:
+  """The TFRecord payloads of an event file (a torn last record ends it)."""
+  data = path.read_bytes()
+  pos = 0
+  while pos + 12 <= len(data):
+    (length,) = struct.unpack('<Q', data[pos:pos + 8])
+    if pos + 12 + length + 4 > len(data):
+      return
+    yield data[pos + 12:pos + 12 + length]
+    pos += 12 + length + 4
+
+
+def read_tensorboard(tb_dir: str | os.PathLike
+                     ) -> tuple[dict[str, list[tuple[int, float]]],
+                                dict[str, Any]]:
+  """The scalars and hparams in a run's ``tb/`` event files, as TensorBoard
+  shows them (a restart's ``purge_step`` drops the earlier events of steps
+  >= it).
+
+  Returns:
+    ``({tag: [(step, value), ...] in step order}, {hparam: value})``.
+  """
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  from tensorboardX.proto import plugin_hparams_pb2  # pylint: disable=g-import-not-at-top
+  scalars: dict[str, dict[int, float]] = {}
+  hparams: dict[str, Any] = {}
+  for path in sorted(pathlib.Path(tb_dir).glob('events.out.tfevents.*')):
+    for record in _records(path):
+      event = event_pb2.Event.FromString(record)
+      if (event.HasField('session_log') and
+          event.session_log.status == event.session_log.START):
+        for points in scalars.values():
+          for step in [s for s in points if s >= event.step]:
+            del points[step]
+      for value in event.summary.value:
+        plugin = value.metadata.plugin_data
+        if plugin.plugin_name == 'hparams':
+          data = plugin_hparams_pb2.HParamsPluginData.FromString(
+              plugin.content)
+          for k, v in data.session_start_info.hparams.items():
+            hparams[k] = getattr(v, v.WhichOneof('kind'))
+        elif value.HasField('simple_value'):
+          scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+  return ({tag: sorted(points.items()) for tag, points in scalars.items()},
+          hparams)
 
 
 def write_summary(output_dir: str | os.PathLike, summary: dict) -> pathlib.Path:
@@ -214,26 +287,33 @@ def write_summary(output_dir: str | os.PathLike, summary: dict) -> pathlib.Path:
 
 def plot_curves(output_dir: str | os.PathLike, rows: Iterable[dict],
                 metric: str, title: str) -> Optional[pathlib.Path]:
-  """Test ``metric`` vs round and vs cumulative upload bytes (PNG)."""
-  rows = [r for r in rows if metric in r]
-  if not rows:
+  """Training loss per round beside test ``metric`` vs round and vs
+  cumulative upload bytes (PNG); None without rows."""
+  rows = list(rows)
+  evals = [r for r in rows if metric in r]
+  train = [r for r in rows if 'train/loss' in r]
+  if not evals and not train:
     return None
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-  rounds = [r['round'] for r in rows]
-  values = [r[metric] for r in rows]
-  ax1.plot(rounds, values, marker='.')
+  fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 4))
+  ax0.plot([r['round'] for r in train], [r['train/loss'] for r in train],
+           lw=1)
+  ax0.set_xlabel('round')
+  ax0.set_ylabel('training loss (clients, local steps)')
+  ax1.plot([r['round'] for r in evals], [r[metric] for r in evals],
+           marker='.')
   ax1.set_xlabel('round')
   ax1.set_ylabel(f'test {metric}')
-  sent = [r for r in rows if r['upload_bytes'] > 0]  # log axis: no round 0
+  sent = [r for r in evals if r['upload_bytes'] > 0]  # log axis: no round 0
   ax2.plot([r['upload_bytes'] for r in sent], [r[metric] for r in sent],
            marker='.')
-  ax2.set_xscale('log')
+  if sent:
+    ax2.set_xscale('log')
   ax2.set_xlabel('cumulative upload (bytes)')
   ax2.set_ylabel(f'test {metric}')
-  for ax in (ax1, ax2):
+  for ax in (ax0, ax1, ax2):
     ax.grid(alpha=0.3)
   fig.suptitle(title)
   fig.tight_layout()

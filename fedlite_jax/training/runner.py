@@ -32,6 +32,7 @@ from fedlite_jax.training import evaluation
 from fedlite_jax.training import init_params
 from fedlite_jax.training import outputs
 from fedlite_jax.training import registry
+from fedlite_jax.training import round_metrics
 from fedlite_jax.training import tasks
 from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import engine as engine_lib
@@ -41,16 +42,6 @@ from fedlite_jax.rounds import stats as stats_lib
 
 RunConfig = config_lib.RunConfig
 ConfigError = config_lib.ConfigError
-
-#: Engine counts of a metrics.jsonl row's rounds (``rounds.recording_stats``):
-#: useful local steps, lane-steps executed (incl. masked), steps one after
-#: another, compiled-program calls.
-ROW_COUNTS = ('client_steps', 'padded_steps', 'sequential_steps', 'segments',
-              'longest_client_steps')
-#: Wall-clock fields of a metrics.jsonl row (differ between identical runs).
-ROW_TIMINGS = ('seconds_per_round', 'data_seconds', 'train_seconds',
-               'eval_seconds')
-
 
 def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
   """The PRNG key of ``client_id`` in round ``round_num`` of a run."""
@@ -108,8 +99,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     if writer_process:
       out.mkdir(parents=True, exist_ok=True)
       stack.enter_context(outputs.lock_output_dir(out))
-      # Leftovers of writes killed mid-way (nobody else writes here now).
-      checkpoint.remove_partial_files(out / 'checkpoints')
+      # Leftovers of writes killed mid-way (nobody else writes here now;
+      # the checkpointer removes those of killed checkpoint saves).
       outputs.remove_partial_files(out)
       scratch = out
     else:
@@ -119,6 +110,13 @@ def run(config: RunConfig) -> dict[str, Any]:
         if (out / name).exists():
           shutil.copy(out / name, scratch / name)
     return _run(config, task, mesh, out, scratch)
+
+
+def _engine_name(config: RunConfig, mesh: sharding.ClientMesh) -> str:
+  """``--round_engine`` with ``auto`` resolved (vmap on several devices)."""
+  if config.round_engine != 'auto':
+    return config.round_engine
+  return 'vmap' if mesh.num_devices > 1 else default_engine_name()
 
 
 def _model_config(config: RunConfig, mesh: sharding.ClientMesh
@@ -131,10 +129,7 @@ def _model_config(config: RunConfig, mesh: sharding.ClientMesh
     vmapped = resolve_client_execution(
         config.options.get('split_client_execution', 'auto')) == 'vmap'
   else:
-    engine = config.round_engine
-    if engine == 'auto':
-      engine = 'vmap' if mesh.num_devices > 1 else default_engine_name()
-    vmapped = engine == 'vmap'
+    vmapped = _engine_name(config, mesh) == 'vmap'
   return dataclasses.replace(
       config, conv_implementation='im2col' if vmapped else 'lax')
 
@@ -174,8 +169,12 @@ def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
   Raises:
     ConfigError: ``out`` holds results these flags cannot continue (without
       ``--overwrite``).
-    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint.
+    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint;
+      with ``--resume``, msgpack checkpoints of fedlite_jax 644e428 or
+      before (:func:`checkpoint.legacy_error`).
   """
+  if config.resume and checkpoint.legacy_checkpoints(out / 'checkpoints'):
+    raise checkpoint.legacy_error(out / 'checkpoints')
   latest = checkpoint.latest_checkpoint(out / 'checkpoints')
   if latest is not None and config.resume:
     if not config.overwrite:
@@ -212,10 +211,89 @@ def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
   return None
 
 
+@dataclasses.dataclass
+class _Start:
+  """What :func:`_start` decided before any data is loaded.
+
+  Attributes:
+    fingerprint: the run's result-determining settings (checked on resume).
+    resume_from: the checkpoint to continue from, or None (round 0).
+    code: this checkout's :func:`outputs.code_version`.
+  """
+  fingerprint: dict[str, Any]
+  resume_from: Optional[pathlib.Path]
+  code: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _Built:
+  """The run as :func:`_build` set it up for the round loop.
+
+  Attributes:
+    spec, algorithm, state, ledger: the algorithm, its server state and the
+      communication ledger (``state``/``ledger`` advance round by round).
+    split_model, info: the task's model and dataset description.
+    source: the training clients as the sampler reads them.
+    test_batches: the evaluation batches.
+    init: the ``--init_checkpoint`` parameters, or None.
+    engine: the round engine's name.
+    conv_implementation: the CNN convolutions the model was built with.
+    start_round: rounds already done (restored from a checkpoint).
+    rows: metrics.jsonl rows so far (of rounds <= ``start_round``).
+  """
+  spec: Any
+  algorithm: fedjax.FederatedAlgorithm
+  state: Any
+  ledger: CommLedger
+  split_model: Any
+  info: Any
+  source: Any
+  test_batches: Any
+  init: Optional[init_params.InitParams]
+  engine: str
+  conv_implementation: str
+  start_round: int
+  rows: list[dict[str, Any]]
+
+  def evaluate(self, round_num: int) -> dict[str, Any]:
+    """The evaluation part of a row: test metrics (flat) and the bytes so
+    far (``upload_bytes``, ``download_bytes``)."""
+    comm = self.ledger.summary()
+    return {**evaluation.evaluate(self.split_model.model,
+                                  self.spec.eval_params(self.state),
+                                  self.test_batches),
+            'upload_bytes': comm['total_upload_bytes'],
+            'download_bytes': comm['total_download_bytes']}
+
+  def checkpoint_state(self) -> dict[str, Any]:
+    return {'server': self.state, 'ledger': self.ledger.state_dict()}
+
+
 def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
          out: pathlib.Path, scratch: pathlib.Path) -> dict[str, Any]:
   """The body of :func:`run`; ``scratch`` receives this process's writes."""
-  ckpt_dir = scratch / 'checkpoints'
+  start = _start(config, out, scratch)
+  built = _build(config, task, mesh, start, scratch)
+  with outputs.MetricsWriter(scratch, purge_step=(
+      built.start_round + 1 if built.start_round else None)) as writer:
+    if built.init is not None and built.start_round == 0:
+      # The start, evaluated (nothing sent yet).
+      built.rows.append({'round': 0, **built.evaluate(0)})
+      writer.write(built.rows[-1])
+    engine_stats, compiles = _round_loop(config, task, built, writer, scratch,
+                                         start.fingerprint)
+    return _finish(config, task, mesh, built, writer, engine_stats, compiles,
+                   start, out, scratch)
+
+
+def _start(config: RunConfig, out: pathlib.Path,
+           scratch: pathlib.Path) -> _Start:
+  """Plans the start (resume or round 0) and writes run.json (process 0).
+
+  Raises:
+    ConfigError: an unreadable or changing ``--init_checkpoint``, results
+      these flags cannot continue (see :func:`_plan_start`).
+  """
   fingerprint = config.fingerprint()
   init_sha256 = _init_sha256(config)
   if init_sha256 is not None:
@@ -239,14 +317,24 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     outputs.write_run_identity(out, fingerprint,
                                code if resume_from is None or not previous_code
                                else previous_code)
+  return _Start(fingerprint, resume_from, code)
 
+
+def _build(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
+           start: _Start, scratch: pathlib.Path) -> _Built:
+  """Loads the data, builds model and algorithm, restores the checkpoint.
+
+  Raises:
+    ConfigError: settings that do not fit the data, the mesh or the
+      algorithm; an ``--init_checkpoint`` that does not fit the model.
+    checkpoint.CheckpointError: a corrupt or mismatched checkpoint.
+  """
   train_fd, test_fd, info = task.load_data(config)
   num_train_clients = train_fd.num_clients()
-  # What the sampler reads: decoded clients kept across rounds (inside the
-  # multi-process partition, which decides by cohort position).
-  source = train_fd
-  if config.client_cache_mb:
-    source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)
+  # What the sampler reads, from the background thread too: decoded clients
+  # kept across rounds (--client_cache_mb=0: none), a SQLite connection per
+  # thread; inside the multi-process partition (it decides by position).
+  source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)
   if config.clients_per_round > num_train_clients:
     raise ConfigError(
         f'--clients_per_round={config.clients_per_round} exceeds the '
@@ -263,13 +351,11 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     source = remote.PartitionedFederatedData(source, mesh.is_local,
                                              mesh.owner)
   model_config = _model_config(config, mesh)
-  split_model_conv = model_config.conv_implementation
   split_model = task.build_model(model_config, info)
-  model = split_model.model
-  params = model.init(jax.random.PRNGKey(config.seed))
+  params = split_model.model.init(jax.random.PRNGKey(config.seed))
   init = _load_init(config, params)
   if init is not None:
-    if init.sha256 != init_sha256:
+    if init.sha256 != start.fingerprint.get('init_checkpoint_sha256'):
       raise ConfigError(f'--init_checkpoint={init.path} changed while the '
                         'run started; start it again.')
     params = jax.tree.map(jax.numpy.asarray, init.params)
@@ -293,154 +379,176 @@ def _run(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
       k: 0.0 for k in spec.communication_keys})
 
   start_round, rows = 0, []
-  if resume_from is not None:
+  if start.resume_from is not None:
     start_round, restored = checkpoint.restore_checkpoint(
-        resume_from, {'server': state, 'ledger': ledger.state_dict()},
-        fingerprint)
+        start.resume_from, {'server': state, 'ledger': ledger.state_dict()},
+        start.fingerprint)
     state = restored['server']
     ledger = CommLedger.from_state_dict(restored['ledger'])
     rows = outputs.truncate_metrics(scratch / 'metrics.jsonl', start_round)
     outputs.truncate_csv(scratch / 'communication.csv', start_round)
-    logging.info('Resumed from %s at round %d.', resume_from, start_round)
-
+    logging.info('Resumed from %s at round %d.', start.resume_from,
+                 start_round)
   if info.synthetic_partition:
     logging.warning('Task %s uses a SYNTHETIC federated partition: %s',
                     config.task, info.description)
-  writer = outputs.MetricsWriter(
-      scratch, purge_step=start_round + 1 if start_round else None)
-  csv = (scratch / 'communication.csv').open('a')
-  ledger.attach_csv(csv)
-  batches = evaluation.eval_batches(test_fd, config.eval_batch_size,
-                                    config.eval_num_clients, config.seed)
+  # Committed to this process's first device from round 0 on, as the round
+  # engines' sums are: the server update then compiles once, not twice.
+  state = jax.device_put(state, jax.local_devices()[0])
+  return _Built(
+      spec=spec, algorithm=algorithm, state=state, ledger=ledger,
+      split_model=split_model, info=info, source=source,
+      test_batches=evaluation.eval_batches(
+          test_fd, config.eval_batch_size, config.eval_num_clients,
+          config.seed),
+      init=init, engine=_engine_name(config, mesh),
+      conv_implementation=model_config.conv_implementation,
+      start_round=start_round, rows=rows)
 
-  def eval_row(round_num: int) -> dict[str, Any]:
-    comm = ledger.summary()
-    return {'round': round_num,
-            **evaluation.evaluate(model, spec.eval_params(state), batches),
-            'upload_bytes': comm['total_upload_bytes'],
-            'download_bytes': comm['total_download_bytes']}
 
-  if init is not None and start_round == 0:  # The start: nothing sent yet.
-    rows.append(eval_row(0))
-    writer.write(rows[-1])
+def _round_loop(config: RunConfig, task: tasks.Task, built: _Built,
+                writer: outputs.MetricsWriter, scratch: pathlib.Path,
+                fingerprint: dict[str, Any]) -> dict[str, Any]:
+  """Rounds ``built.start_round`` .. ``num_rounds - 1``: one row each
+  (:mod:`round_metrics`; evaluated every ``--eval_every`` rounds and at the
+  end), a checkpoint every ``--checkpoint_every`` rounds and at the end.
+
+  Returns:
+    The round engines' totals (``recorder.totals()``) and the
+    :class:`~fedlite_jax.rounds.stats.CompileCounter` of the loop.
+  """
   cohorts = data_path.CohortPrefetcher(
-      source, config.clients_per_round, config.seed,
+      built.source, config.clients_per_round, config.seed,
       prefetch=config.prefetch_clients)
   cap = config.max_examples_per_client
-  engine = config.round_engine
-  if engine == 'auto':
-    engine = 'vmap' if mesh.num_devices > 1 else default_engine_name()
-  round_seconds = [r['seconds_per_round'] for r in rows
-                   if 'seconds_per_round' in r]
-  # Since the last row: training seconds and non-finite clients skipped per
-  # round; seconds waiting for data and training, the engine's step counts.
-  recent, skipped = [], []
-  pending = dict.fromkeys(('data_seconds', 'train_seconds') + ROW_COUNTS, 0)
-  bar = tqdm.tqdm(range(start_round, config.num_rounds), initial=start_round,
-                  total=config.num_rounds,
+  csv = (scratch / 'communication.csv').open('a')
+  built.ledger.attach_csv(csv)
+  # Process 0 writes the checkpoints (the others read them on a restart).
+  ckpt = (checkpoint.Checkpointer(scratch / 'checkpoints', keep=2)
+          if jax.process_index() == 0 else None)
+  bar = tqdm.tqdm(range(built.start_round, config.num_rounds),
+                  initial=built.start_round, total=config.num_rounds,
                   disable=not config.progress or jax.process_index() != 0,
                   desc=f'{config.task}/{config.algorithm}', unit='round')
   try:
     with engine_lib.recording_stats() as recorder, \
         stats_lib.counting_compilations() as compiles:
       for r in bar:
+        before = (compiles.total, compiles.count(*stats_lib.CLIENT_PROGRAMS),
+                  compiles.total_seconds)
         t_data = time.perf_counter()
         sampled = cohorts.get(
             r, next_round=r + 1 if r + 1 < config.num_rounds else -1)
         clients = [(cid, cds[:cap] if cap and len(cds) > cap else cds,
                     client_rng(config.seed, r, cid))
                    for cid, cds, _ in sampled]
-        t0 = time.perf_counter()
-        state, diagnostics = algorithm.apply(state, clients)
-        jax.block_until_ready(state)
-        recent.append(time.perf_counter() - t0)
-        pending['data_seconds'] += t0 - t_data
-        pending['train_seconds'] += recent[-1]
-        counts = recorder.take()
-        for k in ROW_COUNTS:
-          pending[k] = (max(pending[k], counts[k]) if k in stats_lib.MAXIMA
-                        else pending[k] + counts[k])
-        skipped.append(ledger.record_round(r, diagnostics)['skipped_clients'])
+        t_train = time.perf_counter()
+        built.state, diagnostics = built.algorithm.apply(built.state, clients)
+        jax.block_until_ready(built.state)
+        t_done = time.perf_counter()
+        totals = built.ledger.record_round(r, diagnostics)
         done = r + 1
+        row = {'round': done,
+               **round_metrics.train_metrics(diagnostics),
+               **round_metrics.comm_metrics(totals, built.ledger.summary()),
+               'time/data_seconds': t_train - t_data,
+               'time/train_seconds': t_done - t_train,
+               **round_metrics.engine_metrics(recorder.take()),
+               'engine/compilations': compiles.total - before[0],
+               'engine/client_program_compilations': compiles.count(
+                   *stats_lib.CLIENT_PROGRAMS) - before[1],
+               'engine/compile_seconds': compiles.total_seconds - before[2]}
         if done % config.eval_every == 0 or done == config.num_rounds:
           t_eval = time.perf_counter()
-          row = {**eval_row(done),
-                 'seconds_per_round': float(np.mean(recent)),
-                 'skipped_clients': int(sum(skipped)),
-                 **pending,
-                 'eval_seconds': time.perf_counter() - t_eval}
-          if any(skipped):
-            row['skipped_clients_by_round'] = {
-                str(done - len(skipped) + 1 + i): n
-                for i, n in enumerate(skipped) if n}
-          round_seconds.append(row['seconds_per_round'])
-          recent, skipped = [], []
-          pending = dict.fromkeys(pending, 0)
-          writer.write(row)
-          rows.append(row)
+          row.update(built.evaluate(done))
+          row['time/eval_seconds'] = time.perf_counter() - t_eval
           bar.set_postfix({task.metric:
                            f'{row.get(task.metric, float("nan")):.4f}'})
-        if (config.checkpoint_every and
-            done % config.checkpoint_every == 0) or done == config.num_rounds:
+        writer.write(row)
+        built.rows.append(row)
+        if ckpt is not None and ((config.checkpoint_every and
+                                  done % config.checkpoint_every == 0) or
+                                 done == config.num_rounds):
           csv.flush()  # The CSV rows of the checkpointed rounds are on disk.
-          checkpoint.save_checkpoint(
-              ckpt_dir, done, {'server': state, 'ledger': ledger.state_dict()},
-              fingerprint, params=spec.eval_params(state))
-      engine_stats = recorder.totals()
+          ckpt.save(done, built.checkpoint_state(), fingerprint,
+                    params=built.spec.eval_params(built.state))
+      return recorder.totals(), compiles
   finally:
+    if ckpt is not None:
+      ckpt.close()  # Waits for a save still being written.
     cohorts.close()
     bar.close()
-    writer.close()
     csv.close()
 
-  final_eval = {k: v for k, v in (rows[-1] if rows else eval_row(0)).items()
-                if k not in ('round', 'upload_bytes', 'download_bytes',
-                             'seconds_per_round', 'skipped_clients',
-                             'skipped_clients_by_round') + ROW_TIMINGS +
-                ROW_COUNTS}
-  communication = ledger.summary()
-  if spec.communication_summary is not None:
-    communication.update(spec.communication_summary(ledger.extra_bits))
+
+def _finish(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
+            built: _Built, writer: outputs.MetricsWriter,
+            engine_stats: dict[str, Any],
+            compiles: stats_lib.CompileCounter, start: _Start,
+            out: pathlib.Path, scratch: pathlib.Path) -> dict[str, Any]:
+  """Writes summary.json, curves.png and the TensorBoard hparams; returns
+  the summary.
+
+  Raises:
+    evaluation.TrainingFailedError: the final model is non-finite or no
+      better than chance (after writing the outputs).
+  """
+  rows = built.rows
+  evaluated = round_metrics.evaluations(rows)
+  final_eval = round_metrics.eval_metrics(
+      evaluated[-1] if evaluated else {'round': 0, **built.evaluate(0)})
+  communication = built.ledger.summary()
+  if built.spec.communication_summary is not None:
+    communication.update(
+        built.spec.communication_summary(built.ledger.extra_bits))
+  train_seconds = [r['time/train_seconds'] for r in rows
+                   if 'time/train_seconds' in r]
   summary = {
       'task': config.task,
       'algorithm': config.algorithm,
       'rounds': config.num_rounds,
       'final_eval': final_eval,
       'communication': communication,
-      'seconds_per_round': (float(np.mean(round_seconds)) if round_seconds
+      'seconds_per_round': (float(np.mean(train_seconds)) if train_seconds
                             else None),
-      'round_engine': engine,
-      # Counts over every round (rows of earlier runs of a resumed one too);
-      # compilations of this process since it started or resumed.
-      'engine': {**{k: engine_stats[k] for k in ('name',) + stats_lib.SETTINGS},
-                 **{k: int((max if k in stats_lib.MAXIMA else sum)(
-                     [r.get(k, 0) for r in rows] or [0]))
-                    for k in ROW_COUNTS},
-                 'compilations': compiles.summary(stats_lib.CLIENT_PROGRAMS),
-                 'conv_implementation': split_model_conv,
+      'round_engine': built.engine,
+      # Counts over every round (rows of earlier runs of a resumed one too;
+      # compilations from JAX's compile events, by program for this
+      # process).
+      'engine': {**{k: engine_stats[k]
+                    for k in ('name',) + stats_lib.SETTINGS},
+                 **round_metrics.engine_totals(rows),
+                 'compilations_by_program': dict(
+                     compiles.by_program.most_common()),
+                 'conv_implementation': built.conv_implementation,
                  'compute_dtype': config.compute_dtype},
-      'data': info.description,
-      'synthetic_partition': info.synthetic_partition,
-      'model': {'cut_layer': split_model.cut_layer,
-                'cut_size': split_model.cut_size,
-                'num_params': ledger.num_params},
+      'data': built.info.description,
+      'synthetic_partition': built.info.synthetic_partition,
+      'model': {'cut_layer': built.split_model.cut_layer,
+                'cut_size': built.split_model.cut_size,
+                'num_params': built.ledger.num_params},
       'machine': {'platform': platform.platform(),
                   'python': platform.python_version(), 'jax': jax.__version__,
                   'backend': jax.default_backend(),
                   'devices': [str(d) for d in jax.devices()]},
-      'code': code,
+      'code': start.code,
       'started_with_code': outputs.read_code_version(out),
       'placement': {'num_devices': mesh.num_devices,
                     'num_processes': mesh.num_processes,
                     'mesh_devices': [str(d) for d in mesh.mesh.devices.flat]},
-      'init_checkpoint': None if init is None else init.describe(),
+      'init_checkpoint': None if built.init is None else built.init.describe(),
       'flags': dataclasses.asdict(config),
   }
-  failure = evaluation.training_failure(final_eval, task.chance_loss(info))
+  failure = evaluation.training_failure(final_eval,
+                                        task.chance_loss(built.info))
   summary.update(status='failed' if failure else 'ok', failure=failure)
   outputs.write_summary(scratch, summary)
   outputs.plot_curves(scratch, rows, task.metric,
                       f'{config.task} / {config.algorithm} (seed {config.seed})')
-  evaluation.check_trained(final_eval, task.chance_loss(info),
+  writer.write_hparams(
+      round_metrics.hparams(start.fingerprint, algorithm=config.algorithm,
+                            num_rounds=config.num_rounds),
+      [t for t in map(round_metrics.tb_tag, final_eval) if t is not None])
+  evaluation.check_trained(final_eval, task.chance_loss(built.info),
                            output_dir=str(out))
   return summary
