@@ -23,18 +23,8 @@ import re
 
 import fedlite_jax
 
-# Public names without a docstring in files owned by parallel rewrites
-# (rounds/*, training/data_path.py, training/outputs.py, checkpoint.py).
-# Their owners document them; remove an entry when it is fixed. A new
-# undocumented name anywhere else fails the test.
-PENDING = frozenset({
-    'fedlite_jax.checkpoint.checkpoint_path',
-    'fedlite_jax.training.data_path.ClientCache.cached_bytes',
-    'fedlite_jax.training.data_path.ClientCache.client_ids',
-    'fedlite_jax.training.data_path.CohortPrefetcher.close',
-    'fedlite_jax.training.outputs.MetricsWriter.close',
-    'fedlite_jax.training.outputs.MetricsWriter.write',
-})
+# Public names allowed without a docstring (none).
+PENDING = frozenset()
 
 
 def public_modules() -> list[str]:

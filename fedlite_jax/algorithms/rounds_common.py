@@ -210,9 +210,10 @@ def delta_client_program(grad_fn: GradFn,
     plan: returns the PVT plan, or None.
 
   Returns:
-    A ``ClientProgram`` over :class:`LocalState` (shared input ``{'params':
-    Q(w), ...}``, client input ``{'rng': key}``); output ``compress``'s,
-    zeroed when not finite; diagnostics add ``delta_l2_norm``, ``finite``
+    A ``ClientProgram`` over :class:`LocalState`, whose shared input is
+    ``{'params': Q(w), ...}`` and client input ``{'rng': key}``; output
+    ``compress``'s, zeroed when not finite; diagnostics add
+    ``delta_l2_norm``, ``finite``
     and (:class:`TrainGrad`) ``train_loss``, ``train_examples``,
     ``train_accuracy`` (if the model has one; see
     :data:`TRAIN_DIAGNOSTICS`).

@@ -288,8 +288,9 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
     name: 'auto' (vmap on GPU/TPU or several devices), 'loop' or 'vmap'.
     program: the client update.
     steps_per_call: loop engine: local steps per jitted call.
-    lanes_per_device, segment_steps, slots: vmap engine
-      (:class:`VmapEngine`).
+    lanes_per_device: vmap engine (:class:`VmapEngine`).
+    segment_steps: vmap engine.
+    slots: vmap engine.
     mesh: the :class:`ClientMesh`; None: the one set by
       ``sharding.use_client_mesh``, if any. One device is the same as none.
 

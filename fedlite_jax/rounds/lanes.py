@@ -26,8 +26,10 @@ class LanePlan:
   steps`` is a multiple of ``segment_steps``.
 
   Attributes:
-    lanes_per_device, devices, slots, segment_steps: the program's shape;
-      ``slots``: finalizations (and starts) per device per step.
+    lanes_per_device: lanes on each device.
+    devices: devices (the lanes' and slots' leading groups).
+    slots: finalizations (and starts) per device per step.
+    segment_steps: steps per compiled segment.
     begin: ``int32[lanes]``: the client each lane starts the round with (-1:
       none, the lane idles).
     client: ``int32[T, lanes]``: the client stepping (-1: a masked step).

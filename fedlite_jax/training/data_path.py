@@ -81,6 +81,7 @@ class ClientCache:
 
   @property
   def cached_bytes(self) -> int:
+    """Bytes of the decoded clients held now."""
     return self._bytes
 
   def __contains__(self, client_id: ClientId) -> bool:
@@ -88,6 +89,7 @@ class ClientCache:
       return client_id in self._entries
 
   def client_ids(self) -> Iterator[ClientId]:
+    """The training client ids (read once, on the constructing thread)."""
     return iter(self._client_ids)
 
   def _reader(self) -> Any:
@@ -176,6 +178,7 @@ class CohortPrefetcher:
     return cohort
 
   def close(self) -> None:
+    """Stops the background thread (waits for a load in progress)."""
     if self._pool is not None:
       self._pool.shutdown(wait=True, cancel_futures=True)
       self._pool = None

@@ -220,6 +220,7 @@ class MetricsWriter:
     tb.flush()
 
   def close(self) -> None:
+    """Flushes and closes the TensorBoard writer."""
     if self._tb is not None:
       self._tb.close()
       self._tb = None
