@@ -121,9 +121,16 @@ def test_check_run_reproduces(name, data_dir, tmp_path):
       [json.loads(line) for line in
        (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()])
   assert [r['round'] for r in rows] == [r['round'] for r in check['curve']]
+  # Float32 training is reproducible on one machine and program, but XLA
+  # reassociates sums differently across CPU vector widths and across
+  # program fusions (a refactor that adds an output to a compiled step):
+  # measured 5e-6 relative in the efficient-LM loss after 5 rounds and one
+  # FEMNIST eval example of 1,685 after 20 FedLite rounds. A wrong
+  # algorithm moves both by orders of magnitude more.
   for got, want in zip(rows, check['curve']):
-    for key in ('loss', 'accuracy'):
-      assert got[key] == pytest.approx(want[key], abs=1e-5, rel=0), key
+    assert got['loss'] == pytest.approx(want['loss'], rel=2e-5), 'loss'
+    assert got['accuracy'] == pytest.approx(want['accuracy'], abs=2e-3,
+                                            rel=0), 'accuracy'
     for key in ('upload_bytes', 'download_bytes'):
       assert got[key] == want[key], key
 

@@ -108,7 +108,11 @@ def test_vmap_engine_matches_fedjax(femnist, server):
       fedjax.optimizers.create_optimizer_from_optax(server_opt), hp)
   ours = federated_averaging(grad_fn, optax.sgd(0.1), server_opt, hp,
                              engine='vmap')
-  _compare_rounds(ref, ours, params, femnist, 2, tol=1e-6)
+  # Adam's first step is lr * g / (|g| + 1e-8): on coordinates whose mean
+  # delta g is ~1e-8, the float-order noise of the vmapped sum (~1e-12)
+  # moves the update by up to ~lr * 1e-4. SGD passes the noise through.
+  _compare_rounds(ref, ours, params, femnist, 2,
+                  tol=1e-6 if server == 'sgd' else 5e-6)
 
 
 def test_fedavg_server_sgd1_is_weighted_average_of_client_models(femnist):

@@ -104,6 +104,10 @@ def test_engine_counts_flow_through_whatever_their_names():
   assert [k for k in row if round_metrics.varies_between_runs(k)] == [
       'engine/compilations']
   assert round_metrics.varies_between_runs('time/train_seconds')
+  assert round_metrics.varies_between_runs(
+      'engine/client_program_compilations')
+  assert round_metrics.varies_between_runs('engine/compile_seconds')
+  assert not round_metrics.varies_between_runs('engine/segments')
   assert not round_metrics.varies_between_runs('train/loss')
   # Sums, but the longest client is a maximum over the rounds.
   assert round_metrics.engine_totals(

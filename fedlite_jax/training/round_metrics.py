@@ -124,9 +124,12 @@ def engine_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 def varies_between_runs(key: str) -> bool:
   """Whether a row key's value depends on the process's history rather
-  than on the flags: wall-clock times (``time/``) and compile counts
-  (``engine/compil*``: a resumed process compiles again)."""
-  return key.startswith(('time/', 'engine/compil'))
+  than on the flags: wall-clock times (``time/``) and compile counts and
+  seconds (``engine/`` keys naming ``compil``, e.g.
+  ``engine/client_program_compilations``: a resumed process compiles
+  again)."""
+  return key.startswith('time/') or (key.startswith('engine/') and
+                                     'compil' in key)
 
 
 def is_evaluation(row: Mapping[str, Any]) -> bool:
