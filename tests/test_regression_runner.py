@@ -60,8 +60,10 @@ CASES = {
 
 
 #: Every case also runs on the vmap engine, on 2 lanes (the cohort of 3 is
-#: not a multiple), against the same records; split learning has no round
-#: engine and runs its clients vmapped, 2 per call, instead of unrolled.
+#: not a multiple) and one step per segment (the smallest program to
+#: compile; tests/test_engine_lanes.py varies the segment length), against
+#: the same records; split learning has no round engine and runs its
+#: clients vmapped, 2 per call, instead of unrolled.
 VMAP_CASES = tuple(sorted(CASES))
 
 
@@ -75,7 +77,8 @@ def run_case(name: str, data_dir: str, output_dir: str,
     options = {**options, 'split_client_execution': 'vmap'}
     overrides = {**overrides, 'lanes_per_device': 2}
   elif vmap:
-    overrides = {**overrides, 'round_engine': 'vmap', 'lanes_per_device': 2}
+    overrides = {**overrides, 'round_engine': 'vmap', 'lanes_per_device': 2,
+                 'segment_steps': 1}
   summary = run(RunConfig(**{**BASE, **overrides}, data_dir=data_dir,
                           output_dir=output_dir, options=options))
   comm = summary['communication']

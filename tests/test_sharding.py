@@ -32,11 +32,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # Tiny settings on the embedded (always available) task: 7 clients, 2 rounds,
 # 2 local steps of 20 examples each.
 # One convolution for every placement (auto picks im2col on several
-# devices, lax.conv on one), so that runs differ by the sharding alone.
+# devices, lax.conv on one), so that runs differ by the sharding alone; one
+# step per segment, the smallest lane program to compile.
 COMMON = dict(task='embedded_mnist', num_rounds=2, clients_per_round=7,
               client_batch_size=20, max_examples_per_client=40, eval_every=2,
               eval_num_clients=5, progress=False, checkpoint_every=1,
-              conv_implementation='im2col')
+              conv_implementation='im2col', segment_steps=1)
 
 ALGORITHMS = {
     'fedavg': dict(algorithm='fedavg'),
