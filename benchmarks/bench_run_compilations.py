@@ -44,11 +44,17 @@ def run(name: str, flags: list[str], args, out: pathlib.Path) -> dict:
              f'--clients_per_round={args.clients}',
              f'--eval_every={args.rounds}', f'--seed={args.seed}',
              '--noprogress', '--checkpoint_every=0', f'--output_dir={out}']
-  t0 = time.perf_counter()
-  done = subprocess.run(command, capture_output=True, text=True, check=False)
-  wall = time.perf_counter() - t0
-  if done.returncode != 0:
-    sys.exit(f'{name} failed ({shlex.join(command)}):\n{done.stderr[-3000:]}')
+  if (out / 'summary.json').exists() and (out / 'wall_s').exists():
+    wall = float((out / 'wall_s').read_text())  # Finished: read back.
+  else:
+    t0 = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True,
+                          check=False)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+      sys.exit(f'{name} failed ({shlex.join(command)}):\n'
+               f'{done.stderr[-3000:]}')
+    (out / 'wall_s').write_text(repr(wall))
   summary = json.loads((out / 'summary.json').read_text())
   rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()
           if l.strip()]
@@ -65,6 +71,10 @@ def main() -> None:
   parser.add_argument('--rounds', type=int, default=20)
   parser.add_argument('--clients', type=int, default=100)
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument(
+      '--work_dir', default=None,
+      help='keep the runs in <work_dir>/<run>; a finished run there is read '
+      'back, not run again (default: a temporary folder)')
   parser.add_argument('--output', default=str(
       REPO / 'benchmarks' / 'results' / 'compilations_cpu.md'))
   args = parser.parse_args()
@@ -75,7 +85,8 @@ def main() -> None:
   results = []
   with tempfile.TemporaryDirectory() as tmp:
     for name in names:
-      results.append(run(name, RUNS[name], args, pathlib.Path(tmp) / name))
+      results.append(run(name, RUNS[name], args,
+                         pathlib.Path(args.work_dir or tmp) / name))
       e = results[-1]['engine']
       print(f"{name}: {e['client_program_compilations']} client-program "
             f"compilations, {e['compilations']} in all, "
