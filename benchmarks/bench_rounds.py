@@ -87,6 +87,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.compilation_cache import compilation_cache
 
 from fedlite_jax import datasets
 from fedlite_jax import models
@@ -661,6 +662,11 @@ def _defaults(args) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+  # Compilations and compile seconds are what a fresh run pays: no program
+  # comes from a persistent compilation cache (this process's or a child's).
+  os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--models', default=None,
                       help=f'comma list of {", ".join(MODELS)} (default: '

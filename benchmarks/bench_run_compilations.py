@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import shlex
@@ -48,8 +49,11 @@ def run(name: str, flags: list[str], args, out: pathlib.Path) -> dict:
     wall = float((out / 'wall_s').read_text())  # Finished: read back.
   else:
     t0 = time.perf_counter()
+    # Every program compiles in the run (no persistent cache): the counts
+    # are what a fresh run pays.
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE='false')
     done = subprocess.run(command, capture_output=True, text=True,
-                          check=False)
+                          check=False, env=env)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
       sys.exit(f'{name} failed ({shlex.join(command)}):\n'
