@@ -62,10 +62,19 @@ def run(name: str, flags: list[str], args, out: pathlib.Path) -> dict:
   summary = json.loads((out / 'summary.json').read_text())
   rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()
           if l.strip()]
-  return {'name': name, 'command': shlex.join(command), 'wall_s': wall,
+  # The command as a user types it: no interpreter or checkout paths.
+  shown = (shlex.join(['python', str(RUNNER.relative_to(REPO)),
+                        *command[2:-1]]) + f' --output_dir=<tmp>/{name}')
+  return {'name': name, 'command': shown, 'wall_s': wall,
           'engine': summary['engine'], 'rows': rows,
           'seconds_per_round': summary['seconds_per_round'],
           'final_eval': summary['final_eval']}
+
+
+def _shown_argv(argv: list[str]) -> list[str]:
+  """The flags that decide the results (not where files go)."""
+  return [a for a in argv
+          if not a.startswith(('--work_dir', '--output', '--note'))]
 
 
 def main() -> None:
@@ -79,6 +88,10 @@ def main() -> None:
       '--work_dir', default=None,
       help='keep the runs in <work_dir>/<run>; a finished run there is read '
       'back, not run again (default: a temporary folder)')
+  parser.add_argument(
+      '--note', default='',
+      help='a sentence on the conditions (e.g. the machine\'s load), added '
+      'to the results file')
   parser.add_argument('--output', default=str(
       REPO / 'benchmarks' / 'results' / 'compilations_cpu.md'))
   args = parser.parse_args()
@@ -99,10 +112,11 @@ def main() -> None:
       f'# Compilations of {args.rounds}-round runs on the vmap engine',
       '',
       f'Command: `python benchmarks/bench_run_compilations.py '
-      f'{shlex.join(sys.argv[1:])}`',
+      f'{shlex.join(_shown_argv(sys.argv[1:]))}`',
       f'({args.clients} clients per round, a fresh cohort every round, seed '
       f'{args.seed}; {platform.machine()}, Python '
-      f'{platform.python_version()}; one process per run).',
+      f'{platform.python_version()}; one process per run).'
+      + (f' {args.note}' if args.note else ''),
       '',
       '| run | lanes | steps per segment | client-program compilations '
       '| all compilations | compile s | sequential steps per round '
