@@ -662,8 +662,9 @@ def _defaults(args) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-  # Compilations and compile seconds are what a fresh run pays: no program
-  # comes from a persistent compilation cache (this process's or a child's).
+  # Compile seconds are what a fresh run pays: no program is loaded from
+  # JAX's persistent compilation cache (a load counts as a compilation, in
+  # less time), in this process or a child.
   os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
   jax.config.update('jax_enable_compilation_cache', False)
   compilation_cache.reset_cache()

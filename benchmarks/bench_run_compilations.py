@@ -49,8 +49,8 @@ def run(name: str, flags: list[str], args, out: pathlib.Path) -> dict:
     wall = float((out / 'wall_s').read_text())  # Finished: read back.
   else:
     t0 = time.perf_counter()
-    # Every program compiles in the run (no persistent cache): the counts
-    # are what a fresh run pays.
+    # Every program compiles in the run (no persistent cache): the compile
+    # seconds are what a fresh run pays.
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE='false')
     done = subprocess.run(command, capture_output=True, text=True,
                           check=False, env=env)

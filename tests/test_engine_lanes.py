@@ -197,7 +197,7 @@ def test_vmap_engine_equals_the_loop_engine(lanes, slots):
         -(-useful // lanes), max(len(w.batches) for w in work)) + 4
 
 
-def test_one_program_for_every_cohort(no_compilation_cache):
+def test_one_program_for_every_cohort():
   """Cohorts of other sizes and step counts reuse the first round's program
   (counted by JAX's compile events)."""
   shared = {'w': np.ones(3, np.float32)}

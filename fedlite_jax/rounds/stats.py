@@ -101,6 +101,10 @@ _LISTENING = False
 class CompileCounter:
   """XLA compilations (JAX's ``backend_compile`` events) while open.
 
+  A program loaded from JAX's persistent compilation cache
+  (``JAX_COMPILATION_CACHE_DIR``) raises the same event and counts as a
+  compilation; its seconds are those of the load.
+
   Attributes:
     by_program: ``{'jit(name)': count}``.
     seconds: ``{'jit(name)': seconds}`` of backend compilation.
