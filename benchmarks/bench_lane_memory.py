@@ -112,8 +112,8 @@ def main() -> None:
   ]
   for r in runs:
     eng = r['engine']
-    ratio = (eng.get('padded_steps', 0) / eng['client_steps']
-             if eng.get('client_steps') else float('nan'))
+    ratio = (eng.get('executed_steps', 0) / eng['useful_steps']
+             if eng.get('useful_steps') else float('nan'))
     rel = abs(r['loss'] - loop['loss']) / abs(loop['loss'])
     lines.append(
         f"| {r['name']}{' (reference)' if r is ref else ''} | "

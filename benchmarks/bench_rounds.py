@@ -468,11 +468,11 @@ def run_worker(args, emit: bool = False) -> list[dict]:
           hosts.append(clock.seconds)
           counts = rec.take()
           if counts['clients']:
-            if counts['client_steps'] != useful[-1]:
+            if counts['useful_steps'] != useful[-1]:
               raise AssertionError(
-                  f'engine counted {counts["client_steps"]} useful steps, '
+                  f'engine counted {counts["useful_steps"]} useful steps, '
                   f'expected {useful[-1]}')
-            executed.append(counts['padded_steps'])
+            executed.append(counts['executed_steps'])
             sequential.append(counts['sequential_steps'])
             for key in ('lanes', 'segment_steps', 'slots'):
               row[key] = counts[key]
@@ -504,7 +504,7 @@ def run_worker(args, emit: bool = False) -> list[dict]:
             *stats_lib.CLIENT_PROGRAMS),
         compile_s=compiles.total_seconds, peak_mem_bytes=mem,
         mem_source=mem_source, useful_steps=mean_useful,
-        padded_steps=float(np.mean(executed)),
+        executed_steps=float(np.mean(executed)),
         sequential_steps=float(np.mean(sequential)),
         host_share=sum(hosts) / sum(walls), step_flops=flops,
         mfu=flops * float(np.mean([u for u in useful[1:]] or useful)) /
@@ -584,7 +584,7 @@ def _fmt_row(row: dict, vs_jit: str = '', vs_loop: str = '') -> str:
       f' {row["compile_s"]:.3g} |'
       f' {row["peak_mem_bytes"] / 2**20:,.0f} |'
       f' {row["sequential_steps"]:,.1f} |'
-      f' {row["padded_steps"] / row["useful_steps"]:.2f}x |'
+      f' {row["executed_steps"] / row["useful_steps"]:.2f}x |'
       f' {100 * row["host_share"]:.1f}% | {100 * row["mfu"]:.2f}%'
       + (f' of {row["peak_flops"] / 1e9:.0f} GFLOP/s'
          if row['peak_source'].startswith('measured') else '') + ' |')

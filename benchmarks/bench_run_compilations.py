@@ -130,7 +130,7 @@ def main() -> None:
         f"{e['client_program_compilations']} | {e['compilations']} | "
         f"{e['compile_seconds']:.0f} | "
         f"{e['sequential_steps'] / args.rounds:.1f} | "
-        f"{e['padded_steps'] / e['client_steps']:.3f} | "
+        f"{e['executed_steps'] / e['useful_steps']:.3f} | "
         f"{r['seconds_per_round']:.1f} | {r['wall_s']:.0f} |")
   lines += ['', 'Per round (`metrics.jsonl`): sequential steps against the '
             'bound `max(ceil(useful / lanes), longest client) + '
@@ -140,7 +140,7 @@ def main() -> None:
     e = r['engine']
     rows = [x for x in r['rows'] if x.get('engine/segments')]
     over = [x for x in rows if x['engine/sequential_steps'] > max(
-        -(-x['engine/client_steps'] // e['lanes']),
+        -(-x['engine/useful_steps'] // e['lanes']),
         x['engine/longest_client_steps']) + e['segment_steps']]
     compiled = [x['round'] for x in r['rows']
                 if x.get('engine/client_program_compilations')]

@@ -68,7 +68,7 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
     assert 'skip' not in r, r
     # Two clients, at most ceil(40 / 16) = 3 steps each.
     assert 2 <= r['useful_steps'] <= 6 and r['rounds'] == 2
-    assert r['padded_steps'] >= r['useful_steps']
+    assert r['executed_steps'] >= r['useful_steps']
     for key in ('rounds_per_s', 'host_share', 'mfu', 'step_flops',
                 'peak_mem_bytes', 'run_s', 'compile_s'):
       assert math.isfinite(r[key]) and r[key] > 0, (key, r)
@@ -78,7 +78,7 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
     # while other jobs may run); tests assert no timings.
     assert r['rounds_per_s'] == pytest.approx(1 / r['s_per_round'])
     if r['engine'] == 'fedjax_jit' or r['engine'] == 'loop':
-      assert r['padded_steps'] == r['useful_steps'] == r['sequential_steps']
+      assert r['executed_steps'] == r['useful_steps'] == r['sequential_steps']
     if r['engine'] == 'loop':  # loop_init, loop_step, loop_final.
       assert r['client_program_compilations'] == 3
     if r['engine'] == 'vmap':

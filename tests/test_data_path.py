@@ -146,18 +146,18 @@ def test_rows_carry_seconds_and_engine_counts_and_cache_changes_nothing(
   for row in rows:
     for key in ('time/data_seconds', 'time/train_seconds'):
       assert row[key] >= 0
-    assert row['engine/padded_steps'] >= row['engine/client_steps'] > 0
+    assert row['engine/executed_steps'] >= row['engine/useful_steps'] > 0
     assert row['engine/segments'] > 0
   assert [r['round'] for r in rows if 'time/eval_seconds' in r] == [2, 3]
   engine = summary['engine']
-  for key in ('client_steps', 'padded_steps', 'sequential_steps', 'segments'):
+  for key in ('useful_steps', 'executed_steps', 'sequential_steps', 'segments'):
     assert engine[key] == sum(r[f'engine/{key}'] for r in rows), key
   # Loop engine (CPU default): one jitted call per local step, no padding,
   # one client after another.
   assert engine['name'] == 'loop' and engine['lanes'] == 1
-  assert engine['segments'] == engine['client_steps']
-  assert engine['padded_steps'] == engine['client_steps']
-  assert engine['sequential_steps'] == engine['client_steps']
+  assert engine['segments'] == engine['useful_steps']
+  assert engine['executed_steps'] == engine['useful_steps']
+  assert engine['sequential_steps'] == engine['useful_steps']
   # Compilations differ (the second run reuses this process's programs).
   same = lambda e: {k: v for k, v in e.items() if 'compil' not in k}
   assert same(off['engine']) == same(engine)

@@ -188,8 +188,8 @@ def test_vmap_engine_equals_the_loop_engine(lanes, slots):
     assert int(got['steps']) == len(w.batches) == int(want['steps'])
     np.testing.assert_allclose(got['norm'], want['norm'], rtol=1e-6)
   useful = sum(len(w.batches) for w in work)
-  assert counts['client_steps'] == useful and counts['clients'] == 13
-  assert counts['padded_steps'] == counts['sequential_steps'] * counts['lanes']
+  assert counts['useful_steps'] == useful and counts['clients'] == 13
+  assert counts['executed_steps'] == counts['sequential_steps'] * counts['lanes']
   assert counts['segments'] * 4 == counts['sequential_steps']
   if lanes != 'auto':
     assert counts['lanes'] == lanes
@@ -242,6 +242,6 @@ def test_loop_engine_records_its_steps():
                                                 work)
   counts = rec.totals()
   steps = [len(w.batches) for w in work]
-  assert counts['client_steps'] == sum(steps)
-  assert counts['padded_steps'] == sum(-(-n // 4) * 4 for n in steps)
+  assert counts['useful_steps'] == sum(steps)
+  assert counts['executed_steps'] == sum(-(-n // 4) * 4 for n in steps)
   assert counts['lanes'] == 1

@@ -200,7 +200,7 @@ def test_uneven_batches_and_chunks_match_jit_backend():
     counts = stats.totals()
     assert counts['name'] == 'vmap_backend'
     assert counts['clients'] == 7
-    assert counts['client_steps'] == 16
+    assert counts['useful_steps'] == 16
     # Call order, as FedJAX's jit backend.
     assert [c for c, _, _ in got] == [c for c, _, _ in ref]
     got_by_cid = {c: (out, res) for c, out, res in got}

@@ -95,10 +95,10 @@ def test_train_metrics_weight_by_examples_and_drop_skipped_clients():
 
 def test_engine_counts_flow_through_whatever_their_names():
   counts = {'name': 'vmap', 'lanes': 4, 'segment_steps': 4, 'slots': 2,
-            'clients': 3, 'client_steps': 9, 'segments': 2,
+            'clients': 3, 'useful_steps': 9, 'segments': 2,
             'longest_client_steps': 5, 'compilations': 1}
   row = round_metrics.engine_metrics(counts)
-  assert row == {'engine/clients': 3, 'engine/client_steps': 9,
+  assert row == {'engine/clients': 3, 'engine/useful_steps': 9,
                  'engine/segments': 2, 'engine/longest_client_steps': 5,
                  'engine/compilations': 1}
   assert [k for k in row if round_metrics.varies_between_runs(k)] == [
@@ -112,7 +112,7 @@ def test_engine_counts_flow_through_whatever_their_names():
   # Sums, but the longest client is a maximum over the rounds.
   assert round_metrics.engine_totals(
       [row, {'engine/segments': 5, 'engine/longest_client_steps': 3},
-       {'round': 0}]) == {'clients': 3, 'client_steps': 9, 'segments': 7,
+       {'round': 0}]) == {'clients': 3, 'useful_steps': 9, 'segments': 7,
                           'longest_client_steps': 5, 'compilations': 1}
 
 
@@ -225,17 +225,17 @@ def test_femnist_rows_tensorboard_and_hparams(data_dir, tmp_path):
     assert r['train/clients'] == 3 and r['train/skipped_clients'] == 0
     assert r['comm/upload_bytes'] == r['comm/download_bytes'] == 3 * 4 * n
     assert r['comm/total_upload_bytes'] == r['round'] * 3 * 4 * n
-    assert r['engine/clients'] == 3 and r['engine/client_steps'] >= 3
+    assert r['engine/clients'] == 3 and r['engine/useful_steps'] >= 3
     assert r['train/delta_norm_max'] >= r['train/delta_norm_mean'] > 0
-  assert summary['engine']['client_steps'] == sum(
-      r['engine/client_steps'] for r in rows)
+  assert summary['engine']['useful_steps'] == sum(
+      r['engine/useful_steps'] for r in rows)
   scalars, hparams = outputs.read_tensorboard(out / 'tb')
   assert [s for s, _ in scalars['train/loss']] == list(range(1, 21))
   np.testing.assert_allclose([v for _, v in scalars['train/loss']],
                              [r['train/loss'] for r in rows], rtol=1e-6)
   assert [s for s, _ in scalars['eval/accuracy']] == [10, 20]
   for tag in ('comm/upload_bytes', 'time/train_seconds',
-              'engine/client_steps', 'train/delta_norm_mean'):
+              'engine/useful_steps', 'train/delta_norm_mean'):
     assert len(scalars[tag]) == 20, tag
   assert 'accuracy' not in scalars and 'upload_bytes' not in scalars
   assert hparams['algorithm'] == 'fedavg' and hparams['task'] == 'emnist'

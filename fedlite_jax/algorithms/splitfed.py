@@ -302,8 +302,8 @@ def split_learning(
       return new_state, {k: np.concatenate([d[k] for d in diags])
                          for k in diags[0]}, finite
 
-    stats.record('split', clients=len(clients), client_steps=len(clients),
-                 padded_steps=slots_total,
+    stats.record('split', clients=len(clients), useful_steps=len(clients),
+                 executed_steps=slots_total,
                  sequential_steps=slots_total // lanes,
                  segments=slots_total // lanes, lanes=lanes, segment_steps=1)
     ids = [cid for cid, _, _ in clients]

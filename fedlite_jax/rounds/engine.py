@@ -174,8 +174,8 @@ class LoopEngine:
       diags.append(diag)
     steps = [len(w.batches) for w in work]
     padded = [-(-n // self._k) * self._k for n in steps]
-    stats.record(self.name, clients=len(work), client_steps=sum(steps),
-                 padded_steps=sum(padded), sequential_steps=sum(padded),
+    stats.record(self.name, clients=len(work), useful_steps=sum(steps),
+                 executed_steps=sum(padded), sequential_steps=sum(padded),
                  segments=sum(p // self._k for p in padded), lanes=1,
                  segment_steps=self._k, longest_client_steps=max(steps))
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
@@ -269,8 +269,8 @@ class VmapEngine:
     weighted_sum, diags, _, _ = self._streams.run(
         shared_input, plan, [w.batches for w in work], inputs,
         [w.weight for w in work], (first.batches[0], inputs[0]))
-    stats.record(self.name, clients=len(work), client_steps=sum(steps),
-                 padded_steps=plan.executed_steps,
+    stats.record(self.name, clients=len(work), useful_steps=sum(steps),
+                 executed_steps=plan.executed_steps,
                  sequential_steps=plan.steps, segments=plan.num_segments,
                  lanes=plan.lanes, segment_steps=plan.segment_steps,
                  slots=plan.slots, longest_client_steps=max(steps))

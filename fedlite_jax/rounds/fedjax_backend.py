@@ -161,7 +161,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
       _, _, outputs, results = prog.run(
           shared_input, plan, runs, inputs, np.ones(len(members)),
           (runs[0][0], inputs[0]))
-      counter['padded_steps'] += plan.executed_steps
+      counter['executed_steps'] += plan.executed_steps
       counter['sequential_steps'] += plan.steps
       counter['segments'] += plan.num_segments
       return outputs, results
@@ -222,7 +222,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
             yield cid, output, results
       finally:
         stats.record('vmap_backend', clients=len(clients),
-                     client_steps=sum(len(b) for _, b, _ in clients),
+                     useful_steps=sum(len(b) for _, b, _ in clients),
                      lanes=self._lanes * devices,
                      segment_steps=self._segment_steps, **counter)
 

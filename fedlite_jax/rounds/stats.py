@@ -20,7 +20,7 @@ import numpy as np
 from fedlite_jax.common import PyTree
 
 #: Counts summed over the engine calls of a round (and of a run).
-ADDITIVE = ('clients', 'client_steps', 'padded_steps', 'sequential_steps',
+ADDITIVE = ('clients', 'useful_steps', 'executed_steps', 'sequential_steps',
             'segments')
 #: Settings of the last engine call: lanes (over all devices), steps per
 #: segment, finalization slots per device and step.
@@ -32,7 +32,7 @@ MAXIMA = ('longest_client_steps',)
 class StatsRecorder:
   """Engine counts while a :func:`recording_stats` context is open.
 
-  :data:`ADDITIVE` counts (``client_steps``: useful steps, ``padded_steps``:
+  :data:`ADDITIVE` counts (``useful_steps``: useful steps, ``executed_steps``:
   lane-steps executed, masks included, ``sequential_steps``: steps one
   after another, ``segments``: compiled-program calls), :data:`MAXIMA`, and
   the last call's ``name`` and :data:`SETTINGS`.
