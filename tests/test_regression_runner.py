@@ -66,9 +66,15 @@ CASES = {
 #: clients vmapped, 2 per call, instead of unrolled.
 VMAP_CASES = tuple(sorted(CASES))
 
+#: Cases also run with 4 steps per segment, unrolled and as an on-device
+#: loop (clients starting and ending inside a segment; the loop running
+#: only the planned steps), on 2 lanes.
+SEGMENT_CASES = ('fedadam', 'mime_lite', 'fedavg_up8_down16_pvt40')
+
 
 def run_case(name: str, data_dir: str, output_dir: str,
-             vmap: bool = False) -> dict:
+             vmap: bool = False, segment_steps: int = 1,
+             segment_loop: str = 'auto') -> dict:
   """Runs one case; returns {'loss', 'upload_bytes', 'download_bytes'}."""
   from fedlite_jax.training import RunConfig  # pylint: disable=g-import-not-at-top
   from fedlite_jax.training import run  # pylint: disable=g-import-not-at-top
@@ -78,7 +84,8 @@ def run_case(name: str, data_dir: str, output_dir: str,
     overrides = {**overrides, 'lanes_per_device': 2}
   elif vmap:
     overrides = {**overrides, 'round_engine': 'vmap', 'lanes_per_device': 2,
-                 'segment_steps': 1}
+                 'segment_steps': segment_steps,
+                 'segment_loop': segment_loop}
   summary = run(RunConfig(**{**BASE, **overrides}, data_dir=data_dir,
                           output_dir=output_dir, options=options))
   comm = summary['communication']
@@ -120,6 +127,22 @@ def test_vmap_engine_on_lanes_matches_recorded_baseline(name, data_dir,
   assert got['download_bytes'] == golden['download_bytes']
   assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
   _check_training_rows(tmp_path / name)
+
+
+@pytest.mark.parametrize('loop', ['unroll', 'scan'])
+@pytest.mark.parametrize('name', SEGMENT_CASES)
+def test_segments_of_four_steps_match_recorded_baseline(name, loop, data_dir,
+                                                        tmp_path):
+  """The vmap engine at 4 steps per segment, unrolled or looped on the
+  device, gives the loop engine's recorded loss (rel 1e-5) and bytes."""
+  if not (data_dir / 'femnist105').is_dir():
+    pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
+  golden = json.loads(GOLDEN.read_text())[name]
+  got = run_case(name, str(data_dir), str(tmp_path / name), vmap=True,
+                 segment_steps=4, segment_loop=loop)
+  assert got['upload_bytes'] == golden['upload_bytes']
+  assert got['download_bytes'] == golden['download_bytes']
+  assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
 
 
 def _write(names: list[str]) -> None:

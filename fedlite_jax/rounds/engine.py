@@ -195,7 +195,7 @@ class VmapEngine:
   """A round's clients streamed through lanes as one compiled program.
 
   ``lanes_per_device`` lanes per device each run their clients back to back
-  in segments of ``segment_steps`` unrolled steps
+  in segments of ``segment_steps`` steps
   (:class:`~fedlite_jax.rounds.streaming.LaneStreams`, planned by
   :func:`~fedlite_jax.rounds.lanes.plan_lanes`); the programs' shapes are
   fixed at the first round, so a run compiles them once.
@@ -203,11 +203,17 @@ class VmapEngine:
   Args:
     program: the client update.
     mesh: the :class:`ClientMesh` to split lanes over; None: one device.
-    lanes_per_device: an int >= 1, or 'auto' (:func:`resolve_lanes` of
-      ``shared_input``'s bytes and the device memory).
+    lanes_per_device: an int >= 1, or 'auto': at most :func:`resolve_lanes`
+      of ``shared_input``'s bytes and the device memory, and of those the
+      most whose plan of the first cohort executes at most
+      ``lanes.AUTO_EXECUTED_RATIO`` x its useful steps
+      (:func:`~fedlite_jax.rounds.lanes.choose_lanes`).
     segment_steps: local steps per compiled segment (>= 1).
     slots: finalizations per device and step, an int >= 1 or 'auto'
       (:func:`~fedlite_jax.rounds.lanes.choose_slots` of the first round).
+    segment_loop: ``streaming.LOOPS``: 'unroll' (every segment runs
+      ``segment_steps`` steps), 'scan' (an on-device loop that runs only the
+      planned steps) or 'auto' (unroll on CPU, scan on GPU/TPU).
 
   Raises:
     ValueError: a bad option.
@@ -218,12 +224,13 @@ class VmapEngine:
   def __init__(self, program: ClientProgram,
                mesh: Optional[sharding.ClientMesh] = None,
                lanes_per_device: int | str = 'auto', segment_steps: int = 4,
-               slots: int | str = 'auto'):
+               slots: int | str = 'auto', segment_loop: str = 'auto'):
     if lanes_per_device != 'auto':
       resolve_lanes(lanes_per_device, 0)  # Validates it.
     self._segment_steps = check_int(segment_steps, 'segment_steps')
     if slots != 'auto':
       check_int(slots, 'slots')
+    self._loop = streaming.resolve_loop(segment_loop)
     self._mesh = mesh
     self._lanes_setting = lanes_per_device
     self._lanes: Optional[int] = None
@@ -241,47 +248,59 @@ class VmapEngine:
     """The resolved lanes per device (None: not yet)."""
     return self._lanes
 
+  @property
+  def segment_loop(self) -> str:
+    """The resolved segment loop, 'unroll' or 'scan'."""
+    return self._loop
+
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
     _check_cohort(work)
     mesh = self._streams.mesh
-    if self._lanes is None:  # Fixed from the first round on.
-      self._lanes = min(
-          resolve_lanes(self._lanes_setting, tree_bytes(shared_input)),
-          -(-len(work) // mesh.num_devices))
     steps = [len(w.batches) for w in work]
     groups = None
     if mesh.multi_process:
       groups = [range(*mesh.local_clients(len(work), p))
                 for p in range(mesh.num_processes)]
+    dynamic = self._loop == 'scan'
+    if self._lanes is None:  # Fixed from the first round on.
+      most = min(resolve_lanes(self._lanes_setting, tree_bytes(shared_input)),
+                 -(-len(work) // mesh.num_devices))
+      self._lanes = most if self._lanes_setting != 'auto' else \
+          lanes_lib.choose_lanes(steps, most, self._segment_steps,
+                                 mesh.num_devices, groups, dynamic)
     if self._slots is None:
       self._slots = (lanes_lib.choose_slots(
           steps, self._lanes, self._segment_steps, mesh.num_devices, groups)
                      if self._slots_setting == 'auto' else
                      min(int(self._slots_setting), self._lanes))
     plan = lanes_lib.plan_lanes(steps, self._lanes, self._segment_steps,
-                                self._slots, mesh.num_devices, groups)
+                                self._slots, mesh.num_devices, groups,
+                                dynamic)
     first = next(w for w in work
                  if not isinstance(w.batches, remote.RemoteBatches))
     # Client inputs (keys) to the host in one transfer: a segment stacks
     # them there with its batches.
     inputs = jax.device_get([w.client_input for w in work])
-    weighted_sum, diags, _, _ = self._streams.run(
+    run = self._streams.run(
         shared_input, plan, [w.batches for w in work], inputs,
-        [w.weight for w in work], (first.batches[0], inputs[0]))
+        [w.weight for w in work], (first.batches[0], inputs[0]),
+        loop=self._loop)
     stats.record(self.name, clients=len(work), useful_steps=sum(steps),
                  executed_steps=plan.executed_steps,
-                 sequential_steps=plan.steps, segments=plan.num_segments,
+                 sequential_steps=plan.sequential_steps,
+                 segments=plan.num_segments,
                  lanes=plan.lanes, segment_steps=plan.segment_steps,
                  slots=plan.slots, longest_client_steps=max(steps))
     total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
-    return RoundResult(weighted_sum, total, diags)
+    return RoundResult(run.weighted_sum, total, run.diagnostics)
 
 
 def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
                 mesh: Optional[sharding.ClientMesh] = None,
                 lanes_per_device: int | str = 'auto', segment_steps: int = 4,
-                slots: int | str = 'auto') -> LoopEngine | VmapEngine:
+                slots: int | str = 'auto', segment_loop: str = 'auto'
+                ) -> LoopEngine | VmapEngine:
   """Builds an engine by name.
 
   Args:
@@ -291,6 +310,7 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
     lanes_per_device: vmap engine (:class:`VmapEngine`).
     segment_steps: vmap engine.
     slots: vmap engine.
+    segment_loop: vmap engine.
     mesh: the :class:`ClientMesh`; None: the one set by
       ``sharding.use_client_mesh``, if any. One device is the same as none.
 
@@ -312,5 +332,6 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
     return LoopEngine(program, steps_per_call=steps_per_call)
   if name == 'vmap':
     return VmapEngine(program, mesh=mesh, lanes_per_device=lanes_per_device,
-                      segment_steps=segment_steps, slots=slots)
+                      segment_steps=segment_steps, slots=slots,
+                      segment_loop=segment_loop)
   raise ValueError(f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')

@@ -86,6 +86,8 @@ class VmapBackend(fedjax.ForEachClientBackend):
     segment_steps: local steps per compiled segment (>= 1).
     window: clients run (and held) at once, as a multiple of the lanes
       (>= 1).
+    segment_loop: ``streaming.LOOPS`` ('auto': unroll on CPU, scan on
+      GPU/TPU).
 
   Raises:
     ValueError: a bad option; when run, several processes, or a step changing
@@ -94,7 +96,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
 
   def __init__(self, mesh: Optional[sharding.ClientMesh] = None,
                lanes_per_device: int | str = 'auto', segment_steps: int = 4,
-               window: int = 4):
+               window: int = 4, segment_loop: str = 'auto'):
     if lanes_per_device != 'auto':
       stats.resolve_lanes(lanes_per_device, 0)  # Validates it.
     self._mesh = mesh
@@ -102,6 +104,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
     self._lanes: Optional[int] = None
     self._segment_steps = check_int(segment_steps, 'segment_steps')
     self._window = check_int(window, 'window')
+    self._loop = streaming.resolve_loop(segment_loop)
 
   @property
   def lanes_per_device(self) -> Optional[int]:
@@ -157,14 +160,14 @@ class VmapBackend(fedjax.ForEachClientBackend):
         slots[key, lanes] = lanes_lib.choose_slots(
             counts, lanes, self._segment_steps, devices)
       plan = lanes_lib.plan_lanes(counts, lanes, self._segment_steps,
-                                  slots[key, lanes], devices)
-      _, _, outputs, results = prog.run(
-          shared_input, plan, runs, inputs, np.ones(len(members)),
-          (runs[0][0], inputs[0]))
+                                  slots[key, lanes], devices,
+                                  dynamic_steps=self._loop == 'scan')
+      run = prog.run(shared_input, plan, runs, inputs, np.ones(len(members)),
+                     (runs[0][0], inputs[0]), loop=self._loop)
       counter['executed_steps'] += plan.executed_steps
-      counter['sequential_steps'] += plan.steps
+      counter['sequential_steps'] += plan.sequential_steps
       counter['segments'] += plan.num_segments
-      return outputs, results
+      return run.outputs, run.step_results
 
     def run_window(shared_input, clients):
       """``(output, step results)`` of each client, in window order."""

@@ -41,6 +41,9 @@ class LanePlan:
       the same lane (-1: none).
     finish: ``int32[lanes]``: the client finalized on each lane after the
       last step (-1: none).
+    dynamic_steps: whether the last segment runs only its planned steps (a
+      segment loop with a run-time trip count); False: every segment runs
+      ``segment_steps`` steps, the last one padded with masked steps.
   """
   lanes_per_device: int
   devices: int
@@ -53,6 +56,7 @@ class LanePlan:
   finalize_client: np.ndarray
   start_client: np.ndarray
   finish: np.ndarray
+  dynamic_steps: bool = False
 
   @property
   def lanes(self) -> int:
@@ -61,8 +65,14 @@ class LanePlan:
 
   @property
   def steps(self) -> int:
-    """Sequential steps of the round (masked ones included)."""
+    """Rows of the plan's arrays: ``num_segments * segment_steps``."""
     return int(self.client.shape[0])
+
+  @property
+  def sequential_steps(self) -> int:
+    """Steps run one after another: :attr:`last_step` with
+    ``dynamic_steps``, else :attr:`steps` (the last segment padded)."""
+    return self.last_step if self.dynamic_steps else self.steps
 
   @property
   def last_step(self) -> int:
@@ -82,8 +92,9 @@ class LanePlan:
 
   @property
   def executed_steps(self) -> int:
-    """Lane-steps executed, masked ones included: ``steps * lanes``."""
-    return self.steps * self.lanes
+    """Lane-steps executed, masked ones included: ``sequential_steps *
+    lanes``."""
+    return self.sequential_steps * self.lanes
 
 
 def _assign(counts: np.ndarray, members: Sequence[int],
@@ -169,9 +180,51 @@ def choose_slots(step_counts: Sequence[int], lanes_per_device: int,
   return lanes_per_device
 
 
+#: ``lanes_per_device='auto'`` takes the most lanes whose plan executes at
+#: most this many times the useful steps (masked lane-steps are paid for in
+#: device time; fewer lanes mean more sequential steps).
+AUTO_EXECUTED_RATIO = 1.10
+
+
+def choose_lanes(step_counts: Sequence[int], most: int, segment_steps: int,
+                 devices: int = 1,
+                 groups: Optional[Sequence[Sequence[int]]] = None,
+                 dynamic_steps: bool = False,
+                 ratio: float = AUTO_EXECUTED_RATIO) -> int:
+  """Lanes per device for a cohort: the most lanes (<= ``most``) whose plan
+  runs at most ``ratio`` x the useful steps (with one slot per lane, the
+  shortest plan); else the lanes of the lowest ratio.
+
+  Each candidate's ratio is bounded below by ``lanes x max(longest,
+  ceil(useful / lanes)) / useful`` (no plan is shorter); only candidates
+  under ``ratio`` by that bound are planned.
+
+  Raises:
+    ValueError: as :func:`plan_lanes`.
+  """
+  counts = np.asarray([int(c) for c in step_counts], np.int64)
+  most = check_int(most, 'most')
+  useful, longest = int(counts.sum()), int(counts.max())
+  best, best_ratio = 1, np.inf
+  for per in range(most, 0, -1):
+    lanes = per * devices
+    if lanes * max(longest, -(-useful // lanes)) > ratio * useful and \
+        per > 1:
+      continue
+    plan = plan_lanes(counts, per, segment_steps, per, devices, groups,
+                      dynamic_steps)
+    got = plan.executed_steps / useful
+    if got <= ratio:
+      return per
+    if got < best_ratio:
+      best, best_ratio = per, got
+  return best
+
+
 def plan_lanes(step_counts: Sequence[int], lanes_per_device: int,
                segment_steps: int, slots: int, devices: int = 1,
-               groups: Optional[Sequence[Sequence[int]]] = None) -> LanePlan:
+               groups: Optional[Sequence[Sequence[int]]] = None,
+               dynamic_steps: bool = False) -> LanePlan:
   """Plans a round: clients onto lanes, then every step of every lane.
 
   Clients go longest first onto the least-loaded lane. A lane whose client
@@ -189,6 +242,7 @@ def plan_lanes(step_counts: Sequence[int], lanes_per_device: int,
     devices: devices (>= 1).
     groups: clients of each process, which run on its own devices
       (``devices`` split evenly); None: one group of every client.
+    dynamic_steps: :attr:`LanePlan.dynamic_steps`.
 
   Raises:
     ValueError: a count < 1, a bad size, or groups that do not cover every
@@ -275,4 +329,5 @@ def plan_lanes(step_counts: Sequence[int], lanes_per_device: int,
       batch=stack(batch_rows, (lanes,), 0),
       finalize=stack(fin_rows, (devices, slots)),
       finalize_client=stack(fin_client_rows, (devices, slots)),
-      start_client=stack(start_rows, (devices, slots)), finish=finish)
+      start_client=stack(start_rows, (devices, slots)), finish=finish,
+      dynamic_steps=bool(dynamic_steps))

@@ -1,18 +1,25 @@
 """Clients streamed through lanes: one compiled program for every round.
 
 Three programs of fixed shape per (client update, lanes, segment steps,
-slots): ``lanes_begin`` starts each lane's first client, ``lanes_segment``
-runs ``S`` unrolled steps of every lane (finalizing and starting clients in
-``slots`` gathered rows per step), ``lanes_finish`` finalizes the lanes'
-last clients. They run per device under ``shard_map``; state and sums stay
-on the devices between calls. Notes: docs/notes/rounds.md.
+slots, loop): ``lanes_begin`` starts each lane's first client,
+``lanes_segment`` runs up to ``S`` steps of every lane, ``lanes_finish``
+finalizes the lanes' last clients. A lane-step (:func:`lane_step`) first
+finalizes the lanes whose client ended (``slots`` gathered rows), starts
+their next clients with a per-lane ``where`` (no scatter), then takes one
+masked vmapped step. The segment's steps are unrolled (``loop='unroll'``,
+XLA:CPU) or an on-device loop with a run-time step count (``'scan'``,
+GPU/TPU), which runs only the steps the plan holds. The programs run per
+device under ``shard_map``; state and sums stay on the devices between
+calls. Notes: docs/notes/rounds.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -26,6 +33,27 @@ Batch = dict
 
 #: Names of the compiled programs (``jit(<name>)`` in JAX's compile events).
 PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
+
+#: How a segment runs its steps: ``'unroll'`` (a Python loop traced into one
+#: program: XLA:CPU runs convolutions in a ``while`` loop ~13x slower,
+#: jax-ml/jax#12868), ``'scan'`` (an on-device loop whose trip count is given
+#: at run time: one traced step, so compiling costs one step's compile, and
+#: the round's last segment runs only its planned steps), or ``'auto'``
+#: (unroll on CPU, scan on GPU/TPU).
+LOOPS = ('auto', 'unroll', 'scan')
+
+
+def resolve_loop(loop: str) -> str:
+  """``'unroll'`` or ``'scan'`` for ``loop`` (:data:`LOOPS`).
+
+  Raises:
+    ValueError: ``loop`` not in :data:`LOOPS`.
+  """
+  if loop not in LOOPS:
+    raise ValueError(f'segment loop must be one of {LOOPS}; got {loop!r}.')
+  if loop == 'auto':
+    return 'unroll' if jax.default_backend() == 'cpu' else 'scan'
+  return loop
 
 
 def _rows(x, idx):
@@ -64,11 +92,93 @@ def _stack(items: Sequence[PyTree], shape: tuple[int, ...]) -> PyTree:
   return jax.tree.map(leaf, *items)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """What one lane-step reads, besides the shared input and the carry.
+
+  Attributes:
+    batch: ``[lanes, ...]`` each lane's batch (zeros when masked).
+    active: ``bool[lanes]`` whether the lane steps.
+    start_input: ``[lanes, ...]`` the client input of the client each lane
+      starts (padding where none starts).
+    start_on: ``bool[lanes]`` whether the lane starts a client.
+    fin_lane: ``int32[slots]`` device-local lane finalized (-1: none).
+    fin_weight: ``float32[slots]`` its aggregation weight (0: none).
+  """
+  batch: Batch
+  active: jax.Array
+  start_input: PyTree
+  start_on: jax.Array
+  fin_lane: jax.Array
+  fin_weight: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    StepInputs, data_fields=['batch', 'active', 'start_input', 'start_on',
+                             'fin_lane', 'fin_weight'], meta_fields=[])
+
+
+def lane_step(init: Callable, step: Callable, final: Callable,
+              collect: bool = False) -> Callable:
+  """One lane-step: finalize, start, step (the body of every segment).
+
+  Args:
+    init, step, final: as :class:`LaneStreams`'s.
+    collect: return the finalized outputs instead of adding them to ``acc``.
+
+  Returns:
+    ``(shared, states, acc, inputs: StepInputs) -> (states, acc, diag,
+    output, result)``: ``states`` ``[lanes, ...]``; ``acc`` the weighted sum
+    (``[1, ...]`` per leaf; returned unchanged when collecting); ``diag``
+    and ``output`` ``[slots, ...]`` of the finalized clients (``output``
+    None unless collecting); ``result`` ``[lanes, ...]`` the step results.
+    Clients start by ``init`` on every lane and a per-lane ``where`` (a
+    client update's ``init`` broadcasts the shared input, which fuses into
+    the select): no scatter, so no copy of the lane states before it and
+    no atomic writes (an in-place update of rows that the finalization
+    reads made XLA copy whole leaves).
+  """
+  def body(shared, states, acc, x: StepInputs):
+    num_lanes, num_slots = x.active.shape[0], x.fin_lane.shape[0]
+    out, diag = jax.vmap(final, in_axes=(None, 0), axis_size=num_slots)(
+        shared, _rows(states, jnp.maximum(x.fin_lane, 0)))
+    if not collect:
+      acc = jax.tree.map(lambda a, o: a + o[None], acc,
+                         _weighted_sum(x.fin_weight, out))
+      out = None
+    new = jax.vmap(init, in_axes=(None, 0), axis_size=num_lanes)(
+        shared, x.start_input)
+    states = _where_rows(x.start_on, new, states)
+    stepped, result = jax.vmap(step, axis_size=num_lanes)(states, x.batch)
+    states = _where_rows(x.active, stepped, states)
+    return states, acc, diag, out, result
+  return body
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneRun:
+  """What :meth:`LaneStreams.run` returns for one round.
+
+  Attributes:
+    diagnostics: per client (cohort order), its diagnostics (NumPy).
+    weighted_sum: summing streams (``collect=False``): ``sum_i w_i *
+      output_i`` as process-local arrays; None when collecting.
+    outputs: collecting streams: per client its output; None when summing.
+    step_results: collecting streams: per client its step results, one per
+      batch (NumPy); None when summing.
+  """
+  diagnostics: list
+  weighted_sum: Optional[PyTree] = None
+  outputs: Optional[list] = None
+  step_results: Optional[list[list]] = None
+
+
 class LaneStreams:
   """A client update run on lanes that stream clients (see module doc).
 
   Args:
-    init: ``(shared, client_input) -> state``.
+    init: ``(shared, client_input) -> state``; must be cheap (it runs on
+      every lane at every step, selected per lane).
     step: ``(state, batch) -> (state, step_result)``.
     final: ``(shared, state) -> (output, diagnostics)``.
     mesh: the :class:`~fedlite_jax.rounds.sharding.ClientMesh` (None: the
@@ -90,12 +200,14 @@ class LaneStreams:
     self._reduce = jax.jit(lambda acc: jax.tree.map(lambda x: x.sum(0), acc),
                            out_shardings=mesh.replicated)
 
-  def _build(self, segment_steps: int):
+  def _build(self, segment_steps: int, loop: str):
     """The three jitted programs for ``segment_steps`` steps."""
     init, step, final = self._fns
     collect = self.collect
+    body = lane_step(init, step, final, collect)
     lanes_in = P(sharding.AXIS)
     mesh = self.mesh.mesh
+    S = segment_steps
 
     def lanes_begin(shared, inputs, lane_ids):
       num_lanes = lane_ids.shape[0]
@@ -107,33 +219,49 @@ class LaneStreams:
                          out_shape)
       return states, acc
 
-    def lanes_segment(shared, states, acc, batches, active, fin_lane, fin_w,
-                      start_inputs, start_on):
-      num_lanes, num_slots = active.shape[0], fin_lane.shape[0]
-      diags, outputs, results = [], [], []
-      for s in range(segment_steps):  # Unrolled: no loop on XLA:CPU.
-        lane = fin_lane[:, s]
-        out, diag = jax.vmap(final, in_axes=(None, 0), axis_size=num_slots)(
-            shared, _rows(states, jnp.maximum(lane, 0)))
-        diags.append(diag)
-        if collect:
+    def at(x: StepInputs, s) -> StepInputs:
+      """Step ``s`` (static or traced) of the segment's ``[rows, S]``
+      inputs."""
+      if isinstance(s, int):
+        return jax.tree.map(lambda a: a[:, s], x)
+      return jax.tree.map(
+          lambda a: lax.dynamic_index_in_dim(a, s, 1, keepdims=False), x)
+
+    def lanes_segment(shared, states, acc, inputs, num_steps):
+      if loop == 'unroll':  # XLA:CPU: no while loop around the step.
+        diags, outputs, results = [], [], []
+        for s in range(S):
+          states, acc, diag, out, result = body(shared, states, acc,
+                                                at(inputs, s))
+          diags.append(diag)
           outputs.append(out)
-        else:
-          acc = jax.tree.map(lambda a, o: a + o[None], acc,
-                             _weighted_sum(fin_w[:, s], out))
-        new = jax.vmap(init, in_axes=(None, 0), axis_size=num_slots)(
-            shared, jax.tree.map(lambda x, s=s: x[:, s], start_inputs))
-        target = jnp.where(start_on[:, s], lane, num_lanes)
-        states = jax.tree.map(lambda x, n: x.at[target].set(n, mode='drop'),
-                              states, new)
-        stepped, result = jax.vmap(step, axis_size=num_lanes)(
-            states, jax.tree.map(lambda x, s=s: x[:, s], batches))
-        states = _where_rows(active[:, s], stepped, states)
-        results.append(result)
-      stack = lambda xs: jax.tree.map(lambda *r: jnp.stack(r, 1), *xs)
-      return (states, acc, stack(diags),
-              stack(outputs) if collect else None,
-              stack(results) if collect else None)
+          results.append(result)
+        stack = lambda xs: jax.tree.map(lambda *r: jnp.stack(r, 1), *xs)
+        return (states, acc, stack(diags),
+                stack(outputs) if collect else None,
+                stack(results) if collect else None)
+      # An on-device loop of num_steps <= S steps; per-step outputs are
+      # written into [rows, S] buffers (unwritten steps stay zero).
+      first = at(inputs, 0)
+      shapes = jax.eval_shape(body, shared, states, acc, first)[2:]
+      if not collect:
+        shapes = (shapes[0], None, None)
+      bufs = jax.tree.map(
+          lambda s: jnp.zeros((s.shape[0], S) + s.shape[1:], s.dtype), shapes)
+
+      def loop_body(i, carry):
+        states, acc, bufs = carry
+        states, acc, *outs = body(shared, states, acc, at(inputs, i))
+        if not collect:
+          outs = (outs[0], None, None)
+        bufs = jax.tree.map(
+            lambda b, o: lax.dynamic_update_index_in_dim(b, o, i, 1),
+            bufs, tuple(outs))
+        return states, acc, bufs
+
+      states, acc, bufs = lax.fori_loop(0, num_steps, loop_body,
+                                        (states, acc, bufs))
+      return (states, acc) + tuple(bufs)
 
     def lanes_finish(shared, states, acc, weights):
       out, diag = jax.vmap(final, in_axes=(None, 0),
@@ -152,7 +280,7 @@ class LaneStreams:
 
     begin = shard(lanes_begin, (P(), lanes_in, lanes_in), (lanes_in, lanes_in))
     # The sums are donated where they are updated (not when collecting).
-    segment = shard(lanes_segment, (P(),) + (lanes_in,) * 8,
+    segment = shard(lanes_segment, (P(), lanes_in, lanes_in, lanes_in, P()),
                     (lanes_in,) * 5, donate=(1,) if collect else (1, 2))
     finish = shard(lanes_finish, (P(),) + (lanes_in,) * 3,
                    (lanes_in,) * 3, donate=() if collect else (2,))
@@ -160,9 +288,8 @@ class LaneStreams:
 
   def run(self, shared: PyTree, plan: lanes_lib.LanePlan,
           batches: Sequence[Sequence[Batch]], inputs: Sequence[PyTree],
-          weights: Sequence[float], template: tuple[Batch, PyTree]
-          ) -> tuple[PyTree, list[Any], Optional[list[Any]],
-                     Optional[list[list[Any]]]]:
+          weights: Sequence[float], template: tuple[Batch, PyTree],
+          loop: str = 'auto') -> LaneRun:
     """Runs one round as planned.
 
     Args:
@@ -172,20 +299,28 @@ class LaneStreams:
       batches, inputs, weights: per client (cohort position); only the
         clients on this process's lanes are read.
       template: ``(batch, client_input)`` whose zeros fill masked steps.
+      loop: :data:`LOOPS`; must agree with ``plan.dynamic_steps`` (scan
+        runs only the planned steps).
 
     Returns:
-      ``(weighted sum or None, diagnostics, outputs or None, step results or
-      None)``: the sum over every client as process-local arrays; per
-      client its diagnostics (NumPy), and with ``collect`` its output and
-      its step results (one per batch, NumPy).
+      A :class:`LaneRun`.
+
+    Raises:
+      ValueError: a plan for another mesh, or a loop the plan was not made
+        for.
     """
     mesh = self.mesh
+    loop = resolve_loop(loop)
     if plan.devices != mesh.num_devices:
       raise ValueError(f'The plan is for {plan.devices} devices, the mesh has '
                        f'{mesh.num_devices}.')
-    key = (plan.segment_steps,)
+    if plan.dynamic_steps != (loop == 'scan'):
+      raise ValueError(
+          f"A plan with dynamic_steps={plan.dynamic_steps} cannot run with "
+          f"loop {loop!r}; plan scan loops with dynamic_steps=True.")
+    key = (plan.segment_steps, loop)
     if key not in self._programs:
-      self._programs[key] = self._build(plan.segment_steps)
+      self._programs[key] = self._build(plan.segment_steps, loop)
     begin, segment, finish = self._programs[key]
     procs = mesh.num_processes
     per_proc = plan.devices // procs
@@ -193,11 +328,13 @@ class LaneStreams:
     lanes = slice(p * per_proc * plan.lanes_per_device,
                   (p + 1) * per_proc * plan.lanes_per_device)
     devices = slice(p * per_proc, (p + 1) * per_proc)
-    S, F = plan.segment_steps, plan.slots
+    S, F, per = plan.segment_steps, plan.slots, plan.lanes_per_device
     pad_batch = _zeros_like(template[0])
-    pad_input = _zeros_like(template[1])
-    client_input = lambda c: pad_input if c < 0 else inputs[c]
-    stacked = _stack
+    n = len(batches)
+    # Client inputs as one table (row n: padding), indexed per lane/step.
+    table = _stack(list(inputs) + [_zeros_like(template[1])], (-1,))
+    pick = lambda c: jax.tree.map(
+        lambda t: t[np.where(c >= 0, c, n)], table)
 
     def put(tree, rows):
       if mesh.multi_process:
@@ -206,11 +343,11 @@ class LaneStreams:
       return jax.device_put(tree, mesh.client_sharding)
     num_lanes, num_slots = plan.lanes, plan.devices * F
     weight = np.asarray(weights, np.float32)
-    weight_of = lambda c: np.where(c >= 0, weight[np.maximum(c, 0)], 0.)
+    weight_of = lambda c: np.where(c >= 0, weight[np.maximum(c, 0)],
+                                   0.).astype(np.float32)
 
     shared = mesh.put_replicated(shared)
-    states, acc = begin(shared, put(stacked(
-        [client_input(c) for c in plan.begin[lanes]], (-1,)), num_lanes),
+    states, acc = begin(shared, put(pick(plan.begin[lanes]), num_lanes),
                         put(np.arange(plan.lanes)[lanes], num_lanes))
     seg_diags, seg_outputs, seg_results = [], [], []
     for k in range(plan.num_segments):
@@ -220,30 +357,37 @@ class LaneStreams:
       step_batches = [batches[c][b] if c >= 0 else pad_batch
                       for c, b in zip(who.ravel(), which.ravel())]
       # Slots as rows: [S, devices, F] -> [devices * F, S].
-      slot = lambda a: np.transpose(a[t, devices], (1, 2, 0)).reshape(
-          -1, S)
-      fin_client, started = slot(plan.finalize_client), slot(
-          plan.start_client)
+      slot = lambda a: np.transpose(a[t, devices], (1, 2, 0)).reshape(-1, S)
+      fin_lane, fin_client = slot(plan.finalize), slot(plan.finalize_client)
+      # Starts per lane: [lanes, S], the client started there (-1: none).
+      started = np.full((plan.lanes, S), -1, np.int64)
+      starts = plan.start_client[t]           # [S, devices, F]
+      s_idx, d_idx, f_idx = np.nonzero(starts >= 0)
+      started[d_idx * per + plan.finalize[t][s_idx, d_idx, f_idx],
+              s_idx] = starts[s_idx, d_idx, f_idx]
+      started = started[lanes]
+      inputs_k = StepInputs(
+          batch=put(_stack(step_batches, who.shape), num_lanes),
+          active=put(who >= 0, num_lanes),
+          start_input=put(pick(started), num_lanes),
+          start_on=put(started >= 0, num_lanes),
+          fin_lane=put(fin_lane, num_slots),
+          fin_weight=put(weight_of(fin_client), num_slots))
+      steps_k = min(S, plan.sequential_steps - k * S)
       states, acc, diags, outputs, results = segment(
-          shared, states, acc,
-          put(stacked(step_batches, who.shape), num_lanes),
-          put(who >= 0, num_lanes),
-          put(slot(plan.finalize), num_slots),
-          put(weight_of(fin_client).astype(np.float32), num_slots),
-          put(stacked([client_input(c) for c in started.ravel()],
-                      started.shape), num_slots),
-          put(started >= 0, num_slots))
+          shared, states, acc, inputs_k, np.int32(steps_k))
       seg_diags.append(diags)
       seg_outputs.append(outputs)
       seg_results.append(results)
     acc, fin_diags, fin_outputs = finish(
         shared, states, acc,
-        put(weight_of(plan.finish[lanes]).astype(np.float32), num_lanes))
-    total = None if self.collect else jax.tree.map(
-        lambda x: x.addressable_data(0), self._reduce(acc))
-    return (total,) + self._per_client(plan, seg_diags, seg_outputs,
-                                       seg_results, fin_diags, fin_outputs,
-                                       len(batches))
+        put(weight_of(plan.finish[lanes]), num_lanes))
+    diags, outputs, results = self._per_client(
+        plan, seg_diags, seg_outputs, seg_results, fin_diags, fin_outputs, n)
+    if self.collect:
+      return LaneRun(diags, outputs=outputs, step_results=results)
+    total = jax.tree.map(lambda x: x.addressable_data(0), self._reduce(acc))
+    return LaneRun(diags, weighted_sum=total)
 
   def _per_client(self, plan, seg_diags, seg_outputs, seg_results, fin_diags,
                   fin_outputs, num_clients):

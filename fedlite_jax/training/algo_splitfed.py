@@ -76,7 +76,8 @@ CLIENT_EXECUTION = Option(
 #: FedAvg-style flags these algorithms do not read.
 IGNORED_FIELDS = ('server_optimizer', 'server_lr', 'server_beta1',
                   'server_beta2', 'server_eps', 'client_epochs',
-                  'round_engine', 'steps_per_call', 'segment_steps')
+                  'round_engine', 'steps_per_call', 'segment_steps',
+                  'segment_loop')
 
 SPLIT_OPTIONS = (SERVER_OPTIMIZER, SERVER_LR, LABEL_BITS, CLIENT_WEIGHTING,
                  CLIENT_EXECUTION, PHI, common.NONFINITE_UPDATES)

@@ -229,4 +229,5 @@ def engine_options(config) -> dict:
   return dict(engine=config.round_engine,
               steps_per_call=config.steps_per_call,
               lanes_per_device=config.lanes_per_device,
-              segment_steps=config.segment_steps)
+              segment_steps=config.segment_steps,
+              segment_loop=config.segment_loop)

@@ -26,6 +26,7 @@ CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
 SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
 TOKENIZERS = ('word', 'sentencepiece')
 ROUND_ENGINES = rounds.ENGINE_NAMES
+SEGMENT_LOOPS = rounds.streaming.LOOPS
 CONV_IMPLEMENTATIONS = ('auto',) + models_layers.CONV_IMPLEMENTATIONS
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 
@@ -119,8 +120,14 @@ class RunConfig:
       'device, each lane streaming its clients (peak memory follows it); '
       'auto = from model and device memory, at most the cohort.', kind=str)
   segment_steps: int = _field(
-      4, 'vmap engine: local steps unrolled per compiled segment.',
+      4, 'vmap engine: local steps per compiled segment (one call).',
       lower_bound=1)
+  segment_loop: str = _field(
+      'auto', 'vmap engine: a segment\'s steps unrolled (XLA:CPU runs '
+      'convolutions in loops slowly) or in an on-device loop that runs only '
+      'the planned steps and compiles one step (scan); auto = unroll on '
+      'CPU, scan on GPU/TPU. Equal to float rounding.',
+      choices=SEGMENT_LOOPS)
   conv_implementation: str = _field(
       'auto', 'CNN convolutions: lax, im2col (a matmul: no grouped '
       'convolution when vmapped over clients), auto (im2col with the vmap '
@@ -183,7 +190,8 @@ class RunConfig:
       'num_rounds', 'eval_every', 'eval_batch_size', 'eval_num_clients',
       'data_dir', 'output_dir', 'checkpoint_every', 'resume', 'overwrite',
       'allow_download', 'round_engine', 'steps_per_call', 'lanes_per_device',
-      'segment_steps', 'conv_implementation', 'client_cache_mb',
+      'segment_steps', 'segment_loop', 'conv_implementation',
+      'client_cache_mb',
       'prefetch_clients', 'num_devices',
       'coordinator_address', 'num_processes', 'process_id',
       'distributed_timeout', 'progress')
@@ -290,6 +298,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   for name, allowed in (('client_optimizer', CLIENT_OPTIMIZERS),
                         ('server_optimizer', SERVER_OPTIMIZERS),
                         ('round_engine', ROUND_ENGINES),
+                        ('segment_loop', SEGMENT_LOOPS),
                         ('conv_implementation', CONV_IMPLEMENTATIONS),
                         ('compute_dtype', COMPUTE_DTYPES)):
     _check_choice(name, getattr(config, name), allowed)
@@ -384,7 +393,7 @@ def _not_applicable(name: str, config: RunConfig) -> str | None:
       config.algorithm not in ('splitfed', 'fedlite'):
     return ('applies to --round_engine=vmap (or auto on GPU/TPU) and split '
             'learning, not the loop engine')
-  if name == 'segment_steps' and (
+  if name in ('segment_steps', 'segment_loop') and (
       config.round_engine == 'loop' or
       config.algorithm in ('splitfed', 'fedlite')):
     return ('applies to --round_engine=vmap (or auto on GPU/TPU), not the '

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""What a lane-step costs next to the plain vmapped training step.
+
+For each model it compiles, on XLA:CPU from abstract shapes (no data, no
+parameters in memory), the vmap engine's ``lanes_segment`` of the runner's
+FedAvg client update (``delta_client_program``: gradient with loss
+statistics, SGD, finalization into the weighted sum) and, as the reference,
+``--segment_steps`` plain vmapped gradient + SGD steps over the same lanes
+(``fedjax.model_grad``, no bookkeeping). It prints per lane-step, from
+XLA:CPU's ``cost_analysis()`` of the optimized programs:
+
+* FLOPs and bytes accessed of the segment / those of the plain steps
+  (unrolled segments: the whole segment over ``S`` plain steps; ``scan``
+  segments: cost analysis counts a loop body once, so the segment against
+  ONE plain step, and the body alone (``streaming.lane_step`` jitted) too);
+* compile seconds of the segment / of the ``S`` unrolled plain steps it
+  replaces;
+* the optimized HLO's copies, gathers, scatters (and those without
+  ``unique_indices``), selects and top-level instructions.
+
+Models: ``transformer_large`` (Ro et al. 2022, Table 1, 21M parameters;
+batch 16 x 30 tokens, vocabulary 4,096) on 39 lanes and 8 finalization
+slots (the H200 run's plan), and the EMNIST CNN (``femnist``, 1.2M
+parameters, batch 20, im2col convolutions as the vmap engine builds them)
+on 100 lanes. Costs are XLA:CPU's: a proxy for a GPU, where fusion differs.
+
+  python benchmarks/bench_lane_cost.py \\
+      --output=benchmarks/results/lane_cost_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import sys
+import time
+from typing import Any, Callable
+
+import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
+import fedjax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedlite_jax import models
+from fedlite_jax.algorithms import fedopt
+from fedlite_jax.algorithms import rounds_common as rc
+from fedlite_jax.models import lm
+from fedlite_jax.rounds import streaming
+
+#: (lanes, slots, batch builder) per model.
+CONFIGS = {
+    'transformer_large': (39, 8),
+    'transformer_tiny': (8, 2),
+    'femnist': (100, 8),
+}
+FEMNIST_BATCH = 20
+LM_BATCH = 16
+
+
+def build_model(name: str, dtype: str = 'float32') -> fedjax.Model:
+  """The model as the vmap engine builds it."""
+  compute = None if dtype == 'float32' else dtype
+  if name == 'femnist':
+    return models.create_emnist_cnn(62, conv_implementation='im2col',
+                                    compute_dtype=compute).model
+  return lm.create_lm(name, lm.DEFAULT_VOCAB_SIZE,
+                      compute_dtype=compute).model
+
+
+def batch_shape(name: str, lanes: int) -> dict:
+  """``[lanes, ...]`` abstract batch of one step."""
+  if name == 'femnist':
+    return {'x': jax.ShapeDtypeStruct((lanes, FEMNIST_BATCH, 28, 28, 1),
+                                      jnp.float32),
+            'y': jax.ShapeDtypeStruct((lanes, FEMNIST_BATCH), jnp.int32)}
+  t = lm.DEFAULT_MAX_LENGTH
+  return {k: jax.ShapeDtypeStruct((lanes, LM_BATCH, t), jnp.int32)
+          for k in ('x', 'y')}
+
+
+def _lead(tree, *dims):
+  return jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(tuple(dims) + tuple(s.shape), s.dtype),
+      tree)
+
+
+def _cost(compiled) -> dict:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return {'flops': float(cost.get('flops', np.nan)),
+          'bytes': float(cost.get('bytes accessed', np.nan))}
+
+
+def hlo_counts(text: str) -> dict:
+  """Instruction counts of an optimized HLO module's text."""
+  ops = re.findall(r'=\s*[\w\[\]{},.:\s]*?\s(\w[\w-]*)\(', text)
+  entry = text[text.find('ENTRY'):]
+  scatters = re.findall(r'\sscatter\([^\n]*', text)
+  return {
+      'copy': sum(op == 'copy' for op in ops),
+      'gather': sum(op == 'gather' for op in ops),
+      'scatter': len(scatters),
+      'scatter_not_unique': sum('unique_indices=true' not in s
+                                for s in scatters),
+      'select': sum(op == 'select' for op in ops),
+      'entry_instructions': entry.count('\n  '),
+  }
+
+
+def _compile(fn: Callable, *args) -> tuple[Any, float]:
+  lowered = jax.jit(fn).lower(*args) if not hasattr(fn, 'lower') else \
+      fn.lower(*args)
+  t = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, time.perf_counter() - t
+
+
+def measure(name: str, lanes: int, slots: int, segment_steps: int,
+            loop: str, dtype: str = 'float32') -> dict:
+  """One model's lane segment against its plain steps (see module doc)."""
+  model = build_model(name, dtype)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  S = segment_steps
+
+  # The reference: S plain vmapped grad + SGD steps over the lanes.
+  grad = fedjax.model_grad(model)
+
+  def plain_step(p, b, k):
+    g = jax.vmap(grad)(p, b, k)
+    return jax.tree.map(lambda w, d: w - 0.1 * d, p, g)
+
+  def plain_steps(p, bs, k):
+    for s in range(S):
+      p = plain_step(p, jax.tree.map(lambda x, s=s: x[:, s], bs), k)
+    return p
+
+  lane_params = _lead(params, lanes)
+  lane_keys = _lead(key, lanes)
+  one_batch = batch_shape(name, lanes)
+  seg_batch = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct((s.shape[0], S) + s.shape[1:], s.dtype),
+      one_batch)
+  one, one_s = _compile(plain_step, lane_params, one_batch, lane_keys)
+  plain, plain_s = _compile(plain_steps, lane_params, seg_batch, lane_keys)
+
+  # The runner's FedAvg client update on lanes.
+  r = fedopt.CompressedRound(fedopt.Compression(), 'fedavg', 0, 'examples',
+                             'dense', None, 'raise')
+  r.setup(params)
+  program = rc.delta_client_program(rc.train_grad(model), optax.sgd(0.1),
+                                    r.compress, plan=r.plan)
+  streams = streaming.LaneStreams(
+      program.init, lambda st, b: (program.step(st, b), None), program.final)
+  shared = {'params': params}
+  client_input = {'rng': key}
+  states = jax.eval_shape(
+      jax.vmap(program.init, in_axes=(None, 0)), shared,
+      _lead(client_input, lanes))
+  acc = _lead(jax.eval_shape(program.final, shared, jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), states))[0], 1)
+  inputs = streaming.StepInputs(
+      batch=seg_batch,
+      active=jax.ShapeDtypeStruct((lanes, S), jnp.bool_),
+      start_input=_lead(client_input, lanes, S),
+      start_on=jax.ShapeDtypeStruct((lanes, S), jnp.bool_),
+      fin_lane=jax.ShapeDtypeStruct((slots, S), jnp.int32),
+      fin_weight=jax.ShapeDtypeStruct((slots, S), jnp.float32))
+  segment = streams._build(S, loop)[1]  # pylint: disable=protected-access
+  seg, seg_s = _compile(segment, shared, states, acc, inputs,
+                        jax.ShapeDtypeStruct((), jnp.int32))
+  body = streaming.lane_step(program.init,
+                             lambda st, b: (program.step(st, b), None),
+                             program.final)
+  step_inputs = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype),
+      inputs)
+  lone, lone_s = _compile(body, shared, states, acc, step_inputs)
+
+  per = {'seg': _cost(seg), 'one': _cost(one), 'plain': _cost(plain),
+         'body': _cost(lone)}
+  # Cost analysis counts a while loop's body once.
+  seg_per_step = {k: v / (S if loop == 'unroll' else 1)
+                  for k, v in per['seg'].items()}
+  return {
+      'model': name, 'dtype': dtype, 'loop': loop, 'lanes': lanes,
+      'slots': slots, 'segment_steps': S,
+      'params': int(sum(np.prod(s.shape) for s in jax.tree.leaves(params))),
+      'plain_step_flops': per['one']['flops'],
+      'plain_step_bytes': per['one']['bytes'],
+      'flops_ratio': seg_per_step['flops'] / per['one']['flops'],
+      'bytes_ratio': seg_per_step['bytes'] / per['one']['bytes'],
+      'body_flops_ratio': per['body']['flops'] / per['one']['flops'],
+      'body_bytes_ratio': per['body']['bytes'] / per['one']['bytes'],
+      'plain_steps_bytes_ratio': per['plain']['bytes'] / S /
+                                 per['one']['bytes'],
+      'segment_compile_s': seg_s, 'plain_steps_compile_s': plain_s,
+      'plain_step_compile_s': one_s, 'body_compile_s': lone_s,
+      'compile_ratio': seg_s / plain_s,
+      'hlo_segment': hlo_counts(seg.as_text()),
+      'hlo_plain_steps': hlo_counts(plain.as_text()),
+  }
+
+
+def _row(m: dict) -> str:
+  h, p = m['hlo_segment'], m['hlo_plain_steps']
+  return (f"| {m['model']} | {m['dtype']} | {m['loop']} | {m['lanes']} | "
+          f"{m['slots']} | {m['segment_steps']} | "
+          f"{m['flops_ratio']:.3f}x | {m['bytes_ratio']:.3f}x | "
+          f"{m['body_bytes_ratio']:.3f}x | "
+          f"{m['segment_compile_s']:.1f} / {m['plain_steps_compile_s']:.1f}"
+          f" = {m['compile_ratio']:.2f}x | "
+          f"{h['copy']} / {p['copy']} | {h['gather']} / {p['gather']} | "
+          f"{h['scatter']} ({h['scatter_not_unique']}) / {p['scatter']} "
+          f"({p['scatter_not_unique']}) | {h['select']} / {p['select']} | "
+          f"{h['entry_instructions']} / {p['entry_instructions']} |")
+
+
+HEADER = (
+    '| model | dtype | loop | lanes | slots | S | FLOPs / plain step | '
+    'bytes / plain step | body bytes / plain step | compile s: segment / '
+    'S plain steps | copies | gathers | scatters (not unique) | selects | '
+    'entry instructions |\n'
+    '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
+    '---:|')
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  ap.add_argument('--models', default='transformer_large,femnist')
+  ap.add_argument('--loops', default='unroll,scan')
+  ap.add_argument('--segment_steps', type=int, default=4)
+  ap.add_argument('--compute_dtype', default='float32')
+  ap.add_argument('--output', default='')
+  args = ap.parse_args(argv)
+  rows = []
+  lines = [f'command: `python benchmarks/bench_lane_cost.py '
+           f'{" ".join(argv if argv is not None else sys.argv[1:])}`',
+           f'jax {jax.__version__}, XLA:CPU cost analysis, '
+           f'{platform.machine()}']
+  print(HEADER)
+  for name in args.models.split(','):
+    lanes, slots = CONFIGS[name]
+    for loop in args.loops.split(','):
+      m = measure(name, lanes, slots, args.segment_steps, loop,
+                  args.compute_dtype)
+      rows.append(m)
+      print(_row(m), flush=True)
+      if args.output:
+        _write(args.output, lines, rows)
+
+
+def _write(path: str, lines: list[str], rows: list[dict]) -> None:
+  with open(path, 'w') as f:
+    f.write('# A lane-step against the plain vmapped step: '
+            'bench_lane_cost.py\n\n')
+    f.write('\n'.join(f'- {x}' for x in lines) + '\n\n')
+    f.write(HEADER + '\n' + '\n'.join(_row(m) for m in rows) + '\n\n')
+    f.write('- FLOPs, bytes: per lane-step (unrolled segment / S; scan: the '
+            'loop body, counted once), over one plain vmapped grad + SGD '
+            'step on the same lanes. Body: `streaming.lane_step` compiled '
+            'alone. Compile s: the segment program / S plain steps unrolled '
+            'in one program. HLO columns: segment / S plain steps.\n\n')
+    f.write(f'<!-- rows: {json.dumps(rows)} -->\n')
+
+
+if __name__ == '__main__':
+  main()
