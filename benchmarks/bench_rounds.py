@@ -57,8 +57,8 @@ cohorts, example counts and PRNG keys are the same in every process, from
 * fixed s of profiled round (``vmap``, ``fedjax_vmap``; ``--fixed_cost``):
   one extra round under ``jax.profiler.trace``, its wall time minus its
   ``lanes_segment`` executions in the trace (``fixed_cost``): what a round
-  costs besides its lane segments. Tracing slows the host, so the profiled
-  round's wall time is printed beside it.
+  costs besides its lane segments. Tracing adds host time to that round:
+  its wall time is printed beside it.
 * vs FedJAX jit / vs loop: that engine's s/round at the same model and
   cohort / the row's; those engines run first for each model, so every
   printed row carries its ratios.
@@ -985,8 +985,8 @@ def _notes(rows: list[dict]) -> list[str]:
         'the timed ones) under jax.profiler.trace; its wall time minus its '
         'lanes_segment executions (first to last op of each; ops from '
         f'{source}): lanes_begin, lanes_finish, the server update, the '
-        'download, host work and idle time. Tracing slows the host, so the '
-        'profiled round is slower than s/round')
+        'download, host work and idle time. Tracing adds host time to the '
+        'profiled round (its wall time is the second number)')
   configs: dict[tuple[str, str], list[dict]] = {}
   for r in rows:
     if 'config_s' in r:
