@@ -8,8 +8,9 @@ that compile, then traces ``--rounds`` rounds with ``jax.profiler.trace``
 trace (``perfetto_trace.json.gz``):
 
 * op time by class (:data:`CLASSES`, rules in :data:`CLASS_RULES`: the first
-  rule whose words occur in the kernel name or its ``hlo_op`` wins) and the
-  top kernels by total time with their counts. Each op counts its own time:
+  rule whose words occur in the kernel name or its ``hlo_op`` wins; XLA:CPU's
+  ``ynn_fusion`` kernels by the ops of their fused computation in the
+  optimized HLO that ``--hlo_dump`` has XLA write) and the top kernels by total time with their counts. Each op counts its own time:
   an op event nested in another on the same thread is subtracted from the
   outer one, so the class times sum to the total op time;
 * busy time: the union of the op intervals inside the traced rounds, as a
@@ -51,6 +52,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -66,8 +68,10 @@ CLASSES = ('matmul', 'convolution', 'elementwise fusion', 'copy/transpose',
            'gather/scatter', 'reduce', 'other')
 #: ``(class, words)``: a kernel belongs to the first class one of whose words
 #: occurs in its lower-cased name or ``hlo_op``; else ``'other'``.
-#: XLA:CPU's ``ynn_fusion`` (YNNPACK) kernels hold dots or elementwise ops,
-#: and the name does not say which: ``'other'``. Convolutions before
+#: XLA:CPU's ``ynn_fusion`` (YNNPACK) kernels hold dots, reductions or
+#: elementwise ops, and the name does not say which: ``'other'`` by name;
+#: ``--hlo_dump`` (default) classes them by their ops (:func:`fusion_classes`).
+#: Convolutions before
 #: matmuls (cuDNN's implicit-GEMM kernels name both).
 CLASS_RULES = (
     ('other', ('ynn_fusion',)),
@@ -96,6 +100,54 @@ def classify(name: str, hlo_op: str = '') -> str:
     if any(w in text for w in words):
       return cls
   return 'other'
+
+
+def _body_class(opcodes: set[str]) -> str:
+  """The class of a fused computation from the opcodes in its body."""
+  for cls, ops in (('convolution', ('convolution',)), ('matmul', ('dot',)),
+                   ('gather/scatter', ('gather', 'scatter', 'dynamic-slice',
+                                       'dynamic-update-slice')),
+                   ('reduce', ('reduce', 'reduce-window'))):
+    if opcodes & set(ops):
+      return cls
+  return 'elementwise fusion'
+
+
+def fusion_classes(dump_dir: str) -> dict[tuple[str, str], str]:
+  """``{(module, fusion): class}`` for the ``ynn_fusion`` kernels of the
+  optimized HLO text that ``--xla_dump_to`` wrote: a fusion whose body has
+  a convolution is a convolution, else a dot a matmul, else a gather,
+  scatter or dynamic slice gather/scatter, else a reduce reduce, else
+  elementwise."""
+  out: dict[tuple[str, str], str] = {}
+  for path in glob.glob(os.path.join(dump_dir,
+                                     '*after_optimizations.txt')):
+    module = os.path.basename(path).split('.')[1]
+    calls: dict[str, str] = {}
+    bodies: dict[str, set[str]] = {}
+    current = None
+    with open(path) as f:
+      for line in f:
+        if line.startswith('%') and line.rstrip().endswith('{'):
+          current = line[1:].split(' ', 1)[0]
+          bodies[current] = set()
+        elif line.startswith('}'):
+          current = None
+        elif ' = ' in line:
+          lhs, rhs = line.strip().split(' = ', 1)
+          op = re.search(r'([a-z][a-z0-9_-]*)\(', rhs)
+          if not op:
+            continue
+          opcode = op.group(1)
+          if current is not None:
+            bodies[current].add(opcode)
+          if opcode == 'fusion' and 'calls=%' in rhs:
+            name = lhs.removeprefix('ROOT ').lstrip('%')
+            calls[name] = rhs.split('calls=%', 1)[1].split(',')[0].split()[0]
+    for name, comp in calls.items():
+      if name.startswith('ynn_fusion') and comp in bodies:
+        out[module, name] = _body_class(bodies[comp])
+  return out
 
 
 # --------------------------------------------------------------------------
@@ -198,7 +250,9 @@ def _program(e: dict) -> str:
 
 
 def summarize(events: list[dict], windows: Optional[list] = None,
-              top: int = 20) -> dict[str, Any]:
+              top: int = 20,
+              fusions: Optional[dict[tuple[str, str], str]] = None
+              ) -> dict[str, Any]:
   """Summary of a trace's ops inside ``windows``.
 
   Args:
@@ -207,6 +261,8 @@ def summarize(events: list[dict], windows: Optional[list] = None,
       None: the :data:`ROUND_MARK` events of the trace. ValueError when
       there are none.
     top: kernels listed by total time.
+    fusions: ``{(module, hlo_op): class}`` overriding the name rules
+      (:func:`fusion_classes`).
 
   Returns:
     ``wall_s`` (sum of the windows), ``total_op_s`` (sum of the ops' own
@@ -232,7 +288,8 @@ def summarize(events: list[dict], windows: Optional[list] = None,
   kernels: dict[str, dict] = {}
   for e, t in zip(inside, own):
     hlo_op = str(e.get('args', {}).get('hlo_op', ''))
-    cls = classify(e['name'], hlo_op)
+    cls = (fusions or {}).get((_program(e), hlo_op)) or classify(e['name'],
+                                                                 hlo_op)
     classes[cls]['s'] += t / 1e6
     classes[cls]['count'] += 1
     k = kernels.setdefault(e['name'], {'name': e['name'], 'class': cls,
@@ -279,7 +336,9 @@ def summarize(events: list[dict], windows: Optional[list] = None,
           'programs': 'first to last op of each (hlo_module, run_id)'
                       if 'PjitFunction' not in source else
                       'PjitFunction dispatch spans',
-          'classes': 'CLASS_RULES on kernel names and hlo_op arguments',
+          'classes': 'CLASS_RULES on kernel names and hlo_op arguments' + (
+              f'; {len(fusions)} ynn_fusion kernels by the ops of their '
+              'fused computations in the optimized HLO' if fusions else ''),
       },
   }
 
@@ -377,11 +436,15 @@ def run(args) -> dict:
   cohorts = [bench_rounds.fresh_cohort(clients, args.cohort, args.seed, r)
              for r in range(args.warmup_rounds,
                             args.warmup_rounds + args.rounds)]
-  trace_dir = args.trace_dir or tempfile.mkdtemp(prefix='profile_rounds_')
-  _, walls, path = traced_rounds(alg, state, cohorts, trace_dir)
+  _, walls, path = traced_rounds(alg, state, cohorts, args.trace_dir)
   result.update(status='parsing', traced_round_s=walls, trace_file=path)
   _write(args.output, result)
-  result['summary'] = summarize(load_events(path), top=args.top)
+  fusions = fusion_classes(args.hlo_dir) if args.hlo_dir else None
+  result['summary'] = summarize(load_events(path), top=args.top,
+                                fusions=fusions)
+  if args.hlo_dir and not fusions:
+    result['summary']['sources']['classes'] += (
+        f'; no ynn_fusion in an optimized HLO under {args.hlo_dir}')
   result['summary']['host_wall_s'] = sum(walls)
   result['status'] = 'done'
   _write(args.output, result)
@@ -415,6 +478,12 @@ def parser() -> argparse.ArgumentParser:
                  help='where the trace goes (default: a new temporary '
                  'folder)')
   p.add_argument('--output', default='-', help='JSON results file ("-": none)')
+  p.add_argument('--hlo_dump', default=True,
+                 action=argparse.BooleanOptionalAction,
+                 help='dump the optimized HLO (XLA_FLAGS=--xla_dump_to, '
+                 'under the trace folder; JAX\'s persistent compilation '
+                 'cache off) to classify XLA:CPU\'s ynn_fusion kernels by '
+                 'their ops')
   return p
 
 
@@ -429,6 +498,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
       args.lanes_per_device.isdigit() and int(args.lanes_per_device) >= 1):
     raise SystemExit(f"--lanes_per_device must be 'auto' or an int >= 1; "
                      f'got {args.lanes_per_device!r}.')
+  args.trace_dir = args.trace_dir or tempfile.mkdtemp(
+      prefix='profile_rounds_')
+  args.hlo_dir = None
+  if args.hlo_dump:  # Read when the backend starts, in run().
+    # A program loaded from JAX's persistent cache is not compiled, so XLA
+    # would not dump it.
+    jax.config.update('jax_enable_compilation_cache', False)
+    args.hlo_dir = os.path.join(args.trace_dir, 'hlo')
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               f' --xla_dump_to={args.hlo_dir}'
+                               ' --xla_dump_hlo_as_text').strip()
   result = run(args)
   print(f'{args.model} {args.engine} cohort {args.cohort}: warm-up rounds '
         + ', '.join(f'{t:.3g}' for t in result['warmup_round_s'])

@@ -134,6 +134,45 @@ def test_summary_of_nested_cpu_thunks(repo_root):
   assert s['outside_segment_s'] == pytest.approx(600e-6)
 
 
+def test_fusion_classes_from_optimized_hlo(repo_root, tmp_path):
+  prof = _load(repo_root)
+  (tmp_path / 'module_0003.jit_lanes_segment.cpu_after_optimizations.txt'
+   ).write_text("""HloModule jit_lanes_segment
+
+%fused_computation.1 (p0: f32[4,8], p1: f32[8,2]) -> f32[4,2] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,2]{1,0} parameter(1)
+  ROOT %dot.5 = f32[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_computation.2 (p0: f32[4]) -> (f32[4], f32[4]) {
+  %p0 = f32[4]{0} parameter(0)
+  %t = f32[4]{0} tanh(%p0)
+  ROOT %tuple = (f32[4]{0}, f32[4]{0}) tuple(%t, %t)
+}
+
+ENTRY %main (a: f32[4,8], b: f32[8,2], c: f32[4]) -> f32[4,2] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,2]{1,0} parameter(1)
+  %c = f32[4]{0} parameter(2)
+  %ynn_fusion.7 = f32[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.1
+  %ynn_fusion.8 = (f32[4]{0}, f32[4]{0}) fusion(%c), kind=kCustom, calls=%fused_computation.2
+  ROOT %copy.1 = f32[4,2]{1,0} copy(%ynn_fusion.7)
+}
+""")
+  classes = prof.fusion_classes(str(tmp_path))
+  assert classes == {('jit_lanes_segment', 'ynn_fusion.7'): 'matmul',
+                     ('jit_lanes_segment', 'ynn_fusion.8'):
+                     'elementwise fusion'}
+  events = [_x(1, 1, 0, 100, 'profile_rounds:round 0'),
+            _x(1, 2, 10, 30, 'ynn_fusion.7', hlo_op='ynn_fusion.7',
+               hlo_module='jit_lanes_segment', run_id=1)]
+  assert prof.summarize(events)['classes']['other']['s'] == \
+      pytest.approx(30e-6)
+  assert prof.summarize(events, fusions=classes)['classes']['matmul'][
+      's'] == pytest.approx(30e-6)
+
+
 def test_summary_needs_round_windows(repo_root):
   prof = _load(repo_root)
   with pytest.raises(ValueError, match='no round windows'):
@@ -164,6 +203,7 @@ def test_profile_rounds_cpu_run(repo_root, tmp_path):
   s = result['summary']
   assert s['rounds'] == 1
   assert s['sources']['ops'].startswith('XLA:CPU thunk events')
+  assert 'by the ops of their fused computations' in s['sources']['classes']
   assert s['op_events'] > 0
   assert list(s['classes']) == list(_load(repo_root).CLASSES)
   assert sum(c['s'] for c in s['classes'].values()) == pytest.approx(
