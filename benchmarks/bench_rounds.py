@@ -450,7 +450,8 @@ def fixed_cost(alg, state, cohort: list) -> dict[str, Any]:
   tracer off) and returns ``fixed_s`` (the round's wall time minus the
   union of its ``jit_lanes_segment`` executions, first to last op of each;
   ``profile_rounds.summarize``), ``profiled_round_s`` (the traced round's
-  host wall time: tracing slows it) and ``fixed_source`` (which trace
+  host wall time: tracing slows it), ``profiled_compilations`` (XLA
+  compilations in it: 0 when steady) and ``fixed_source`` (which trace
   events gave the ops).
   """
   import shutil  # pylint: disable=import-outside-toplevel
@@ -459,13 +460,13 @@ def fixed_cost(alg, state, cohort: list) -> dict[str, Any]:
   import profile_rounds  # pylint: disable=import-outside-toplevel
   trace_dir = tempfile.mkdtemp(prefix='bench_rounds_trace_')
   try:
-    _, walls, path = profile_rounds.traced_rounds(alg, state, [cohort],
-                                                  trace_dir)
+    _, walls, path, compiled = profile_rounds.traced_rounds(
+        alg, state, [cohort], trace_dir)
     summary = profile_rounds.summarize(profile_rounds.load_events(path))
   finally:
     shutil.rmtree(trace_dir, ignore_errors=True)
   return {'fixed_s': summary['outside_segment_per_round_s'],
-          'profiled_round_s': walls[0],
+          'profiled_round_s': walls[0], 'profiled_compilations': compiled,
           'fixed_source': summary['sources']['ops']}
 
 
@@ -686,8 +687,10 @@ def _fmt_row(row: dict, vs_jit: str = '', vs_loop: str = '') -> str:
           f' {row["cohort"]:,} |')
   if 'skip' in row:
     return head + f' skipped: {row["skip"]} |' + ' |' * 11
-  fixed = (f'{row["fixed_s"]:.3g} of {row["profiled_round_s"]:.3g}'
-           if 'fixed_s' in row else '')
+  fixed = (f'{row["fixed_s"]:.3g} of {row["profiled_round_s"]:.3g}' + (
+      f' ({row["profiled_compilations"]} compilations in it)'
+      if row.get('profiled_compilations') else '') if 'fixed_s' in row
+           else '')
   return head + (
       f' {row["s_per_round"]:.3g} | {vs_jit} | {vs_loop} | {fixed} |'
       f' {row["run_s"]:.3g} ({row["rounds"]}) |'
@@ -758,6 +761,9 @@ def _defaults(args) -> None:
     args.total_seconds = 3600.0 if cpu else 1800.0
   if args.extra is None:
     args.extra = '' if cpu else 'transformer_large:vmap:800'
+  if args.profile_rounds < 1:
+    raise SystemExit(f'--profile_rounds must be >= 1; got '
+                     f'{args.profile_rounds}.')
   args.cohorts = [int(c) for c in str(args.cohorts).split(',')]
   bad = [c for c in args.cohorts if c < 1]
   if bad:

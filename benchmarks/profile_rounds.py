@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_rounds  # noqa: E402  (imports fedlite_jax first)
 import jax  # noqa: E402
+from fedlite_jax.rounds import stats as stats_lib  # noqa: E402
 
 #: Kernel classes, in the order the output lists them.
 CLASSES = ('matmul', 'convolution', 'elementwise fusion', 'copy/transpose',
@@ -223,7 +224,8 @@ def _ops(events: list[dict]) -> tuple[list[dict], str]:
   gpu = {p for p, n in procs.items() if 'GPU' in n}
   device = [e for e in spans if e['pid'] in gpu]
   if device:
-    streams = {k for k in threads if k[0] in gpu and 'Stream' in threads[k]}
+    streams = {k for k in threads
+               if k[0] in gpu and 'stream' in threads[k].lower()}
     if streams:
       device = [e for e in device if (e['pid'], e.get('tid')) in streams]
       return device, ('GPU kernels: events of the "GPU" processes\' '
@@ -320,6 +322,10 @@ def summarize(events: list[dict], windows: Optional[list] = None,
     p['span_s'] = _union(_clip(p.pop('spans'), windows)) / 1e6
   segment = sum(p['span_s'] for m, p in programs.items()
                 if m.removeprefix('jit_') == SEGMENT_PROGRAM)
+  if inside and set(programs) == {'?'}:
+    # Ops without hlo_module: which program ran them is unknown.
+    raise ValueError('the ops carry no hlo_module argument: time in '
+                     f'{SEGMENT_PROGRAM} cannot be told apart')
   return {
       'rounds': len(windows), 'wall_s': wall_us / 1e6,
       'op_events': len(inside), 'total_op_s': total, 'classes': classes,
@@ -350,21 +356,22 @@ def traced_rounds(alg, state, cohorts: list, trace_dir: str
                   ) -> tuple[Any, list[float], str]:
   """Runs ``alg.apply`` on each cohort under ``jax.profiler.trace``.
 
-  Returns (state, host wall seconds per round, trace file). Each round is
-  marked with a :data:`ROUND_MARK` annotation.
+  Returns (state, host wall seconds per round, trace file, XLA compilations
+  during the rounds: 0 in steady rounds). Each round is marked with a
+  :data:`ROUND_MARK` annotation.
   """
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
   walls = []
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True,
-                          profiler_options=options):
+  with stats_lib.counting_compilations() as compiles, jax.profiler.trace(
+      trace_dir, create_perfetto_trace=True, profiler_options=options):
     for i, cohort in enumerate(cohorts):
       with jax.profiler.TraceAnnotation(f'{ROUND_MARK} {i}'):
         t = time.perf_counter()
         state, _ = alg.apply(state, cohort)
         jax.block_until_ready(state.params)
         walls.append(time.perf_counter() - t)
-  return state, walls, find_trace(trace_dir)
+  return state, walls, find_trace(trace_dir), compiles.total
 
 
 def _write(path: Optional[str], result: dict) -> None:
@@ -436,8 +443,10 @@ def run(args) -> dict:
   cohorts = [bench_rounds.fresh_cohort(clients, args.cohort, args.seed, r)
              for r in range(args.warmup_rounds,
                             args.warmup_rounds + args.rounds)]
-  _, walls, path = traced_rounds(alg, state, cohorts, args.trace_dir)
-  result.update(status='parsing', traced_round_s=walls, trace_file=path)
+  _, walls, path, compiled = traced_rounds(alg, state, cohorts,
+                                           args.trace_dir)
+  result.update(status='parsing', traced_round_s=walls, trace_file=path,
+                traced_compilations=compiled)
   _write(args.output, result)
   fusions = fusion_classes(args.hlo_dir) if args.hlo_dir else None
   result['summary'] = summarize(load_events(path), top=args.top,
@@ -459,8 +468,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--engine', default='vmap', choices=bench_rounds.ENGINES)
   p.add_argument('--cohort', type=int, default=10,
                  help='clients per round (fresh cohorts)')
-  p.add_argument('--warmup_rounds', type=int, default=1,
-                 help='untraced rounds first (they compile)')
+  p.add_argument('--warmup_rounds', type=int, default=2,
+                 help='untraced rounds first (they compile; on CPU the '
+                 'vmap engine\'s second round compiled the server update '
+                 'and download again)')
   p.add_argument('--rounds', type=int, default=2, help='traced rounds')
   p.add_argument('--lanes_per_device', default='auto',
                  help="vmap engine: lanes per device, int >= 1 or 'auto'")
@@ -514,6 +525,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         + ', '.join(f'{t:.3g}' for t in result['warmup_round_s'])
         + ' s; traced rounds '
         + ', '.join(f'{t:.3g}' for t in result['traced_round_s']) + ' s')
+  if result['traced_compilations']:
+    print(f'{result["traced_compilations"]} XLA compilations during the '
+          'traced rounds: they are not steady (raise --warmup_rounds)')
   _print_summary(result['summary'])
   if args.output != '-':
     print(f'wrote {args.output}')

@@ -198,6 +198,7 @@ def test_profile_rounds_cpu_run(repo_root, tmp_path):
   assert result['status'] == 'done'
   assert len(result['warmup_round_s']) == 1
   assert len(result['traced_round_s']) == 1
+  assert isinstance(result['traced_compilations'], int)
   with gzip.open(result['trace_file'], 'rt') as f:
     assert json.load(f)['traceEvents']
   s = result['summary']
