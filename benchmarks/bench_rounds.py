@@ -465,6 +465,8 @@ def fixed_cost(alg, state, cohort: list) -> dict[str, Any]:
     summary = profile_rounds.summarize(profile_rounds.load_events(path))
   finally:
     shutil.rmtree(trace_dir, ignore_errors=True)
+  if summary['segment_s'] is None:  # No column; the note says why.
+    return {'fixed_source': summary['sources']['programs']}
   return {'fixed_s': summary['outside_segment_per_round_s'],
           'profiled_round_s': walls[0], 'profiled_compilations': compiled,
           'fixed_source': summary['sources']['ops']}
@@ -984,8 +986,8 @@ def _notes(rows: list[dict]) -> list[str]:
             f'{r["segment_steps"]} steps per segment, {r["slots"]} '
             f'finalization slot(s) per step; first round '
             f'{r["first_round_s"]:.3g} s')
-  if any('fixed_s' in r for r in done):
-    source = next(r['fixed_source'] for r in done if 'fixed_s' in r)
+  if any('fixed_source' in r for r in done):
+    source = next(r['fixed_source'] for r in done if 'fixed_source' in r)
     notes.append(
         'fixed s of profiled round: one extra round (a fresh cohort, after '
         'the timed ones) under jax.profiler.trace; its wall time minus its '

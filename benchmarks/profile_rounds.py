@@ -271,8 +271,9 @@ def summarize(events: list[dict], windows: Optional[list] = None,
     times, = the sum over ``classes``), ``classes`` (class -> ``{'s',
     'share', 'count'}``, share of ``total_op_s``), ``top_kernels``,
     ``busy_s`` and ``busy_share`` (of ``wall_s``), ``programs`` (module ->
-    executions and span seconds), ``segment_s``, ``outside_segment_s``,
-    ``sources``. Seconds throughout.
+    executions and span seconds), ``segment_s``, ``outside_segment_s``
+    and ``outside_segment_per_round_s`` (None when the ops name no
+    program), ``sources``. Seconds throughout.
   """
   if windows is None:
     windows = sorted((e['ts'], e['ts'] + e.get('dur', 0.0)) for e in events
@@ -322,10 +323,8 @@ def summarize(events: list[dict], windows: Optional[list] = None,
     p['span_s'] = _union(_clip(p.pop('spans'), windows)) / 1e6
   segment = sum(p['span_s'] for m, p in programs.items()
                 if m.removeprefix('jit_') == SEGMENT_PROGRAM)
-  if inside and set(programs) == {'?'}:
-    # Ops without hlo_module: which program ran them is unknown.
-    raise ValueError('the ops carry no hlo_module argument: time in '
-                     f'{SEGMENT_PROGRAM} cannot be told apart')
+  # Ops without hlo_module: which program ran them is unknown.
+  known = not inside or set(programs) != {'?'}
   return {
       'rounds': len(windows), 'wall_s': wall_us / 1e6,
       'op_events': len(inside), 'total_op_s': total, 'classes': classes,
@@ -333,15 +332,17 @@ def summarize(events: list[dict], windows: Optional[list] = None,
       'busy_share': busy / wall_us if wall_us else 0.0,
       'programs': dict(sorted(programs.items(),
                               key=lambda kv: -kv[1]['span_s'])),
-      'segment_s': segment,
-      'outside_segment_s': wall_us / 1e6 - segment,
-      'outside_segment_per_round_s': (wall_us / 1e6 - segment) / len(windows),
+      'segment_s': segment if known else None,
+      'outside_segment_s': wall_us / 1e6 - segment if known else None,
+      'outside_segment_per_round_s': ((wall_us / 1e6 - segment) /
+                                      len(windows) if known else None),
       'sources': {
           'ops': source,
           'wall': f'{ROUND_MARK} annotations around each round (host clock)',
-          'programs': 'first to last op of each (hlo_module, run_id)'
-                      if 'PjitFunction' not in source else
-                      'PjitFunction dispatch spans',
+          'programs': ('first to last op of each (hlo_module, run_id)'
+                   if 'PjitFunction' not in source else
+                   'PjitFunction dispatch spans') if known else
+                  'none: the ops carry no hlo_module argument',
           'classes': 'CLASS_RULES on kernel names and hlo_op arguments' + (
               f'; {len(fusions)} ynn_fusion kernels by the ops of their '
               'fused computations in the optimized HLO' if fusions else ''),
@@ -389,9 +390,12 @@ def _print_summary(s: dict) -> None:
         f'{s["sources"]["ops"]}')
   print(f'op time {s["total_op_s"]:.4g} s over {s["op_events"]} events; '
         f'busy {s["busy_s"]:.4g} s = {100 * s["busy_share"]:.1f}% of the wall')
-  print(f'outside {SEGMENT_PROGRAM}: {s["outside_segment_s"]:.4g} s '
-        f'({s["outside_segment_per_round_s"]:.4g} s per round; '
-        f'{SEGMENT_PROGRAM} {s["segment_s"]:.4g} s)')
+  if s['segment_s'] is None:
+    print(f'outside {SEGMENT_PROGRAM}: unknown ({s["sources"]["programs"]})')
+  else:
+    print(f'outside {SEGMENT_PROGRAM}: {s["outside_segment_s"]:.4g} s '
+          f'({s["outside_segment_per_round_s"]:.4g} s per round; '
+          f'{SEGMENT_PROGRAM} {s["segment_s"]:.4g} s)')
   print('| class | s | share of op time | ops |\n|---|---:|---:|---:|')
   for c, v in s['classes'].items():
     print(f'| {c} | {v["s"]:.4g} | {100 * v["share"]:.1f}% | {v["count"]} |')

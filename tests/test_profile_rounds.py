@@ -173,6 +173,18 @@ ENTRY %main (a: f32[4,8], b: f32[8,2], c: f32[4]) -> f32[4,2] {
       's'] == pytest.approx(30e-6)
 
 
+def test_summary_without_program_names(repo_root):
+  """Kernels that name no hlo_module: op time is known, segment time not."""
+  prof = _load(repo_root)
+  events = [_meta(2, '/device:GPU:0'), _meta(2, 'Stream #7', tid=7),
+            _x(1, 1, 0, 1000, 'profile_rounds:round 0'),
+            _x(2, 7, 10, 40, 'sgemm_kernel')]
+  s = prof.summarize(events)
+  assert s['classes']['matmul']['s'] == pytest.approx(40e-6)
+  assert s['segment_s'] is None and s['outside_segment_s'] is None
+  assert 'no hlo_module' in s['sources']['programs']
+
+
 def test_summary_needs_round_windows(repo_root):
   prof = _load(repo_root)
   with pytest.raises(ValueError, match='no round windows'):
