@@ -46,17 +46,30 @@ cohorts, example counts and PRNG keys are the same in every process, from
 * host share: seconds preparing client batches on the host (FedJAX's
   batching, and stacking a segment's batches) / the round's wall seconds.
 * MFU: FLOPs of one client step x useful steps / wall seconds / the
-  device's peak FLOP/s. The step's FLOPs are XLA:CPU's ``cost_analysis()``
-  of the jitted gradient + SGD step on one batch, on every backend (XLA:GPU
-  leaves cuDNN convolutions out of its count); LSTM time loop unrolled so
-  that XLA counts every step. Peaks: :data:`PEAK_FLOPS` by ``device_kind``
+  device's peak FLOP/s. The step's FLOPs are XLA's ``cost_analysis()`` of
+  the jitted gradient + SGD step on one batch as lowered for the CPU (not
+  compiled: XLA:GPU's compiled count leaves cuDNN convolutions out), on
+  every backend; LSTM time loop unrolled so that XLA counts every step. Peaks: :data:`PEAK_FLOPS` by ``device_kind``
   (dense TF32 for float32 on NVIDIA GPUs, JAX's default matmul precision;
   dense BF16 with ``--compute_dtype=bfloat16``; bf16 on TPU); on CPU a
   2048x2048 float32 matmul measured in the same process.
 
+* fixed s of profiled round (``vmap``, ``fedjax_vmap``; ``--fixed_cost``):
+  one extra round under ``jax.profiler.trace``, its wall time minus its
+  ``lanes_segment`` executions in the trace (``fixed_cost``): what a round
+  costs besides its lane segments. Tracing adds host time to that round:
+  its wall time is printed beside it.
+* vs FedJAX jit / vs loop: that engine's s/round at the same model and
+  cohort / the row's; those engines run first for each model, so every
+  printed row carries its ratios.
+
 A configuration that cannot run (out of memory, engine error, time budget:
-``--max_seconds`` per configuration) prints a row with the reason. The
-table goes to ``benchmarks/results/rounds_<device>.md`` (``--output``).
+``--max_seconds`` per configuration, by :func:`estimate_seconds` and
+:func:`skip_reason`) prints a row with the reason. The table goes to
+``benchmarks/results/rounds_<device>.md`` (``--output``), rewritten after
+every row, so a killed run keeps the rows it finished; the notes give each
+configuration's whole wall time beside its runs' time. ``--profile`` runs
+``benchmarks/profile_rounds.py`` on each row's configuration after it.
 
   python benchmarks/bench_rounds.py            # GPU: 10, 100, 1,000 clients
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_rounds.py \\
@@ -99,6 +112,12 @@ from fedlite_jax.rounds import streaming
 from fedlite_jax.training.runner import client_rng
 
 ENGINES = ('loop', 'vmap', 'fedjax_jit', 'fedjax_vmap')
+#: Engines whose client programs are lanes_begin / lanes_segment /
+#: lanes_finish (the fixed-cost column).
+LANE_ENGINES = ('vmap', 'fedjax_vmap')
+#: Engines run first for each model, so that every later row's ratios
+#: against them can be printed with the row.
+REFERENCE_ENGINES = ('fedjax_jit', 'loop')
 LM_MODELS = tuple(lm.PRESETS)
 MODELS = ('femnist',) + LM_MODELS
 
@@ -338,8 +357,10 @@ def peak_memory_bytes() -> tuple[int, str]:
 
 
 def step_flops(model: fedjax.Model, params: Any, batch: dict) -> float:
-  """XLA:CPU's FLOP count of one client step (gradient + SGD update, one
-  batch), on any backend: XLA:GPU's count leaves out cuDNN convolutions."""
+  """XLA's FLOP count of one client step (gradient + SGD update, one batch)
+  as lowered for the CPU, on any backend: uncompiled, so that no backend
+  compiles it (XLA:GPU's compiled count leaves out cuDNN convolutions;
+  XLA:CPU took 3-18 s per process to compile the step)."""
   grad_fn = fedjax.model_grad(model)
 
   def step(p, b):
@@ -349,7 +370,7 @@ def step_flops(model: fedjax.Model, params: Any, batch: dict) -> float:
   cpu = jax.devices('cpu')[0]
   params, batch = jax.device_put((params, batch), cpu)
   with jax.default_device(cpu):
-    cost = jax.jit(step).lower(params, batch).compile().cost_analysis()
+    cost = jax.jit(step).lower(params, batch).cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0]
   return float((cost or {}).get('flops', float('nan')))
@@ -399,12 +420,66 @@ def _short(err: BaseException) -> str:
   return text[:200]
 
 
+def estimate_seconds(last: Optional[tuple[int, float, float]], cohort: int,
+                     rounds: int) -> float:
+  """Seconds a cohort's run is expected to take, from the last cohort run
+  by the same process, ``last = (cohort, s/round, compile s)``: compile s +
+  s/round x (cohort / last cohort) x rounds; 0.0 when ``last`` is None (the
+  first cohort always runs)."""
+  if not last:
+    return 0.0
+  return last[2] + last[1] * cohort / last[0] * rounds
+
+
+def skip_reason(estimate: float, max_seconds: float, now: float,
+                deadline: float) -> Optional[str]:
+  """Why a cohort estimated at ``estimate`` s is not run (None: it runs):
+  over ``--max_seconds``, or past the run's ``deadline`` (seconds since the
+  epoch, as ``now``)."""
+  if estimate > max_seconds:
+    return f'estimated {estimate:.0f} s > --max_seconds={max_seconds:g}'
+  if now + estimate > deadline:
+    return 'over the run\'s --total_seconds budget'
+  return None
+
+
+def fixed_cost(alg, state, cohort: list) -> dict[str, Any]:
+  """One profiled round's time outside its ``lanes_segment`` executions.
+
+  Runs ``alg.apply(state, cohort)`` under ``jax.profiler.trace`` (Python
+  tracer off) and returns ``fixed_s`` (the round's wall time minus the
+  union of its ``jit_lanes_segment`` executions, first to last op of each;
+  ``profile_rounds.summarize``), ``profiled_round_s`` (the traced round's
+  host wall time: tracing slows it), ``profiled_compilations`` (XLA
+  compilations in it: 0 when steady) and ``fixed_source`` (which trace
+  events gave the ops).
+  """
+  import shutil  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import profile_rounds  # pylint: disable=import-outside-toplevel
+  trace_dir = tempfile.mkdtemp(prefix='bench_rounds_trace_')
+  try:
+    _, walls, path, compiled = profile_rounds.traced_rounds(
+        alg, state, [cohort], trace_dir)
+    summary = profile_rounds.summarize(profile_rounds.load_events(path))
+  finally:
+    shutil.rmtree(trace_dir, ignore_errors=True)
+  if summary['segment_s'] is None:  # No column; the note says why.
+    return {'fixed_source': summary['sources']['programs']}
+  return {'fixed_s': summary['outside_segment_per_round_s'],
+          'profiled_round_s': walls[0], 'profiled_compilations': compiled,
+          'fixed_source': summary['sources']['ops']}
+
+
 def _useful_steps(cohort: list, batch_size: int) -> int:
   return sum(-(-len(cds) // batch_size) for _, cds, _ in cohort)
 
 
-def run_worker(args, emit: bool = False) -> list[dict]:
-  """Rows for one model and engine over the cohorts (ascending)."""
+def run_worker(args, emit: bool = False,
+               on_row: Optional[Any] = None) -> list[dict]:
+  """Rows for one model and engine over the cohorts (ascending);
+  ``on_row(row)`` is called as each row is finished."""
   name, engine = args.models, args.engines
   batch_size = FEMNIST_BATCH if name == 'femnist' else LM_BATCH
   dtype = 'float32' if engine == 'fedjax_jit' else args.compute_dtype
@@ -427,21 +502,20 @@ def run_worker(args, emit: bool = False) -> list[dict]:
     rows.append(row)
     if failed:
       row['skip'] = f'not run: {failed}'
+      _done(row, emit, on_row)
       continue
-    estimate = 0.0 if not last else (
-        last[2] + last[1] * cohort / last[0] * args.rounds)
-    if estimate > args.max_seconds:
-      row['skip'] = (f'estimated {estimate:.0f} s > '
-                     f'--max_seconds={args.max_seconds:g}')
-      continue
-    if time.time() + estimate > deadline:
-      row['skip'] = 'over the run\'s --total_seconds budget'
+    why = skip_reason(estimate_seconds(last, cohort, args.rounds),
+                      args.max_seconds, time.time(), deadline)
+    if why:
+      row['skip'] = why
+      _done(row, emit, on_row)
       continue
     t_load = time.perf_counter()
     clients, row['data'] = population(name, cohort, args.seed,
                                       args.max_examples, args.data_dir)
     if cohort > len(clients):
       row['skip'] = f'the population has {len(clients)} clients'
+      _done(row, emit, on_row)
       continue
     row['load_s'] = time.perf_counter() - t_load
     try:
@@ -488,9 +562,14 @@ def run_worker(args, emit: bool = False) -> list[dict]:
               time.time() + walls[-1] > deadline):
             break
       row['run_s'] = time.perf_counter() - start
+      if args.fixed_cost and engine in LANE_ENGINES:
+        # An extra round, untimed above: its cohort is round `rounds`'.
+        row.update(fixed_cost(alg, state, fresh_cohort(
+            clients, cohort, args.seed, args.rounds)))
     except Exception as err:  # pylint: disable=broad-except
       row['skip'] = _short(err)
       failed = f'failed at cohort {cohort}'
+      _done(row, emit, on_row)
       continue
     steady = walls[1:] or walls
     wall = statistics.median(steady)
@@ -509,9 +588,15 @@ def run_worker(args, emit: bool = False) -> list[dict]:
         host_share=sum(hosts) / sum(walls), step_flops=flops,
         mfu=flops * float(np.mean([u for u in useful[1:]] or useful)) /
         wall / peak, peak_flops=peak, peak_source=peak_source)
-    if emit:
-      print('ROW ' + json.dumps(row), flush=True)
+    _done(row, emit, on_row)
   return rows
+
+
+def _done(row: dict, emit: bool, on_row) -> None:
+  if emit:
+    print('ROW ' + json.dumps(row), flush=True)
+  if on_row:
+    on_row(row)
 
 
 def _worker_cmd(args, model: str, engine: str) -> list[str]:
@@ -525,38 +610,65 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
          f'--max_examples={args.max_examples}', f'--seed={args.seed}']
   if args.data_dir:
     cmd.append(f'--data_dir={args.data_dir}')
+  cmd.append('--fixed_cost' if args.fixed_cost else '--no-fixed_cost')
   return cmd
 
 
-def _run_isolated(args, model: str, engine: str, budget: float
-                  ) -> list[dict]:
-  """The worker's rows; rows it could not finish within ``budget`` s are skips."""
+def _run_isolated(args, model: str, engine: str, budget: float,
+                  on_row: Optional[Any] = None) -> list[dict]:
+  """The worker's rows, each passed to ``on_row`` as the worker prints it;
+  rows it could not finish within ``budget`` s are skips."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
   cmd = _worker_cmd(args, model, engine) + [
       f'--deadline={time.time() + budget:.0f}']
-  why = None
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=budget + 60)
-    stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
-  except subprocess.TimeoutExpired as err:
-    stdout = (err.stdout or b'').decode() if isinstance(
-        err.stdout, bytes) else (err.stdout or '')
-    stderr, code = '', None
+  done: dict[int, dict] = {}
+  final = None
+  killed = []
+
+  def kill(proc):
+    killed.append(True)
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(proc.pid, signal.SIGKILL)
+
+  with tempfile.TemporaryFile('w+') as err:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
+                            text=True, start_new_session=True)
+    timer = threading.Timer(budget + 60, kill, (proc,))
+    timer.start()
+    try:
+      for line in proc.stdout:
+        if line.startswith('ROW '):
+          row = json.loads(line[4:])
+          done[row['cohort']] = row
+          if on_row:
+            on_row(row)
+        elif line.startswith('ROWS '):
+          final = json.loads(line[5:])
+      code = proc.wait()
+    finally:
+      timer.cancel()
+    err.seek(0)
+    stderr = err.read()
+  if code == 0 and final is not None:
+    return final
+  if killed:
     why = f'process killed after {budget + 60:.0f} s'
-  lines = stdout.splitlines()
-  final = [l for l in lines if l.startswith('ROWS ')]
-  if code == 0 and final:
-    return json.loads(final[-1][5:])
-  if why is None:
+  else:
     tail = (stderr.strip().splitlines() or ['no output'])[-1]
     why = f'process exited {code}: {tail[:160]}'
-  done = {}
-  for l in lines:
-    if l.startswith('ROW '):
-      row = json.loads(l[4:])
-      done[row['cohort']] = row
-  return [done.get(c) or {'model': model, 'engine': engine, 'cohort': c,
-                          'skip': why} for c in sorted(args.cohorts)]
+  rows = []
+  for c in sorted(args.cohorts):
+    if c in done:
+      rows.append(done[c])
+    else:
+      rows.append({'model': model, 'engine': engine, 'cohort': c,
+                   'dtype': 'float32' if engine == 'fedjax_jit' else
+                   args.compute_dtype, 'skip': why})
+      if on_row:
+        on_row(rows[-1])
+  return rows
 
 
 # --------------------------------------------------------------------------
@@ -576,9 +688,13 @@ def _fmt_row(row: dict, vs_jit: str = '', vs_loop: str = '') -> str:
   head = (f'| {row["model"]} | {row["engine"]} | {row.get("dtype", "")} |'
           f' {row["cohort"]:,} |')
   if 'skip' in row:
-    return head + f' skipped: {row["skip"]} |' + ' |' * 10
+    return head + f' skipped: {row["skip"]} |' + ' |' * 11
+  fixed = (f'{row["fixed_s"]:.3g} of {row["profiled_round_s"]:.3g}' + (
+      f' ({row["profiled_compilations"]} compilations in it)'
+      if row.get('profiled_compilations') else '') if 'fixed_s' in row
+           else '')
   return head + (
-      f' {row["s_per_round"]:.3g} | {vs_jit} | {vs_loop} |'
+      f' {row["s_per_round"]:.3g} | {vs_jit} | {vs_loop} | {fixed} |'
       f' {row["run_s"]:.3g} ({row["rounds"]}) |'
       f' {row["compilations"]} ({row["client_program_compilations"]}) |'
       f' {row["compile_s"]:.3g} |'
@@ -590,20 +706,25 @@ def _fmt_row(row: dict, vs_jit: str = '', vs_loop: str = '') -> str:
          if row['peak_source'].startswith('measured') else '') + ' |')
 
 
-def _table(rows: list[dict]) -> str:
+def _table_row(rows: list[dict], i: int) -> str:
+  """Row ``i`` of ``rows`` with its ratios against the rows so far."""
   jit, loop = _ratios(rows, 'fedjax_jit'), _ratios(rows, 'loop')
-  return '\n'.join([TABLE_HEAD] + [_fmt_row(r, jit.get(i, ''),
-                                             loop.get(i, ''))
-                                   for i, r in enumerate(rows)])
+  return _fmt_row(rows[i], jit.get(i, ''), loop.get(i, ''))
+
+
+def _table(rows: list[dict]) -> str:
+  return '\n'.join([TABLE_HEAD] + [_table_row(rows, i)
+                                   for i in range(len(rows))])
 
 
 TABLE_HEAD = (
     '| model | engine | dtype | cohort | s/round | vs FedJAX jit | vs loop '
-    '| run s (rounds) | compilations (client program) | compile s '
+    '| fixed s of profiled round | run s (rounds) '
+    '| compilations (client program) | compile s '
     '| peak mem (MiB) | sequential steps | executed / useful | host share '
     '| MFU |\n'
     '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:'
-    '|---:|')
+    '|---:|---:|')
 
 
 def _version(package: str) -> str:
@@ -642,6 +763,9 @@ def _defaults(args) -> None:
     args.total_seconds = 3600.0 if cpu else 1800.0
   if args.extra is None:
     args.extra = '' if cpu else 'transformer_large:vmap:800'
+  if args.profile_rounds < 1:
+    raise SystemExit(f'--profile_rounds must be >= 1; got '
+                     f'{args.profile_rounds}.')
   args.cohorts = [int(c) for c in str(args.cohorts).split(',')]
   bad = [c for c in args.cohorts if c < 1]
   if bad:
@@ -717,6 +841,16 @@ def main(argv: Optional[list[str]] = None) -> None:
                       help='comma list of results files of this script: '
                       'writes them as one file (--output), one section '
                       'each, and runs nothing')
+  parser.add_argument('--fixed_cost', default=True,
+                      action=argparse.BooleanOptionalAction,
+                      help='vmap and fedjax_vmap rows: profile one extra '
+                      'round for the time outside lanes_segment')
+  parser.add_argument('--profile', action='store_true',
+                      help='after each row, benchmarks/profile_rounds.py on '
+                      'its configuration (own process; JSON beside '
+                      '--output)')
+  parser.add_argument('--profile_rounds', type=int, default=2,
+                      help='--profile: traced rounds (after one warm-up)')
   parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--deadline', type=float, default=0,
                       help=argparse.SUPPRESS)
@@ -757,7 +891,20 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'--total_seconds={args.total_seconds:g}']
   print('\n'.join(header), flush=True)
   print(TABLE_HEAD, flush=True)
-  rows = []
+  output = args.output or os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), 'results',
+      f'rounds_{device_name()}.md')
+  rows: list[dict] = []
+
+  def add_row(row: dict) -> None:
+    rows.append(row)
+    print(_table_row(rows, len(rows) - 1), flush=True)
+    if output != '-':  # A killed run keeps the rows it finished.
+      _write_report(output, [(header, rows)])
+
+  # The reference engines first, so that each row's ratios can be printed.
+  engine_list = ([e for e in REFERENCE_ENGINES if e in engine_list] +
+                 [e for e in engine_list if e not in REFERENCE_ENGINES])
   configs = [argparse.Namespace(**{**vars(args), 'models': m, 'engines': e})
              for m in model_list for e in engine_list]
   configs += [argparse.Namespace(**{**vars(args), 'models': m, 'engines': e,
@@ -765,24 +912,56 @@ def main(argv: Optional[list[str]] = None) -> None:
               for m, e, c in args.extra_runs]
   end = time.time() + args.total_seconds
   for i, sub in enumerate(configs):
+    t = time.perf_counter()
+    first = len(rows)
+    # Fair share of what is left of the run's budget.
+    budget = max(end - time.time(), 0) / (len(configs) - i)
     if args.isolate:
-      # Fair share of what is left of the run's budget.
-      budget = max(end - time.time(), 0) / (len(configs) - i)
-      got = _run_isolated(sub, sub.models, sub.engines, budget)
+      _run_isolated(sub, sub.models, sub.engines, budget, on_row=add_row)
     else:
       sub.deadline = end
-      got = run_worker(sub)
-    for row in got:
-      print(_fmt_row(row), flush=True)  # Ratios: in the file.
-    rows.extend(got)
+      run_worker(sub, on_row=add_row)
+    for row in rows[first:]:  # The configuration's whole time.
+      row['config_s'] = time.perf_counter() - t
+    if args.profile:
+      for row in rows[first:]:
+        if 'skip' not in row:
+          row['profile'] = _profile(sub, row, output, budget)
+    if output != '-':
+      _write_report(output, [(header, rows)])
   for n in _notes(rows):
     print(n)
-  output = args.output or os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), 'results',
-      f'rounds_{device_name()}.md')
   if output != '-':
-    _write_report(output, [(header, rows)])
     print(f'wrote {output}')
+
+
+def _profile(args, row: dict, output: str, budget: float) -> str:
+  """Runs ``profile_rounds.py`` on a row's configuration in its own process;
+  the JSON's path, or why there is none."""
+  stem = (os.path.splitext(output)[0] if output != '-' else
+          os.path.join(os.getcwd(), 'rounds'))
+  path = f'{stem}_profile_{row["model"]}_{row["engine"]}_{row["cohort"]}.json'
+  cmd = [sys.executable, os.path.join(os.path.dirname(
+      os.path.abspath(__file__)), 'profile_rounds.py'),
+         f'--model={row["model"]}', f'--engine={row["engine"]}',
+         f'--cohort={row["cohort"]}',
+         f'--lanes_per_device={args.lanes_per_device}',
+         f'--segment_steps={args.segment_steps}',
+         f'--compute_dtype={args.compute_dtype}',
+         f'--max_examples={args.max_examples}', f'--seed={args.seed}',
+         f'--rounds={args.profile_rounds}', f'--output={path}']
+  if args.data_dir:
+    cmd.append(f'--data_dir={args.data_dir}')
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=max(budget, 60), check=False)
+  except subprocess.TimeoutExpired:
+    return f'{path} (killed after {max(budget, 60):.0f} s: partial)'
+  if proc.returncode:
+    tail = (proc.stderr.strip().splitlines() or ['no output'])[-1]
+    return f'{path} (exited {proc.returncode}: {tail[:160]})'
+  print(proc.stdout, end='', flush=True)
+  return path
 
 
 def _notes(rows: list[dict]) -> list[str]:
@@ -793,7 +972,8 @@ def _notes(rows: list[dict]) -> list[str]:
     notes.append(
         f'peak memory: {r0["mem_source"]}; MFU against '
         f'{r0["peak_flops"] / 1e12:.3g} TFLOP/s ({r0["peak_source"]}), step '
-        'FLOPs from XLA:CPU\'s cost analysis; vs FedJAX jit / vs loop: that '
+        'FLOPs from XLA\'s cost analysis of the step lowered for the CPU; '
+        'vs FedJAX jit / vs loop: that '
         'engine\'s s/round at the same model and cohort in the same run / '
         'this row\'s; run s: the whole run, compilation included; '
         'compilations: every XLA compilation of the run (the client '
@@ -806,6 +986,29 @@ def _notes(rows: list[dict]) -> list[str]:
             f'{r["segment_steps"]} steps per segment, {r["slots"]} '
             f'finalization slot(s) per step; first round '
             f'{r["first_round_s"]:.3g} s')
+  if any('fixed_source' in r for r in done):
+    source = next(r['fixed_source'] for r in done if 'fixed_source' in r)
+    notes.append(
+        'fixed s of profiled round: one extra round (a fresh cohort, after '
+        'the timed ones) under jax.profiler.trace; its wall time minus its '
+        'lanes_segment executions (first to last op of each; ops from '
+        f'{source}): lanes_begin, lanes_finish, the server update, the '
+        'download, host work and idle time. Tracing adds host time to the '
+        'profiled round (its wall time is the second number)')
+  configs: dict[tuple[str, str], list[dict]] = {}
+  for r in rows:
+    if 'config_s' in r:
+      configs.setdefault((r['model'], r['engine']), []).append(r)
+  if configs:
+    notes.append('configuration wall s (process start, imports, data, model '
+                 'and FLOP count included) vs its runs\' run s: ' + '; '.join(
+                     f'{m} {e}: {rs[0]["config_s"]:.3g} vs '
+                     f'{sum(r.get("run_s", 0) for r in rs):.3g}'
+                     for (m, e), rs in configs.items()))
+  for r in rows:
+    if 'profile' in r:
+      notes.append(f'profile of {r["model"]} {r["engine"]} cohort '
+                   f'{r["cohort"]}: {r["profile"]}')
   return notes
 
 

@@ -2,10 +2,12 @@
 
 The run is tiny (a CPU language model, cohorts of 2 clients, two rounds on
 fresh cohorts) and checks the plumbing: every (model, engine, cohort) row is
-printed and written, ratios are finite, executed steps >= useful steps, the
-vmap engine compiles its client programs once for both cohorts (JAX's
-compile events), and a configuration over the time budget is skipped with a
-reason. No timing is asserted. The GPU/TPU code paths (allocator peak, peak FLOP/s table) are
+printed with its ratios and written, ratios are finite, executed steps >=
+useful steps, the vmap engine compiles its client programs once for both
+cohorts (JAX's compile events), the lane engines' fixed cost lies within
+their profiled round, and a configuration over the time budget is skipped
+with a reason (the skip rule is also checked on given numbers). No timing
+is asserted. The GPU/TPU code paths (allocator peak, peak FLOP/s table) are
 checked with stand-in devices.
 """
 
@@ -40,12 +42,13 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
   env['PYTHONPATH'] = os.pathsep.join(
       p for p in (str(repo_root), env.get('PYTHONPATH')) if p)
   env['JAX_PLATFORMS'] = 'cpu'
-  # Cohort 2 runs; cohort 2,000 is estimated at ~1,000x cohort 2's round time,
-  # far over the 20 s budget, and must be skipped with a reason.
+  # Cohort 2 runs (the first cohort has no estimate: 0 s); cohort 2,000 is
+  # estimated from cohort 2's times (positive) and is over a --max_seconds
+  # of 1e-9 whatever the machine's speed: it is skipped with a reason.
   cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
          '--models=lstm_tiny', f'--engines={",".join(ENGINES)}',
          '--cohorts=2,2000', '--rounds=2', '--max_examples=40',
-         '--max_seconds=20', '--lanes_per_device=1', '--segment_steps=1',
+         '--max_seconds=1e-9', '--lanes_per_device=1', '--segment_steps=1',
          '--no-isolate',
          f'--output={out_file}']
   proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True,
@@ -74,6 +77,12 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
       assert math.isfinite(r[key]) and r[key] > 0, (key, r)
     assert r['compilations'] >= r['client_program_compilations']
     assert r['host_share'] < 1
+    if r['engine'] in ('vmap', 'fedjax_vmap'):
+      assert 0 <= r['fixed_s'] <= r['profiled_round_s'], r
+      assert r['fixed_source'].startswith('XLA:CPU thunk events')
+      assert f'| {r["fixed_s"]:.3g} of {r["profiled_round_s"]:.3g}' in text
+    else:
+      assert 'fixed_s' not in r
     # No upper bound on mfu: a ratio of two timings (the peak is measured
     # while other jobs may run); tests assert no timings.
     assert r['rounds_per_s'] == pytest.approx(1 / r['s_per_round'])
@@ -90,11 +99,18 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
   # vs FedJAX jit / vs loop: their s/round / the row's, 1.00x on their own.
   ref = {e: next(r for r in rows if r['engine'] == e and r['cohort'] == 2)
          for e in ('fedjax_jit', 'loop')}
+  # The references run first (fedjax_jit, loop), so each printed row has
+  # its ratios, but fedjax_jit's row has none against loop (run after it).
+  assert [r['engine'] for r in rows[::2]] == [
+      'fedjax_jit', 'loop', 'vmap', 'fedjax_vmap']
   for r in rows:
     if r['cohort'] == 2:
       jit, loop = (f'{ref[e]["s_per_round"] / r["s_per_round"]:.2f}x'
                    for e in ('fedjax_jit', 'loop'))
       assert f'| {r["s_per_round"]:.3g} | {jit} | {loop} |' in text, r
+      printed = loop if r['engine'] != 'fedjax_jit' else ''
+      assert f'| {r["s_per_round"]:.3g} | {jit} | {printed} |' in out, r
+  assert 'configuration wall s' in text
   # --merge: two files -> one file with both runs' rows and headers.
   merged = tmp_path / 'merged.md'
   proc = subprocess.run(
@@ -107,6 +123,39 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
   runs = bench.read_report(str(merged))
   assert [r for _, r in runs] == [rows, rows]
   assert '## Run 2' in merged.read_text()
+
+
+def test_skip_rule(repo_root):
+  bench = _load(repo_root)
+  assert bench.estimate_seconds(None, 1000, 5) == 0.0
+  # 3 s compiling + 0.5 s/round x (100 / 10 clients) x 5 rounds.
+  assert bench.estimate_seconds((10, 0.5, 3.0), 100, 5) == 28.0
+  assert bench.skip_reason(28.0, 30.0, 0.0, 100.0) is None
+  assert bench.skip_reason(28.0, 20.0, 0.0, 100.0) == (
+      'estimated 28 s > --max_seconds=20')
+  assert bench.skip_reason(28.0, 30.0, 80.0, 100.0) == (
+      "over the run's --total_seconds budget")
+
+
+def test_report_rewritten_after_every_row(repo_root, tmp_path, monkeypatch):
+  """A run killed after its first row leaves that row in the file."""
+  bench = _load(repo_root)
+  out_file = tmp_path / 'rounds.md'
+  seen = []
+
+  def fake_worker(args, emit=False, on_row=None):
+    rows = []
+    for cohort in args.cohorts:
+      rows.append({'model': args.models, 'engine': args.engines,
+                   'cohort': cohort, 'dtype': 'float32', 'skip': 'fake'})
+      on_row(rows[-1])
+      seen.append(bench.read_report(str(out_file))[0][1])
+    return rows
+
+  monkeypatch.setattr(bench, 'run_worker', fake_worker)
+  bench.main(['--models=lstm_tiny', '--engines=loop', '--cohorts=2,3',
+              '--no-isolate', f'--output={out_file}'])
+  assert [[r['cohort'] for r in rows] for rows in seen] == [[2], [2, 3]]
 
 
 def test_peak_flops_table_and_device_name(repo_root, monkeypatch):
@@ -144,8 +193,8 @@ def test_fresh_cohorts_differ_and_repeat(repo_root):
 
 
 def test_cnn_step_flops_count_the_convolutions(repo_root):
-  """XLA:CPU's count of the EMNIST CNN step vs a hand count of its
-  multiply-adds (forward, input and weight gradients)."""
+  """XLA's count of the EMNIST CNN step (lowered for the CPU) vs a hand
+  count of its multiply-adds (forward, input and weight gradients)."""
   import jax
   import numpy as np
   from fedlite_jax import models
