@@ -12,7 +12,14 @@ XLA:CPU's ``cost_analysis()`` of the optimized programs:
 * FLOPs and bytes accessed of the segment / those of the plain steps
   (unrolled segments: the whole segment over ``S`` plain steps; ``scan``
   segments: cost analysis counts a loop body once, so the segment against
-  ONE plain step, and the body alone (``streaming.lane_step`` jitted) too);
+  ONE plain step). A lane-step finalizes and starts clients only at steps
+  where some client ends (a ``lax.cond``), so it also prints the two kinds
+  of step compiled alone, a transition step (``streaming.lane_step`` with
+  finalization and starts) and an idle step (the masked vmapped step), the
+  share of a planned round's steps that are transitions (100 clients of
+  ``bench_rounds``' population: real FEMNIST under ``$FEDLITE_DATA_DIR``,
+  else synthetic example counts; one epoch), and the planned mean of the
+  two (planned FLOPs, planned bytes);
 * compile seconds of the segment / of the ``S`` unrolled plain steps it
   replaces;
 * the optimized HLO's copies, gathers, scatters (and those without
@@ -174,16 +181,29 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   segment = streams._build(S, loop)[1]  # pylint: disable=protected-access
   seg, seg_s = _compile(segment, shared, states, acc, inputs,
                         jax.ShapeDtypeStruct((), jnp.int32))
+  # The lane-step alone: with a transition (finalize + start) at every
+  # step, and a step without one (the other branch of its lax.cond).
   body = streaming.lane_step(program.init,
                              lambda st, b: (program.step(st, b), None),
-                             program.final)
+                             program.final, skip_idle=False)
   step_inputs = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype),
       inputs)
   lone, lone_s = _compile(body, shared, states, acc, step_inputs)
 
+  def idle_step(states, x):
+    stepped = jax.vmap(program.step)(states, x.batch)
+    return jax.tree.map(
+        lambda n, o: jnp.where(
+            x.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+        stepped, states)
+  idle, _ = _compile(idle_step, states, step_inputs)
+  share = transition_share(name, lanes, slots, S, loop)
+
   per = {'seg': _cost(seg), 'one': _cost(one), 'plain': _cost(plain),
-         'body': _cost(lone)}
+         'body': _cost(lone), 'idle': _cost(idle)}
+  planned = {k: share * per['body'][k] + (1 - share) * per['idle'][k]
+             for k in ('flops', 'bytes')}
   # Cost analysis counts a while loop's body once.
   seg_per_step = {k: v / (S if loop == 'unroll' else 1)
                   for k, v in per['seg'].items()}
@@ -197,6 +217,10 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
       'bytes_ratio': seg_per_step['bytes'] / per['one']['bytes'],
       'body_flops_ratio': per['body']['flops'] / per['one']['flops'],
       'body_bytes_ratio': per['body']['bytes'] / per['one']['bytes'],
+      'idle_bytes_ratio': per['idle']['bytes'] / per['one']['bytes'],
+      'transition_share': share,
+      'planned_flops_ratio': planned['flops'] / per['one']['flops'],
+      'planned_bytes_ratio': planned['bytes'] / per['one']['bytes'],
       'plain_steps_bytes_ratio': per['plain']['bytes'] / S /
                                  per['one']['bytes'],
       'segment_compile_s': seg_s, 'plain_steps_compile_s': plain_s,
@@ -207,12 +231,37 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   }
 
 
+def transition_share(name: str, lanes: int, slots: int, segment_steps: int,
+                     loop: str, cohort: int = 100, seed: int = 0) -> float:
+  """Share of a planned round's steps at which clients end and start (the
+  lane-steps that run the transition branch): ``cohort`` clients of
+  ``bench_rounds``' population (real FEMNIST writers under
+  ``$FEDLITE_DATA_DIR``, else its synthetic example counts), one epoch."""
+  import os  # pylint: disable=g-import-not-at-top
+  import bench_rounds  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.rounds import lanes as lanes_lib  # pylint: disable=g-import-not-at-top
+  model = 'femnist' if name == 'femnist' else name
+  clients, _ = bench_rounds.population(
+      model, cohort, seed, 0, os.environ.get('FEDLITE_DATA_DIR'))
+  batch = FEMNIST_BATCH if name == 'femnist' else LM_BATCH
+  rng = np.random.RandomState(seed)
+  pick = rng.choice(len(clients), cohort, replace=False)
+  counts = [-(-len(clients[i][1]) // batch) for i in pick]
+  plan = lanes_lib.plan_lanes(counts, min(lanes, cohort), segment_steps,
+                              min(slots, lanes), dynamic_steps=loop == 'scan')
+  steps = plan.sequential_steps
+  busy = np.any(plan.finalize[:steps] >= 0, axis=(1, 2))
+  return float(busy.mean())
+
+
 def _row(m: dict) -> str:
   h, p = m['hlo_segment'], m['hlo_plain_steps']
   return (f"| {m['model']} | {m['dtype']} | {m['loop']} | {m['lanes']} | "
           f"{m['slots']} | {m['segment_steps']} | "
           f"{m['flops_ratio']:.3f}x | {m['bytes_ratio']:.3f}x | "
-          f"{m['body_bytes_ratio']:.3f}x | "
+          f"{m['body_bytes_ratio']:.3f}x | {m['idle_bytes_ratio']:.3f}x | "
+          f"{m['transition_share']:.2f} | {m['planned_flops_ratio']:.3f}x | "
+          f"{m['planned_bytes_ratio']:.3f}x | "
           f"{m['segment_compile_s']:.1f} / {m['plain_steps_compile_s']:.1f}"
           f" = {m['compile_ratio']:.2f}x | "
           f"{h['copy']} / {p['copy']} | {h['gather']} / {p['gather']} | "
@@ -222,12 +271,13 @@ def _row(m: dict) -> str:
 
 
 HEADER = (
-    '| model | dtype | loop | lanes | slots | S | FLOPs / plain step | '
-    'bytes / plain step | body bytes / plain step | compile s: segment / '
-    'S plain steps | copies | gathers | scatters (not unique) | selects | '
-    'entry instructions |\n'
+    '| model | dtype | loop | lanes | slots | S | segment FLOPs / plain '
+    'step | segment bytes / plain step | transition step bytes | idle step '
+    'bytes | transition share | planned FLOPs | planned bytes | compile s: '
+    'segment / S plain steps | copies | gathers | scatters (not unique) | '
+    'selects | entry instructions |\n'
     '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
-    '---:|')
+    '---:|---:|---:|---:|---:|')
 
 
 def main(argv=None) -> None:
@@ -239,10 +289,15 @@ def main(argv=None) -> None:
   ap.add_argument('--output', default='')
   args = ap.parse_args(argv)
   rows = []
+  import os  # pylint: disable=g-import-not-at-top
   lines = [f'command: `python benchmarks/bench_lane_cost.py '
            f'{" ".join(argv if argv is not None else sys.argv[1:])}`',
            f'jax {jax.__version__}, XLA:CPU cost analysis, '
-           f'{platform.machine()}']
+           f'{platform.machine()}, {os.cpu_count()} CPU threads',
+           'transition shares: femnist from '
+           + ('real FEMNIST writers' if os.environ.get('FEDLITE_DATA_DIR')
+              else 'synthetic example counts')
+           + ', language models from synthetic example counts']
   print(HEADER)
   for name in args.models.split(','):
     lanes, slots = CONFIGS[name]
@@ -261,11 +316,17 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
             'bench_lane_cost.py\n\n')
     f.write('\n'.join(f'- {x}' for x in lines) + '\n\n')
     f.write(HEADER + '\n' + '\n'.join(_row(m) for m in rows) + '\n\n')
-    f.write('- FLOPs, bytes: per lane-step (unrolled segment / S; scan: the '
-            'loop body, counted once), over one plain vmapped grad + SGD '
-            'step on the same lanes. Body: `streaming.lane_step` compiled '
-            'alone. Compile s: the segment program / S plain steps unrolled '
-            'in one program. HLO columns: segment / S plain steps.\n\n')
+    f.write('- Every ratio is over one plain vmapped grad + SGD step on the '
+            'same lanes (XLA:CPU cost analysis). Segment: per lane-step '
+            '(unrolled: the segment / S; scan: the loop body, counted once; '
+            'a lax.cond counted as its costlier branch). Transition / idle '
+            'step: a lane-step with finalization and starts / without, '
+            'compiled alone. Transition share: steps of a planned 100-client '
+            'round at which clients end. Planned: the share-weighted mean '
+            'of the transition and idle steps. Compile s: the segment '
+            'program / S plain steps unrolled in one program. HLO columns: '
+            'segment / S plain steps (scatters without unique indices in '
+            'parentheses).\n\n')
     f.write(f'<!-- rows: {json.dumps(rows)} -->\n')
 
 

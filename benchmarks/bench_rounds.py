@@ -401,7 +401,8 @@ def _algorithm(engine: str, model: fedjax.Model, batch_size: int, args):
     hp = fedjax.ShuffleRepeatBatchHParams(batch_size=batch_size)
     lanes = (args.lanes_per_device if args.lanes_per_device == 'auto' else
              int(args.lanes_per_device))
-    options = (dict(lanes_per_device=lanes, segment_steps=args.segment_steps)
+    options = (dict(lanes_per_device=lanes, segment_steps=args.segment_steps,
+                    segment_loop=args.segment_loop)
                if engine == 'vmap' else {})
     return federated_averaging(grad_fn, optax.sgd(0.1), optax.sgd(1.0), hp,
                                engine=engine, **options)
@@ -606,6 +607,7 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
          f'--rounds={args.rounds}', f'--max_seconds={args.max_seconds}',
          f'--lanes_per_device={args.lanes_per_device}',
          f'--segment_steps={args.segment_steps}',
+         f'--segment_loop={args.segment_loop}',
          f'--compute_dtype={args.compute_dtype}',
          f'--max_examples={args.max_examples}', f'--seed={args.seed}']
   if args.data_dir:
@@ -813,6 +815,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                       help="vmap engine: lanes per device, int >= 1 or 'auto'")
   parser.add_argument('--segment_steps', type=int, default=4,
                       help='vmap engine: local steps per compiled segment')
+  parser.add_argument('--segment_loop', default='auto',
+                      choices=streaming.LOOPS,
+                      help='vmap engine: unroll, scan (an on-device loop) or '
+                      'auto (unroll on CPU, scan on GPU/TPU)')
   parser.add_argument('--compute_dtype', default='float32',
                       choices=('float32', 'bfloat16'),
                       help='our engines\' and VmapBackend\'s model '
@@ -887,6 +893,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'--max_seconds={args.max_seconds:g}, '
             f'--lanes_per_device={args.lanes_per_device}, '
             f'--segment_steps={args.segment_steps}, '
+            f'--segment_loop={args.segment_loop}, '
             f'--compute_dtype={args.compute_dtype}, '
             f'--total_seconds={args.total_seconds:g}']
   print('\n'.join(header), flush=True)
@@ -947,6 +954,7 @@ def _profile(args, row: dict, output: str, budget: float) -> str:
          f'--cohort={row["cohort"]}',
          f'--lanes_per_device={args.lanes_per_device}',
          f'--segment_steps={args.segment_steps}',
+         f'--segment_loop={args.segment_loop}',
          f'--compute_dtype={args.compute_dtype}',
          f'--max_examples={args.max_examples}', f'--seed={args.seed}',
          f'--rounds={args.profile_rounds}', f'--output={path}']

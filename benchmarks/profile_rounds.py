@@ -416,7 +416,8 @@ def run(args) -> dict:
       'status': 'building', 'config': {
           k: getattr(args, k) for k in (
               'model', 'engine', 'cohort', 'warmup_rounds', 'rounds',
-              'lanes_per_device', 'segment_steps', 'compute_dtype',
+              'lanes_per_device', 'segment_steps', 'segment_loop',
+              'compute_dtype',
               'max_examples', 'seed')},
       'device': bench_rounds._machine()}  # pylint: disable=protected-access
   _write(args.output, result)
@@ -481,6 +482,9 @@ def parser() -> argparse.ArgumentParser:
                  help="vmap engine: lanes per device, int >= 1 or 'auto'")
   p.add_argument('--segment_steps', type=int, default=4,
                  help='vmap engine: local steps per compiled segment')
+  p.add_argument('--segment_loop', default='auto',
+                 choices=('auto', 'unroll', 'scan'),
+                 help='vmap engine: unroll, scan or auto')
   p.add_argument('--compute_dtype', default='float32',
                  choices=('float32', 'bfloat16'))
   p.add_argument('--max_examples', type=int, default=0,

@@ -75,3 +75,66 @@ def test_runner_bf16_run_keeps_float32_server_state(tmp_path):
   assert bf16['final_eval']['loss'] == pytest.approx(
       f32['final_eval']['loss'], rel=5e-2)
   assert bf16['final_eval']['loss'] != f32['final_eval']['loss']
+
+
+def _lane_segment(model, batch, loop, lanes=3, slots=2, steps=2):
+  """The vmap engine's ``lanes_segment`` of the runner's FedAvg client
+  update for ``model``, lowered from abstract shapes."""
+  import optax  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.algorithms import fedopt  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.algorithms import rounds_common as rc  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+  r = fedopt.CompressedRound(fedopt.Compression(), 'fedavg', 0, 'examples',
+                             'dense', None, 'raise')
+  r.setup(params)
+  prog = rc.delta_client_program(rc.train_grad(model), optax.sgd(0.1),
+                                 r.compress, plan=r.plan)
+  streams = streaming.LaneStreams(
+      prog.init, lambda s, b: (prog.step(s, b), None), prog.final)
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  lead = lambda t, *d: jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(d + s.shape, s.dtype), t)
+  shared = {'params': params}
+  states = jax.eval_shape(jax.vmap(prog.init, in_axes=(None, 0)), shared,
+                          lead({'rng': key}, lanes))
+  acc = lead(jax.eval_shape(prog.final, shared, jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), states))[0], 1)
+  flags = lambda n: jax.ShapeDtypeStruct((n, steps), jnp.bool_)
+  inputs = streaming.StepInputs(
+      batch=lead(batch, lanes, steps), active=flags(lanes),
+      start_input=lead({'rng': key}, lanes, steps), start_on=flags(lanes),
+      fin_lane=jax.ShapeDtypeStruct((slots, steps), jnp.int32),
+      fin_weight=jax.ShapeDtypeStruct((slots, steps), jnp.float32))
+  segment = streams._build(steps, loop)[1]  # pylint: disable=protected-access
+  return segment.lower(shared, states, acc, inputs,
+                       jax.ShapeDtypeStruct((), jnp.int32))
+
+
+@pytest.mark.parametrize('loop', ['unroll', 'scan'])
+@pytest.mark.parametrize('kind', ['cnn_im2col', 'transformer_tiny'])
+def test_lane_programs_multiply_in_bf16(kind, loop):
+  """Every matmul (dot_general) and convolution of the model's step in the
+  vmap engine's lane segment (operands batched over lanes and examples:
+  rank >= 3) takes bf16 operands under bf16 compute, and float32 ones
+  without (so the check can fail); the finalization's float32 delta norms
+  (rank 2) stay float32."""
+  import re  # pylint: disable=g-import-not-at-top
+  if kind.startswith('cnn'):
+    make = lambda dtype: emnist.create_emnist_cnn(
+        conv_implementation='im2col', compute_dtype=dtype).model
+    batch = {'x': jax.ShapeDtypeStruct((4, 28, 28, 1), jnp.float32),
+             'y': jax.ShapeDtypeStruct((4,), jnp.int32)}
+  else:
+    make = lambda dtype: lm.create_lm(kind, 64, max_length=10,
+                                      compute_dtype=dtype).model
+    batch = {k: jax.ShapeDtypeStruct((4, 10), jnp.int32) for k in 'xy'}
+  for dtype, want in ((jnp.bfloat16, 'bf16'), (None, 'f32')):
+    text = _lane_segment(make(dtype), batch, loop).as_text()
+    ops = re.findall(r'stablehlo\.(?:dot_general|convolution)[^\n]*', text)
+    operands = [re.findall(r'tensor<([^>]*)>', op)[:2] for op in ops]
+    model = [(op, o) for op, o in zip(ops, operands)
+             if max(x.count('x') for x in o) >= 3]
+    assert len(model) >= 4, text[:2000]
+    for op, o in model:
+      assert all(x.endswith(want) for x in o), (dtype, op)

@@ -291,3 +291,43 @@ def test_loop_engine_records_its_steps():
   assert counts['useful_steps'] == sum(steps)
   assert counts['executed_steps'] == sum(-(-n // 4) * 4 for n in steps)
   assert counts['lanes'] == 1
+
+
+def _scatters(hlo_text):
+  """``(scatters, scatters without unique indices)`` of optimized HLO."""
+  import re  # pylint: disable=g-import-not-at-top
+  found = re.findall(r'\sscatter\([^\n]*', hlo_text)
+  return len(found), sum('unique_indices=true' not in s for s in found)
+
+
+@pytest.mark.parametrize('loop', ['unroll', 'scan'])
+def test_lane_programs_have_no_scatter(loop):
+  """Starting and finalizing clients adds no scatter (XLA:GPU writes a
+  scatter with duplicate indices atomically): the lane programs of a client
+  update whose step has none hold none, in the optimized HLO."""
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  program = _program()
+  lanes, slots, steps = 5, 2, 4
+  streams = streaming.LaneStreams(
+      program.init, lambda s, b: (program.step(s, b), None), program.final)
+  begin, segment, finish = streams._build(steps, loop)  # pylint: disable=protected-access
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  shared = {'w': f32(3)}
+  states = {'w': f32(lanes, 3), 'seen': f32(lanes)}
+  acc = {'delta': f32(1, 3)}
+  inputs = streaming.StepInputs(
+      batch={'x': f32(lanes, steps, 4, 3), 'y': f32(lanes, steps, 4)},
+      active=jax.ShapeDtypeStruct((lanes, steps), jnp.bool_),
+      start_input={'scale': f32(lanes, steps)},
+      start_on=jax.ShapeDtypeStruct((lanes, steps), jnp.bool_),
+      fin_lane=jax.ShapeDtypeStruct((slots, steps), jnp.int32),
+      fin_weight=f32(slots, steps))
+  texts = [
+      begin.lower(shared, {'scale': f32(lanes)},
+                  jax.ShapeDtypeStruct((lanes,), jnp.int32)),
+      segment.lower(shared, states, acc, inputs,
+                    jax.ShapeDtypeStruct((), jnp.int32)),
+      finish.lower(shared, states, acc, f32(lanes))]
+  for lowered in texts:
+    text = lowered.compile().as_text()
+    assert 'ENTRY' in text and _scatters(text) == (0, 0), text

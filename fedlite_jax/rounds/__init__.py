@@ -11,6 +11,7 @@ from fedlite_jax.rounds.engine import default_engine_name
 from fedlite_jax.rounds.engine import make_engine
 from fedlite_jax.rounds.fedjax_backend import VmapBackend
 from fedlite_jax.rounds.lanes import LanePlan
+from fedlite_jax.rounds.lanes import choose_lanes
 from fedlite_jax.rounds.lanes import choose_slots
 from fedlite_jax.rounds.lanes import plan_lanes
 from fedlite_jax.rounds.remote import RemoteClientDataset
@@ -21,4 +22,5 @@ from fedlite_jax.rounds.sharding import use_client_mesh
 from fedlite_jax.rounds.stats import counting_compilations
 from fedlite_jax.rounds.stats import recording_stats
 from fedlite_jax.rounds.stats import resolve_lanes
+from fedlite_jax.rounds.streaming import LaneRun
 from fedlite_jax.rounds.streaming import LaneStreams

@@ -119,12 +119,15 @@ jax.tree_util.register_dataclass(
 
 
 def lane_step(init: Callable, step: Callable, final: Callable,
-              collect: bool = False) -> Callable:
+              collect: bool = False, skip_idle: bool = True) -> Callable:
   """One lane-step: finalize, start, step (the body of every segment).
 
   Args:
     init, step, final: as :class:`LaneStreams`'s.
     collect: return the finalized outputs instead of adding them to ``acc``.
+    skip_idle: finalize and start only at steps where a slot is in use (a
+      ``lax.cond``; its other branch passes the states through and gives
+      zero diagnostics); False: at every step.
 
   Returns:
     ``(shared, states, acc, inputs: StepInputs) -> (states, acc, diag,
@@ -138,7 +141,8 @@ def lane_step(init: Callable, step: Callable, final: Callable,
     no atomic writes (an in-place update of rows that the finalization
     reads made XLA copy whole leaves).
   """
-  def body(shared, states, acc, x: StepInputs):
+  def transition(shared, states, acc, x: StepInputs):
+    """Finalizes the slots' clients and starts the next ones."""
     num_lanes, num_slots = x.active.shape[0], x.fin_lane.shape[0]
     out, diag = jax.vmap(final, in_axes=(None, 0), axis_size=num_slots)(
         shared, _rows(states, jnp.maximum(x.fin_lane, 0)))
@@ -148,7 +152,18 @@ def lane_step(init: Callable, step: Callable, final: Callable,
       out = None
     new = jax.vmap(init, in_axes=(None, 0), axis_size=num_lanes)(
         shared, x.start_input)
-    states = _where_rows(x.start_on, new, states)
+    return _where_rows(x.start_on, new, states), acc, diag, out
+
+  def body(shared, states, acc, x: StepInputs):
+    num_lanes = x.active.shape[0]
+    if skip_idle:
+      shapes = jax.eval_shape(transition, shared, states, acc, x)[2:]
+      idle = lambda shared, states, acc, x: (states, acc) + jax.tree.map(
+          lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      states, acc, diag, out = lax.cond(
+          jnp.any(x.fin_lane >= 0), transition, idle, shared, states, acc, x)
+    else:
+      states, acc, diag, out = transition(shared, states, acc, x)
     stepped, result = jax.vmap(step, axis_size=num_lanes)(states, x.batch)
     states = _where_rows(x.active, stepped, states)
     return states, acc, diag, out, result

@@ -1,0 +1,42 @@
+"""benchmarks/bench_lane_cost.py on the smallest Transformer: what a
+lane-step costs next to the plain vmapped step (XLA:CPU cost analysis).
+
+References: the plain vmapped gradient + SGD step compiled in the same
+process (FLOPs within 2% and planned bytes within 10%, the engine's budget
+for its bookkeeping), and the optimized HLO (no scatter that the step
+itself does not hold).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'
+
+
+@pytest.fixture(scope='module')
+def bench():
+  sys.path.insert(0, str(BENCH))
+  try:
+    import bench_lane_cost  # pylint: disable=g-import-not-at-top
+    yield bench_lane_cost
+  finally:
+    sys.path.remove(str(BENCH))
+
+
+def test_a_scan_lane_step_costs_the_plain_step(bench, tmp_path):
+  m = bench.measure('transformer_tiny', lanes=4, slots=2, segment_steps=2,
+                    loop='scan')
+  assert 1.0 <= m['flops_ratio'] <= 1.02, m
+  assert 0.5 < m['idle_bytes_ratio'] <= m['body_bytes_ratio'], m
+  assert 0 < m['transition_share'] <= 1, m
+  assert m['planned_bytes_ratio'] <= 1.10, m
+  # The step's own scatters (the embedding gradient), and no others.
+  seg, plain = m['hlo_segment'], m['hlo_plain_steps']
+  assert seg['scatter_not_unique'] <= plain['scatter_not_unique'] // 2, m
+  out = tmp_path / 'cost.md'
+  bench._write(str(out), ['test'], [m])  # pylint: disable=protected-access
+  assert 'transformer_tiny | float32 | scan' in out.read_text()
