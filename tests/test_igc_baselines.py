@@ -27,6 +27,7 @@ from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import fetchsgd
 from fedlite_jax.algorithms import rounds_common
+from fedlite_jax.rounds import stats
 
 LR = 0.5
 BATCH = 16
@@ -217,6 +218,37 @@ def test_changed_counts_hand_computed():
   np.testing.assert_array_equal(
       rounds_common.download_bits('dense', 32 * 6, 3, jnp.asarray(last),
                            jnp.zeros((0,), jnp.int32)), [192] * 3)
+  # The clients at positions of the training clients' tracker: gathered
+  # inside the compiled program, the same bits.
+  tracker = jnp.asarray([3, 2, -1, 1, 0, 9], jnp.int32)
+  np.testing.assert_array_equal(
+      rounds_common.download_bits('changed', 32 * 6, 5, jnp.asarray(last),
+                                  tracker, np.asarray([2, 4, 3, 1, 0],
+                                                      np.int32)),
+      [128, 128, 96, 32, 0])
+
+
+def test_server_update_and_participation_are_one_program():
+  """rounds_common.server_update: the update, then round + 1 and the
+  participants' last round = the round, in one program compiled once."""
+  state = fedopt.FedOptState(
+      params={'w': jnp.ones(2)}, opt_state=(), round=jnp.asarray(4, jnp.int32),
+      last_changed=jnp.zeros((0,), jnp.int32),
+      last_round=jnp.asarray([-1, 2, -1, 0], jnp.int32))
+
+  def update(state, delta):
+    new = state.replace(params={'w': state.params['w'] - delta})
+    return new, jnp.asarray(True)
+
+  with stats.counting_compilations() as compiles:
+    for r in range(3):
+      state, finite = rounds_common.server_update(
+          update, state, np.asarray([2, 0], np.int32), jnp.full(2, 0.5))
+      assert bool(finite)
+      np.testing.assert_array_equal(state.params['w'], [0.5 - 0.5 * r] * 2)
+      assert int(state.round) == 5 + r
+      np.testing.assert_array_equal(state.last_round, [4 + r, 2, 4 + r, 0])
+  assert compiles.count('server_update') == 1
 
 
 @pytest.mark.parametrize('method', ['topk', 'fetchsgd'])

@@ -145,6 +145,37 @@ def test_segments_of_four_steps_match_recorded_baseline(name, loop, data_dir,
   assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
 
 
+#: (case, engine) pairs of the compile test: the FedOpt server step with an
+#: optimizer state (fedadam), two client passes (mime_lite), a new IGC epoch
+#: every round (igc_k_subspace_time_varying), 'changed' download accounting
+#: (fetchsgd), quantized download + PVT.
+COMPILE_CASES = (('fedadam', 'loop'), ('mime_lite', 'loop'),
+                 ('igc_k_subspace_time_varying', 'loop'),
+                 ('fetchsgd', 'vmap'), ('fedavg_up8_down16_pvt40', 'vmap'))
+
+
+@pytest.mark.parametrize('name,engine', COMPILE_CASES)
+def test_rounds_after_the_first_compile_nothing(name, engine, data_dir,
+                                                tmp_path, monkeypatch):
+  """3 rounds on fresh cohorts, evaluated every round: round 1 compiles the
+  client program (the counter counts), rounds 2 and 3 compile no program at
+  all (JAX's compile events: server update, download, accounting,
+  evaluation, client program). Counts are per-round metrics rows."""
+  if not (data_dir / 'femnist105').is_dir():
+    pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
+  from fedlite_jax.training import outputs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(BASE, 'num_rounds', 3)
+  run_case(name, str(data_dir), str(tmp_path / name), vmap=engine == 'vmap')
+  rows = outputs.read_metrics(tmp_path / name / 'metrics.jsonl')
+  assert [r['round'] for r in rows] == [1, 2, 3]
+  assert rows[0]['engine/client_program_compilations'] > 0, rows[0]
+  assert rows[0]['engine/compilations'] > rows[0][
+      'engine/client_program_compilations'], rows[0]
+  assert all('loss' in r for r in rows)  # Evaluated every round.
+  assert [r['engine/compilations'] for r in rows[1:]] == [0, 0], [
+      {k: v for k, v in r.items() if 'compil' in k} for r in rows]
+
+
 def _write(names: list[str]) -> None:
   """Records ``names`` (all cases if empty), keeping the other records."""
   import os  # pylint: disable=g-import-not-at-top

@@ -130,6 +130,36 @@ def test_client_rng_depends_on_seed_round_client():
   assert len(keys) == 8
   np.testing.assert_array_equal(runner.client_rng(0, 1, b'a'),
                                 runner.client_rng(0, 1, b'a'))
+  # The documented derivation, computed eagerly (crc32 >= 2^31 included).
+  import zlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  for seed, r, cid in ((0, 0, b'a'), (3, 17, b'\xff' * 5), (1, 5, b'f0001')):
+    want = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), r),
+                              zlib.crc32(cid))
+    np.testing.assert_array_equal(runner.client_rng(seed, r, cid), want)
+
+
+def test_evaluate_equals_fedjax_and_compiles_once():
+  """evaluation.evaluate gives fedjax.evaluate_model's numbers exactly and,
+  once compiled, runs no eager operation (no compile event)."""
+  import fedjax  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.models import emnist  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.rounds import stats  # pylint: disable=g-import-not-at-top
+  model = emnist.create_emnist_cnn().model
+  params = model.init(jax.random.PRNGKey(0))
+  rng = np.random.RandomState(0)
+  datasets = [fedjax.ClientDataset({
+      'x': rng.rand(n, 28, 28, 1).astype(np.float32),
+      'y': rng.randint(0, 62, n)}) for n in (17, 30, 5)]
+  batches = jax.device_put(list(fedjax.padded_batch_client_datasets(
+      datasets, batch_size=8)))
+  want = {k: float(v) for k, v in
+          fedjax.evaluate_model(model, params, batches).items()}
+  assert evaluation.evaluate(model, params, batches) == want
+  with stats.counting_compilations() as compiles:
+    assert evaluation.evaluate(model, params, batches) == want
+  assert compiles.total == 0, compiles.by_program
 
 
 @pytest.mark.parametrize('args,expected', [

@@ -224,8 +224,10 @@ class CompressedRound:
       hparams: local batching of the training pass.
       passes: ``(Q(w), work) -> [(engine, shared input, work)]``, training
         pass first; each output is ``{'delta', 'mask'}``.
-      server_update: jitted ``(state, delta sum, mask sum, ...) -> (new
-        state, finite)`` over the passes' sums in order.
+      server_update: ``(state, delta sum, mask sum, ...) -> (new state,
+        finite)`` over the passes' sums in order; jittable: it runs with
+        the participation bookkeeping as one compiled program
+        (:func:`rounds_common.server_update`).
       extra_download_bits: added to the dense download (bits).
       upload_factor: uploads per client (the delta's bits each).
 
@@ -239,7 +241,7 @@ class CompressedRound:
     positions = rc.client_positions(self.index, work)
     down = rc.download_bits(
         self.accounting, s.bits['download'] + extra_download_bits, len(work),
-        state.last_changed, state.last_round[positions])
+        state.last_changed, state.last_round, positions)
     runs = passes(self.download(state.params, state.round), work)
     results = [eng(shared, ws) for eng, shared, ws in runs]
     ok = [[bool(d['finite']) for d in res.diagnostics] for res in results]
@@ -253,10 +255,10 @@ class CompressedRound:
       if any(f for w, f in zip(ws, flags) if w.client_id in skipped):
         sums[i] = eng(shared, [w for w in ws if w.client_id not in skipped]
                       ).weighted_sum
-    new_state, finite = server_update(
-        state, *[x for total in sums for x in (total['delta'], total['mask'])])
+    new_state, finite = rc.server_update(
+        server_update, state, positions,
+        *[x for total in sums for x in (total['delta'], total['mask'])])
     nonfinite_lib.check_server_state(finite, self.name, skipped, round_num)
-    new_state = rc.participation(new_state, self.index, positions, round_num)
     extra = None
     if not s.plan.trains_everything:
       extra = lambda d: {  # noqa: E731

@@ -172,13 +172,13 @@ def fetchsgd(
     positions = rc.client_positions(index, work)
     download = rc.download_bits(
         download_accounting, rc.FLOAT_BITS * D, len(work),
-        state.last_changed, state.last_round[positions])
+        state.last_changed, state.last_round, positions)
     result = round_engine({'params': state.params}, work)
     total, skipped = rc.skip_nonfinite(result, work, nonfinite, 'fetchsgd',
                                        round_num)
-    state, finite = server_update(state, result.weighted_sum, np.float32(total))
+    state, finite = rc.server_update(server_update, state, positions,
+                                     result.weighted_sum, np.float32(total))
     nonfinite_lib.check_server_state(finite, 'fetchsgd', skipped, round_num)
-    state = rc.participation(state, index, positions, round_num)
     return state, rc.client_diagnostics(
         work, result, upload_bits=upload_bits, download=download,
         num_examples=[len(w.batches) * hparams.batch_size for w in work],

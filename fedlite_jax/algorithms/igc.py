@@ -272,8 +272,23 @@ def intrinsic_gradient_compression(
   def spec_of(params):
     return rc.model_spec(params, d, 'intrinsic_dim d')
 
+  def new_epoch(state, epoch):
+    # Epoch ``epoch`` starts from the current model: base = params, sigma =
+    # 0, a fresh server optimizer.
+    sigma = jnp.zeros_like(state.sigma)
+    return state.replace(base=state.params, sigma=sigma,
+                         opt_state=server_optimizer.init(sigma), epoch=epoch)
+
   @jax.jit
-  def server_update(state, fastfood, weighted_sum, total_weight):
+  def server_update(state, fastfood, weighted_sum, total_weight, positions,
+                    epoch):
+    # The round's epoch start (if ``epoch``, int32[], is a new one), server
+    # step and bookkeeping (round + 1, the participants' last epoch;
+    # positions: int32[W]) as one compiled program, the same every round.
+    # The clients trained from state.params, which a new epoch keeps.
+    state = jax.tree.map(
+        lambda new, old: jnp.where(epoch != state.epoch, new, old),
+        new_epoch(state, epoch), state)
     spec = tx.TreeSpec.of(state.params)
     mean = weighted_sum / total_weight
     updates, opt_state = server_optimizer.update(mean, state.opt_state,
@@ -281,7 +296,10 @@ def intrinsic_gradient_compression(
     sigma = optax.apply_updates(state.sigma, updates)
     params = spec.unravel(
         spec.ravel(state.base) + tx.lift_subspaces(fastfood, sigma))
-    new_state = state.replace(params=params, sigma=sigma, opt_state=opt_state)
+    new_state = state.replace(
+        params=params, sigma=sigma, opt_state=opt_state,
+        round=state.round + 1,
+        last_epoch=state.last_epoch.at[positions].set(epoch))
     return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> IGCState:
@@ -297,11 +315,6 @@ def intrinsic_gradient_compression(
     D = spec_of(state.params).size
     round_num = int(state.round)
     epoch = round_num // rounds_per_epoch if time_varying else 0
-    if epoch != int(state.epoch):
-      sigma = jnp.zeros_like(state.sigma)
-      state = state.replace(base=state.params, sigma=sigma,
-                            opt_state=server_optimizer.init(sigma),
-                            epoch=jnp.asarray(epoch, jnp.int32))
     fastfood = subspaces(D, epoch)
     work = rc.make_work(clients, hparams)
     result = round_engine({'params': state.params, 'fastfood': fastfood}, work)
@@ -310,13 +323,14 @@ def intrinsic_gradient_compression(
     weighted_sum = result.weighted_sum
     if project_on_server:
       weighted_sum = project_sums(fastfood, weighted_sum)
-    state, finite = server_update(state, fastfood, weighted_sum,
-                                  np.float32(total))
-    nonfinite_lib.check_server_state(finite, name, skipped, round_num)
-    last_epoch = np.asarray(state.last_epoch)
     positions = rc.client_positions(index, work)
+    last_epoch = np.asarray(state.last_epoch)
     prev = ([int(last_epoch[p]) for p in positions] if index else
             [-1] * len(work))
+    state, finite = server_update(state, fastfood, weighted_sum,
+                                  np.float32(total), positions,
+                                  np.asarray(epoch, np.int32))
+    nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     bits = [igc_client_bits(
         D, d, K, time_varying, accounting=download_accounting, epoch=epoch,
         last_epoch=p, value_bits=value_bits,
@@ -327,11 +341,6 @@ def intrinsic_gradient_compression(
         num_examples=[len(w.batches) * hparams.batch_size for w in work],
         skipped=skipped, extra=lambda diag: {
             'subspace': int(diag['subspace']), 'epoch': epoch})
-    if index:
-      last_epoch = last_epoch.copy()
-      last_epoch[positions] = epoch
-    state = state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
-                          last_epoch=jnp.asarray(last_epoch))
     return state, diagnostics
 
   return fedjax.FederatedAlgorithm(init, apply)

@@ -8,6 +8,7 @@ et al. 2022, Sec. 4); ``'changed'`` download accounting (FetchSGD's code).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import fedjax
@@ -44,10 +45,11 @@ __all__ = [
     'COMPRESS_STREAM', 'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'FLOAT_BITS',
     'GRAD_UPLOAD_STREAM', 'LocalState', 'TRAIN_DIAGNOSTICS', 'TrainGrad',
     'UPLOAD_STREAM', 'WEIGHTINGS', 'batch_hparams', 'changed_counts',
-    'check_choice', 'check_int', 'client_diagnostics', 'client_id_index',
-    'client_positions', 'compression_key', 'delta_client_program',
-    'download_bits', 'make_work', 'mark_changed', 'model_spec', 'num_params',
-    'participation', 'pvt_mask', 'skip_nonfinite', 'train_grad']
+    'changed_counts_at', 'check_choice', 'check_int', 'client_diagnostics',
+    'client_id_index', 'client_positions', 'compression_key',
+    'delta_client_program', 'download_bits', 'make_work', 'mark_changed',
+    'model_spec', 'num_params', 'participation', 'pvt_mask', 'server_update',
+    'skip_nonfinite', 'train_grad']
 
 
 def check_choice(value: str, allowed: Sequence[str], name: str) -> str:
@@ -314,6 +316,14 @@ def changed_counts(last_changed: jax.Array,
 
 
 @jax.jit
+def changed_counts_at(last_changed: jax.Array, last_round: jax.Array,
+                      positions: jax.Array) -> jax.Array:
+  """:func:`changed_counts` of the clients at ``positions`` (``int32[W]``)
+  of ``last_round`` (``int32[N]``), gathered in the same program."""
+  return changed_counts(last_changed, last_round[positions])
+
+
+@jax.jit
 def mark_changed(last_changed: jax.Array, old_flat: jax.Array,
                  new_flat: jax.Array, round_num: jax.Array) -> jax.Array:
   """``last_changed`` with ``round_num`` where ``new_flat != old_flat``."""
@@ -322,7 +332,8 @@ def mark_changed(last_changed: jax.Array, old_flat: jax.Array,
 
 
 def download_bits(accounting: str, dense_bits: float, num_clients: int,
-                  last_changed: jax.Array, last_round: jax.Array) -> np.ndarray:
+                  last_changed: jax.Array, last_round: jax.Array,
+                  positions: Optional[np.ndarray] = None) -> np.ndarray:
   """Download bits of each client of a round, ``float64[W]``.
 
   Args:
@@ -330,22 +341,34 @@ def download_bits(accounting: str, dense_bits: float, num_clients: int,
       #{j : last_changed[j] >= max(last_round, 0)}``).
     dense_bits: the whole model's download message (bits).
     num_clients: W.
-    last_changed: ``int32[D]``; last_round: ``int32[W]`` (``'changed'``).
+    last_changed: ``int32[D]``; last_round: ``int32[W]``, or with
+      ``positions`` (``int32[W]``) ``int32[N]`` of every training client
+      (``'changed'``; gathered inside one compiled program).
   """
   if accounting == 'dense':
     return np.full((num_clients,), float(dense_bits))
-  return FLOAT_BITS * np.asarray(changed_counts(last_changed, last_round),
-                                 np.float64)
+  counts = (changed_counts(last_changed, last_round) if positions is None
+            else changed_counts_at(last_changed, last_round, positions))
+  return FLOAT_BITS * np.asarray(counts, np.float64)
 
 
-def participation(state: Any, index: Mapping[bytes, int],
-                  positions: np.ndarray, round_num: int) -> Any:
-  """``state`` with ``round = round_num + 1`` and the participants'
-  ``last_round = round_num`` (skipped clients too: they downloaded)."""
-  last_round = (state.last_round.at[positions].set(round_num) if index else
-                state.last_round)
-  return state.replace(round=jnp.asarray(round_num + 1, jnp.int32),
-                       last_round=last_round)
+def participation(state: Any, positions: jax.Array) -> Any:
+  """``state`` with ``round + 1`` and ``last_round[positions] = round``
+  (skipped clients too: they downloaded); ``positions``: ``int32[W]``,
+  empty without training client ids (jittable)."""
+  return state.replace(
+      round=state.round + 1,
+      last_round=state.last_round.at[positions].set(state.round))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def server_update(update: Callable[..., tuple[Any, jax.Array]], state: Any,
+                  positions: jax.Array, *args) -> tuple[Any, jax.Array]:
+  """``update(state, *args) -> (new state, finite)`` followed by
+  :func:`participation` (``positions``: ``int32[W]``), as one compiled
+  program (compiled once per ``update`` and argument shapes)."""
+  new_state, finite = update(state, *args)
+  return participation(new_state, positions), finite
 
 
 def client_diagnostics(work: Sequence[ClientWork], result, *, upload_bits,

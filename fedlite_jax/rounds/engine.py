@@ -145,6 +145,7 @@ class LoopEngine:
       return acc, diag
 
     self._init, self._step, self._final = loop_init, loop_step, loop_final
+    self._zero_programs = {}  # output shapes -> jitted zeros
     self._output_shapes = {}  # (shared, state) shapes -> output shapes
 
   def __call__(self, shared_input: PyTree,
@@ -166,8 +167,7 @@ class LoopEngine:
           stacked = jax.tree.map(lambda *xs: np.stack(xs), *block)
           state = self._step(state, stacked, mask)
       if acc is None:
-        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                           self._output_shape(shared_input, state))
+        acc = self._zeros(self._output_shape(shared_input, state))
       acc, diag = self._final(shared_input, state, acc,
                               np.float32(w.weight))
       total += float(w.weight)
@@ -179,6 +179,18 @@ class LoopEngine:
                  segments=sum(p // self._k for p in padded), lanes=1,
                  segment_steps=self._k, longest_client_steps=max(steps))
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
+
+  def _zeros(self, shapes: PyTree) -> PyTree:
+    """Device zeros in ``shapes``, from one compiled program (eager zeros
+    were one op per leaf every round, and an uncommitted first sum made
+    ``loop_final`` compile twice)."""
+    key = jax.tree.structure(shapes), tuple(
+        (s.shape, s.dtype.name) for s in jax.tree.leaves(shapes))
+    if key not in self._zero_programs:
+      def loop_zeros():
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      self._zero_programs[key] = jax.jit(loop_zeros)
+    return self._zero_programs[key]()
 
   def _output_shape(self, shared_input: PyTree, state: PyTree) -> PyTree:
     """Shapes of ``program.final``'s output, traced once per input shapes."""

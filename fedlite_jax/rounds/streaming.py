@@ -212,8 +212,9 @@ class LaneStreams:
     self.collect = collect
     self._programs: dict[tuple, tuple] = {}
     self._fns = init, step, final
-    self._reduce = jax.jit(lambda acc: jax.tree.map(lambda x: x.sum(0), acc),
-                           out_shardings=mesh.replicated)
+    def lanes_reduce(acc):
+      return jax.tree.map(lambda x: x.sum(0), acc)
+    self._reduce = jax.jit(lanes_reduce, out_shardings=mesh.replicated)
 
   def _build(self, segment_steps: int, loop: str):
     """The three jitted programs for ``segment_steps`` steps."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import sqlite3
 import threading
 from typing import Any, Iterable, Iterator, Optional
 
 import fedjax
+import jax
 import numpy as np
 
 ClientId = bytes
@@ -128,9 +130,16 @@ class ClientCache:
     return iter(out)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _sampler_keys(round_num: jax.Array, num_clients: int) -> jax.Array:
+  """``split(PRNGKey(round_num), num_clients)``: FedJAX's sampler's keys."""
+  return jax.random.split(jax.random.PRNGKey(round_num), num_clients)
+
+
 class CohortPrefetcher:
   """Round ``r``'s cohort, ``UniformGetClientSampler(fd, clients_per_round,
-  seed, r).sample()``, with (``prefetch``) the next one loaded in a
+  seed, r).sample()`` (its keys as NumPy ``uint32[2]`` rows, split in one
+  compiled program), with (``prefetch``) the next one loaded in a
   background thread.
 
   With ``prefetch``, ``fd`` must be readable from another thread: a
@@ -154,8 +163,16 @@ class CohortPrefetcher:
     self.background_loads = 0
 
   def _load(self, round_num: int) -> list[tuple[ClientId, Any, Any]]:
-    return fedjax.client_samplers.UniformGetClientSampler(
-        self._fd, self._n, self._seed, round_num).sample()
+    # UniformGetClientSampler(fd, n, seed, round_num).sample(), with its
+    # keys split in one compiled program (not one eager slice per client).
+    random_state = fedjax.client_samplers.get_pseudo_random_state(
+        self._seed, round_num)
+    client_ids = random_state.choice(
+        np.array(list(self._fd.client_ids()), dtype=object), size=self._n,
+        replace=False)
+    keys = np.asarray(_sampler_keys(np.int32(round_num), self._n))
+    return [(cid, cds, key) for (cid, cds), key in
+            zip(self._fd.get_clients(client_ids), keys)]
 
   def get(self, round_num: int, next_round: Optional[int] = None
           ) -> list[tuple[ClientId, Any, Any]]:

@@ -4,10 +4,12 @@ model (finite, better than chance) rather than a result to report.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Optional
 
 import fedjax
+from fedjax.core import models as fedjax_models
 import jax
 import numpy as np
 
@@ -29,12 +31,31 @@ def eval_batches(test_fd: fedjax.FederatedData, batch_size: int,
       datasets, batch_size=batch_size)))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _zero_stats(model: fedjax.Model) -> dict[str, Any]:
+  return {k: metric.zero() for k, metric in model.eval_metrics.items()}
+
+
+@jax.jit
+def _results(stats: dict[str, Any]) -> dict[str, jax.Array]:
+  return jax.tree.map(lambda s: s.result(), stats, is_leaf=lambda v: isinstance(
+      v, fedjax.metrics.Stat))
+
+
 def evaluate(model: fedjax.Model, params: Any,
              batches: list[dict]) -> dict[str, float]:
   """``fedjax.evaluate_model`` as floats, plus ``perplexity = exp(loss)``
-  for sequence models (integer 2-D ``'y'``)."""
-  metrics = {k: float(v) for k, v in
-             fedjax.evaluate_model(model, params, batches).items()}
+  for sequence models (integer 2-D ``'y'``).
+
+  The same computation as FedJAX's (its jitted per-batch step), with the
+  zero statistics and the results in compiled programs too: no eager
+  operations.
+  """
+  stats = _zero_stats(model)
+  for batch in batches:
+    stats = fedjax_models._evaluate_model_step(  # pylint: disable=protected-access
+        model, params, batch, stats)
+  metrics = {k: float(v) for k, v in _results(stats).items()}
   if batches and np.ndim(batches[0]['y']) == 2 and 'loss' in metrics and \
       np.issubdtype(np.asarray(batches[0]['y']).dtype, np.integer):
     metrics['perplexity'] = float(math.exp(min(metrics['loss'], 700.0)))

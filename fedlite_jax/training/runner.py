@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import pathlib
 import platform
 import shutil
@@ -43,10 +44,18 @@ from fedlite_jax.rounds import stats as stats_lib
 RunConfig = config_lib.RunConfig
 ConfigError = config_lib.ConfigError
 
-def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
-  """The PRNG key of ``client_id`` in round ``round_num`` of a run."""
+@functools.partial(jax.jit, static_argnums=0)
+def _client_key(seed: int, round_num: np.uint32, crc: np.uint32) -> jax.Array:
   key = jax.random.fold_in(jax.random.PRNGKey(seed), round_num)
-  return jax.random.fold_in(key, zlib.crc32(bytes(client_id)))
+  return jax.random.fold_in(key, crc)
+
+
+def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
+  """The PRNG key of ``client_id`` in round ``round_num`` of a run:
+  ``fold_in(fold_in(PRNGKey(seed), round_num), crc32(client_id))``, one
+  compiled program per seed (``uint32[2]``)."""
+  return _client_key(int(seed), np.uint32(round_num),
+                     np.uint32(zlib.crc32(bytes(client_id))))
 
 
 def build_algorithm(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
@@ -453,17 +462,20 @@ def _round_loop(config: RunConfig, task: tasks.Task, built: _Built,
                **round_metrics.comm_metrics(totals, built.ledger.summary()),
                'time/data_seconds': t_train - t_data,
                'time/train_seconds': t_done - t_train,
-               **round_metrics.engine_metrics(recorder.take()),
-               'engine/compilations': compiles.total - before[0],
-               'engine/client_program_compilations': compiles.count(
-                   *stats_lib.CLIENT_PROGRAMS) - before[1],
-               'engine/compile_seconds': compiles.total_seconds - before[2]}
+               **round_metrics.engine_metrics(recorder.take())}
         if done % config.eval_every == 0 or done == config.num_rounds:
           t_eval = time.perf_counter()
           row.update(built.evaluate(done))
           row['time/eval_seconds'] = time.perf_counter() - t_eval
           bar.set_postfix({task.metric:
                            f'{row.get(task.metric, float("nan")):.4f}'})
+        # The round's compilations: sampling, training, server update,
+        # accounting and evaluation.
+        row.update({
+            'engine/compilations': compiles.total - before[0],
+            'engine/client_program_compilations': compiles.count(
+                *stats_lib.CLIENT_PROGRAMS) - before[1],
+            'engine/compile_seconds': compiles.total_seconds - before[2]})
         writer.write(row)
         built.rows.append(row)
         if ckpt is not None and ((config.checkpoint_every and
