@@ -130,8 +130,9 @@ def lane_step(init: Callable, step: Callable, final: Callable,
       zero diagnostics); False: at every step.
 
   Returns:
-    ``(shared, states, acc, inputs: StepInputs) -> (states, acc, diag,
-    output, result)``: ``states`` ``[lanes, ...]``; ``acc`` the weighted sum
+    A function ``body(shared, states, acc, inputs)`` (``inputs`` a
+    :class:`StepInputs`) returning ``(states, acc, diag, output, result)``:
+    ``states`` ``[lanes, ...]``; ``acc`` the weighted sum
     (``[1, ...]`` per leaf; returned unchanged when collecting); ``diag``
     and ``output`` ``[slots, ...]`` of the finalized clients (``output``
     None unless collecting); ``result`` ``[lanes, ...]`` the step results.
