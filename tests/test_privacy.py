@@ -1,6 +1,7 @@
 """fedlite_jax.privacy: DP-FedAvg aggregation, adaptive clipping, accounting
 and the clip-order rule, each against an independent expectation."""
 
+import dataclasses
 import math
 
 import dp_accounting
@@ -269,3 +270,47 @@ def test_clip_after_decode_bounds_a_quantized_contribution():
 def test_module_functions_are_reexported():
   assert privacy.epsilon is accounting.epsilon
   assert privacy.dp_fedavg_aggregate is aggregation.dp_fedavg_aggregate
+
+
+def test_static_igc_subspace_clips_and_noises_the_d_vectors():
+  # Static IGC: the server sums the d-dimensional messages, then lifts once.
+  from fedlite_jax import transforms
+  d, m, c, z = 16, 5, 0.5, 1.0
+  t = transforms.intrinsic_projection(d)
+  updates = {'w': jax.random.normal(jax.random.PRNGKey(7), (m, 10, 10))}
+  state = t.init(jax.tree.map(lambda x: x[0], updates))
+  messages = jax.vmap(lambda u: t.encode(u, state, jax.random.PRNGKey(0))[0]
+                      )(updates)
+  assert messages.values.shape == (m, d)
+  s = privacy.clip_sensitivity('intrinsic_projection:16', c,
+                               aggregated=messages.values[0])
+  assert s.noise_size == d
+  agg = privacy.dp_fedavg_aggregate(messages.values, jax.random.PRNGKey(1),
+                                    c, z)
+  assert agg.mean.shape == (d,)
+  noise_free = privacy.dp_fedavg_aggregate(messages.values,
+                                           jax.random.PRNGKey(1), c, 0.0)
+  # The noise is z*C per coordinate of the sum: d draws, not D = 100.
+  diff = np.asarray(agg.mean - noise_free.mean) * m
+  assert diff.shape == (d,) and np.all(np.abs(diff) < 6 * z * c)
+  one = jax.tree.map(lambda x: x[0], messages)
+  lifted, _ = t.decode(dataclasses.replace(one, values=agg.mean), state)
+  assert lifted['w'].shape == (10, 10)
+
+
+def test_a_jitted_adaptive_dp_round_takes_a_traced_clip_norm():
+  gamma, eta, z, sigma_b, m = 0.5, 0.2, 1.0, 2.0, 32
+  z_delta = privacy.effective_delta_noise_multiplier(z, sigma_b)
+
+  @jax.jit
+  def round_(c, key, deltas):
+    k_noise, k_count = jax.random.split(key)
+    agg = privacy.dp_fedavg_aggregate(deltas, k_noise, c, z_delta)
+    new = privacy.adaptive_clip_update(c, agg.norms, k_count, gamma, eta,
+                                       sigma_b, float(m))
+    return agg.mean, new.clip_norm
+
+  deltas = {'w': jax.random.normal(jax.random.PRNGKey(8), (m, 6))}
+  mean, c1 = round_(jnp.float32(0.1), jax.random.PRNGKey(9), deltas)
+  assert mean['w'].shape == (6,)
+  assert float(c1) > 0.1  # every norm ~ sqrt(6) > 0.1: C grows
