@@ -61,6 +61,12 @@ def test_adaptive_clipping_event_is_the_combined_gaussian():
   got = dp_accounting.rdp.RdpAccountant().compose(
       dp_accounting.GaussianDpEvent(z)).get_epsilon(1e-5)
   assert got == pytest.approx(want, rel=1e-6)
+  # Sampled and composed over rounds: the same epsilon as DP-FedAvg at z.
+  assert privacy.event_epsilon(event, 1e-5) == pytest.approx(
+      privacy.epsilon(z, 0.05, 20, 1e-5), rel=1e-9)
+  with pytest.raises(ValueError, match='delta') as e:
+    privacy.event_epsilon(event, 2.0)
+  _one_line(e)
 
 
 @pytest.mark.parametrize('target', [1.0, 4.0])

@@ -16,6 +16,7 @@ from fedlite_jax.privacy.accounting import adaptive_clipping_event
 from fedlite_jax.privacy.accounting import calibrate_noise_multiplier
 from fedlite_jax.privacy.accounting import dp_fedavg_event
 from fedlite_jax.privacy.accounting import epsilon
+from fedlite_jax.privacy.accounting import event_epsilon
 from fedlite_jax.privacy.accounting import make_accountant
 from fedlite_jax.privacy.accounting import sampling_probability
 from fedlite_jax.privacy.aggregation import adaptive_clip_update
@@ -47,6 +48,7 @@ __all__ = [
     'dp_fedavg_event',
     'effective_delta_noise_multiplier',
     'epsilon',
+    'event_epsilon',
     'gaussian_noise_like',
     'global_norm',
     'make_accountant',

@@ -30,6 +30,7 @@ __all__ = [
     'calibrate_noise_multiplier',
     'dp_fedavg_event',
     'epsilon',
+    'event_epsilon',
     'make_accountant',
     'sampling_probability',
 ]
@@ -142,6 +143,19 @@ def epsilon(noise_multiplier: float, sampling_probability: float,
   if noise_multiplier == 0:
     return math.inf
   return float(acc.compose(event).get_epsilon(delta))
+
+
+def event_epsilon(event: dp_accounting.DpEvent, delta: float,
+                  accountant: str = 'rdp') -> float:
+  """Epsilon at ``delta`` of any ``dp_accounting`` event (e.g.
+  :func:`adaptive_clipping_event`).
+
+  Raises:
+    ValueError: (one line) for ``delta`` outside (0, 1) or an unknown
+      accountant.
+  """
+  _check_delta(delta)
+  return float(make_accountant(accountant).compose(event).get_epsilon(delta))
 
 
 def calibrate_noise_multiplier(target_epsilon: float, delta: float,
