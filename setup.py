@@ -11,6 +11,7 @@ INSTALL_REQUIRES = [
     'flax>=0.12,<0.13',
     'orbax-checkpoint>=0.12.8,<0.13',  # Round checkpoints (flax's own dep).
     'optax>=0.2.8',
+    'dp-accounting>=0.6.0',  # fedlite_jax.privacy's accountants.
     'numpy>=2.0',
     'scipy>=1.13',
     'msgpack>=1.0',

@@ -14,7 +14,7 @@ _compat.apply()
 __version__ = '0.1.0'
 
 _SUBPACKAGES = ('algorithms', 'checkpoint', 'comm', 'datasets', 'models',
-                'rounds', 'training', 'transforms')
+                'privacy', 'rounds', 'training', 'transforms')
 
 
 def __getattr__(name: str):

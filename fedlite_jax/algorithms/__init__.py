@@ -11,6 +11,8 @@ One entry point per algorithm:
 * Intrinsic gradient compression (static, K-subspace, time-varying):
   :func:`fedlite_jax.algorithms.igc.intrinsic_gradient_compression`.
 * FetchSGD: :func:`fedlite_jax.algorithms.fetchsgd.fetchsgd`.
+* DP-FedAvg (central DP, clipping in the aggregation space) on FedJAX's
+  clients: :func:`fedlite_jax.algorithms.dp_fedavg.dp_federated_averaging`.
 * SplitFed and FedLite: :func:`fedlite_jax.algorithms.splitfed.splitfed` and
   :func:`fedlite_jax.algorithms.splitfed.fedlite`.
 

@@ -1,0 +1,59 @@
+"""Differential privacy that composes with compression.
+
+Central DP-FedAvg aggregation (clip, sum, Gaussian noise on the sum; McMahan
+et al. 2018), adaptive clipping (Andrew et al. 2021), accounting with
+Google's ``dp-accounting`` (RDP by default, PLD as an option; noise
+calibration from a target epsilon) and the sensitivity rule for where the
+clip sits relative to a compression chain. Plain JAX plus ``dp_accounting``:
+this package sits below ``fedlite_jax.algorithms`` and imports no FedJAX.
+
+Modules: :mod:`~fedlite_jax.privacy.aggregation`,
+:mod:`~fedlite_jax.privacy.accounting`,
+:mod:`~fedlite_jax.privacy.sensitivity`.
+"""
+
+from fedlite_jax.privacy.accounting import adaptive_clipping_event
+from fedlite_jax.privacy.accounting import calibrate_noise_multiplier
+from fedlite_jax.privacy.accounting import dp_fedavg_event
+from fedlite_jax.privacy.accounting import epsilon
+from fedlite_jax.privacy.accounting import event_epsilon
+from fedlite_jax.privacy.accounting import make_accountant
+from fedlite_jax.privacy.accounting import sampling_probability
+from fedlite_jax.privacy.aggregation import adaptive_clip_update
+from fedlite_jax.privacy.aggregation import AdaptiveClipResult
+from fedlite_jax.privacy.aggregation import check_dp_params
+from fedlite_jax.privacy.aggregation import clip_by_global_norm
+from fedlite_jax.privacy.aggregation import dp_fedavg_aggregate
+from fedlite_jax.privacy.aggregation import DPAggregate
+from fedlite_jax.privacy.aggregation import effective_delta_noise_multiplier
+from fedlite_jax.privacy.aggregation import gaussian_noise_like
+from fedlite_jax.privacy.aggregation import global_norm
+from fedlite_jax.privacy.aggregation import noise_std_on_sum
+from fedlite_jax.privacy.aggregation import noised_unclipped_fraction
+from fedlite_jax.privacy.sensitivity import clip_sensitivity
+from fedlite_jax.privacy.sensitivity import Sensitivity
+from fedlite_jax.privacy.sensitivity import stage_names
+
+__all__ = [
+    'AdaptiveClipResult',
+    'DPAggregate',
+    'Sensitivity',
+    'adaptive_clip_update',
+    'adaptive_clipping_event',
+    'calibrate_noise_multiplier',
+    'check_dp_params',
+    'clip_by_global_norm',
+    'clip_sensitivity',
+    'dp_fedavg_aggregate',
+    'dp_fedavg_event',
+    'effective_delta_noise_multiplier',
+    'epsilon',
+    'event_epsilon',
+    'gaussian_noise_like',
+    'global_norm',
+    'make_accountant',
+    'noise_std_on_sum',
+    'noised_unclipped_fraction',
+    'sampling_probability',
+    'stage_names',
+]
