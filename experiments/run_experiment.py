@@ -96,7 +96,19 @@ def _define_removed_flags() -> None:
       flags.DEFINE_string(name, None, help_text)
 
 
+#: Removed round-engine flags and the flag that replaces each (the value
+#: carries over).
+REMOVED_ENGINE_FLAGS = {'clients_per_chunk': 'lanes_per_device'}
+
+
+def _define_removed_engine_flags() -> None:
+  """Removed engine flags, parsed only to name their replacement."""
+  for name, new in REMOVED_ENGINE_FLAGS.items():
+    flags.DEFINE_string(name, None, f'Removed: use --{new}.')
+
+
 _define_config_flags()
+_define_removed_engine_flags()
 flags.DEFINE_bool('validate_only', False,
                   'Check the flags (values, paths, and that each applies to '
                   'the task and algorithm) and exit without loading data or '
@@ -117,6 +129,12 @@ def _config_from_flags() -> config_lib.RunConfig:
              compression_options.REMOVED_FLAGS + ('topk_k',)
              if FLAGS[name].present}
   compression_options.check_removed(removed, FLAGS.algorithm)
+  for name, new in REMOVED_ENGINE_FLAGS.items():
+    if FLAGS[name].present:
+      raise config_lib.ConfigError(
+          f'--{name}={FLAGS[name].value} was removed; use '
+          f'--{new}={FLAGS[name].value} (clients run on lanes that each '
+          'stream their clients, no longer in chunks).')
   return config_lib.RunConfig(**{n: getattr(FLAGS, n) for n in _FIELDS},
                               options=options)
 

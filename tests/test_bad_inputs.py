@@ -236,6 +236,9 @@ ROWS = [
                                              '--igc_upload_quant_bits=8'],
      '--igc_upload_quant_bits=8 was removed; use '
      '--upload=uniform_quantization:8'),
+    # A removed engine flag names the flag that replaced it.
+    ('removed_clients_per_chunk', EMB + ['--clients_per_chunk=8'],
+     '--clients_per_chunk=8 was removed; use --lanes_per_device=8'),
     ('intrinsic_dim_with_fedavg', EMB + ['--intrinsic_dim=64'],
      '--intrinsic_dim is an option of'),
     ('num_subvectors_with_splitfed', EMB + ['--algorithm=splitfed',

@@ -10,7 +10,7 @@ class docstring). A class's docstring must be its own, not the signature that
 ``NamedTuple`` / ``dataclass`` generate.
 
 Independent expectation: the names are read from the imported modules, not
-from a list kept here; the only list is :data:`PENDING`.
+from a list kept here; no name is exempt.
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ import re
 import fedlite_jax
 
 # Public names allowed without a docstring (none).
-PENDING = frozenset()
-
-
 def public_modules() -> list[str]:
   """Dotted names of the package's public modules, the package included."""
   names = ['fedlite_jax'] + [
@@ -95,13 +92,6 @@ def test_auto_generated_class_docs_do_not_count():
 
 def test_every_public_object_has_a_docstring():
   missing = sorted(name for name, documented in public_objects()
-                   if not documented and name not in PENDING)
+                   if not documented)
   assert not missing, ('public names without a docstring: ' +
                        ', '.join(missing))
-
-
-def test_pending_entries_are_still_pending():
-  found = dict(public_objects())
-  stale = sorted(n for n in PENDING if found.get(n, True))
-  assert not stale, ('documented or gone; remove from PENDING: ' +
-                     ', '.join(stale))

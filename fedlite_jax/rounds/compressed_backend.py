@@ -179,11 +179,6 @@ class CompressedBackend(fedjax.ForEachClientBackend):
     self._bits: dict[int, dict[Any, dict[str, float]]] = {}
 
   @property
-  def rounds_started(self) -> int:
-    """Number of rounds seen so far."""
-    return self._round + 1
-
-  @property
   def client_bits(self) -> dict[int, dict[Any, dict[str, float]]]:
     """``{round: {client_id: {'upload_bits': u, 'download_bits': d}}}``."""
     return {r: {c: dict(v) for c, v in row.items()}

@@ -14,7 +14,7 @@ import math
 import socket
 import threading
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import jax
 from jax.experimental import multihost_utils
@@ -94,15 +94,6 @@ class ClientMesh:
   def is_local(self, position: int, cohort_size: int) -> bool:
     """Whether this process runs cohort ``position``."""
     return self.owner(position, cohort_size) == self.process_index
-
-  def rows(self, cohort_size: int) -> np.ndarray:
-    """``[cohort_size]`` int: each client's row of the padded global array."""
-    share = self.rows_per_process(cohort_size)
-    out = []
-    for p in range(self.num_processes):
-      lo, hi = self.local_clients(cohort_size, p)
-      out.extend(p * share + np.arange(hi - lo))
-    return np.asarray(out, np.int64)
 
   @property
   def client_sharding(self) -> NamedSharding:
@@ -199,12 +190,6 @@ def use_client_mesh(mesh: Optional[ClientMesh]) -> Iterator[None]:
     yield
   finally:
     _CURRENT.mesh = previous
-
-
-def pad_cohort(items: Sequence[Any], padded_size: int,
-               make_padding) -> list[Any]:
-  """``items`` followed by ``make_padding()`` up to ``padded_size``."""
-  return list(items) + [make_padding() for _ in range(padded_size - len(items))]
 
 
 class DistributedInitError(RuntimeError):

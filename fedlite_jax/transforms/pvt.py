@@ -191,14 +191,6 @@ def check_mask(plan: PVTPlan, mask: Any) -> np.ndarray:
   return mask
 
 
-def mask_tree(mask: jax.Array, like: PyTree, dtype: Any = jnp.float32
-              ) -> PyTree:
-  """The mask as a pytree shaped like ``like``: one scalar (0/1) per leaf."""
-  leaves, treedef = jax.tree.flatten(like)
-  return jax.tree.unflatten(
-      treedef, [mask[i].astype(dtype) for i in range(len(leaves))])
-
-
 def apply_mask(tree: PyTree, mask: jax.Array) -> PyTree:
   """Zeroes the frozen leaves of ``tree`` (jittable)."""
   leaves, treedef = jax.tree.flatten(tree)
