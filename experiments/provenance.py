@@ -26,6 +26,8 @@ from absl import flags
 
 import stats
 
+from fedlite_jax.training import outputs
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RUNNER = 'experiments/run_experiment.py'
 #: Paths whose changes do not make the code differ from the commit (the
@@ -120,7 +122,7 @@ def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
 
   Returns:
     ``{'command', 'commit', 'dirty', 'summary' (summary.json), 'curve'
-    (metrics.jsonl rows: one per round, evaluations with ``accuracy``),
+    (metrics.jsonl rows: one per round, evaluations with ``eval/*``),
     'wall_seconds' (the whole process: start-up, data
     loading, compilation, training, evaluation)}``.
 
@@ -135,8 +137,7 @@ def run_experiment(flags: Sequence[str]) -> dict[str, Any]:
   record = run_script(RUNNER, flags)
   del record['stdout']
   summary = json.loads((out_dir / 'summary.json').read_text())
-  curve = [json.loads(line) for line in
-           (out_dir / 'metrics.jsonl').read_text().splitlines() if line]
+  curve = outputs.read_metrics(out_dir / 'metrics.jsonl')
   return {**record, 'summary': summary, 'curve': curve}
 
 
@@ -158,8 +159,7 @@ def run_or_reuse(flags: Sequence[str], rounds: int) -> dict[str, Any]:
     if summary.exists():
       s = json.loads(summary.read_text())
       if s['rounds'] == rounds:
-        curve = [json.loads(line) for line in
-                 (out_dir / 'metrics.jsonl').read_text().splitlines() if line]
+        curve = outputs.read_metrics(out_dir / 'metrics.jsonl')
         return {'command': shlex.join(['python', RUNNER, *flags]),
                 'commit': s['code']['commit'], 'dirty': s['code']['dirty'],
                 'wall_seconds': None, 'summary': s, 'curve': curve}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from fedlite_jax.training import round_metrics
+
 #: Evaluations averaged per run (the mean of the last 3, not the last one).
 TAIL = 3
 
@@ -119,13 +121,18 @@ def paired_at_equal_upload(a: Mapping, b: Mapping, key: str) -> dict:
 
 
 def eval_rows(curve: Sequence[Mapping]) -> list[dict]:
-  """The evaluation rows of a run's ``metrics.jsonl`` (those with
-  ``accuracy``; the per-round rows between evaluations hold only ``train/``,
-  ``comm/``, ``time/``, ``engine/`` keys), keeping round, accuracy, loss,
-  perplexity (language models) and the cumulative byte counts."""
-  keys = ('round', 'accuracy', 'loss', 'perplexity', 'upload_bytes',
-          'download_bytes')
-  return [{k: r[k] for k in keys if k in r} for r in curve if 'accuracy' in r]
+  """The evaluation rows of a run's ``metrics.jsonl`` rows (either schema:
+  ``round_metrics.normalize_row``), flat as the results files keep them:
+  round, the test metrics (accuracy, loss, perplexity, ...) and the
+  cumulative ``upload_bytes`` / ``download_bytes``."""
+  out = []
+  for row in map(round_metrics.normalize_row, curve):
+    if round_metrics.is_evaluation(row):
+      out.append({'round': row['round'], **round_metrics.eval_metrics(row),
+                  **{k: row[f'comm/{k}_total']
+                     for k in ('upload_bytes', 'download_bytes')
+                     if f'comm/{k}_total' in row}})
+  return out
 
 
 def plot_seed_bands(results: Sequence[Mapping], path, *, xlabel: str,

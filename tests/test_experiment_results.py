@@ -20,9 +20,11 @@ import sys
 
 import pytest
 
-from fedlite_jax.training import round_metrics
+from fedlite_jax.training import outputs
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_REPO / 'experiments'))
+import stats  # noqa: E402  pylint: disable=g-import-not-at-top
 _RESULTS = _REPO / 'experiments' / 'results'
 _RUNNER = 'experiments/run_experiment.py'
 _COMMIT = re.compile(r'`([0-9a-f]{40})`')
@@ -117,9 +119,8 @@ def test_check_run_reproduces(name, data_dir, tmp_path):
       for key in ('psnr', 'best_loss'):
         assert g[key] == pytest.approx(w[key], rel=1e-4), (g['run'], key)
     return
-  rows = round_metrics.evaluations(
-      [json.loads(line) for line in
-       (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()])
+  rows = stats.eval_rows(
+      outputs.read_metrics(tmp_path / 'run' / 'metrics.jsonl'))
   assert [r['round'] for r in rows] == [r['round'] for r in check['curve']]
   # Float32 training is reproducible on one machine and program, but XLA
   # reassociates sums differently across CPU vector widths and across

@@ -70,10 +70,15 @@ def test_bad_input_is_one_clear_line(call, message):
 
 
 def test_eval_rows_keep_evaluations_and_plot_writes_a_png(tmp_path):
-  curve = [{'round': 1, 'loss': 2.0, 'data_seconds': 0.1},
-           {'round': 2, 'accuracy': 0.5, 'loss': 1.5, 'upload_bytes': 8.0}]
+  # A training row, an evaluation row as written today, and one as written
+  # before one schema (flat metrics, cumulative bytes).
+  curve = [{'round': 1, 'train/loss': 2.0, 'comm/upload_bytes': 4.0},
+           {'round': 2, 'eval/accuracy': 0.5, 'eval/loss': 1.5,
+            'comm/upload_bytes_total': 8.0},
+           {'round': 3, 'accuracy': 0.6, 'loss': 1.2, 'upload_bytes': 12.0}]
   assert stats.eval_rows(curve) == [
-      {'round': 2, 'accuracy': 0.5, 'loss': 1.5, 'upload_bytes': 8.0}]
+      {'round': 2, 'accuracy': 0.5, 'loss': 1.5, 'upload_bytes': 8.0},
+      {'round': 3, 'accuracy': 0.6, 'loss': 1.2, 'upload_bytes': 12.0}]
   runs = [{'curve': [{'round': 1, 'accuracy': a}, {'round': 2,
                                                   'accuracy': a + 0.1}]}
           for a in (0.2, 0.3, 0.4)]

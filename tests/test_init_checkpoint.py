@@ -25,6 +25,8 @@ from fedlite_jax.algorithms import FedOptState
 from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import init_params
+from fedlite_jax.training import outputs
+from fedlite_jax.training import round_metrics
 from fedlite_jax.training import run
 
 # embedded_mnist in 100 clients (~40 training examples each): 3 clients of 2
@@ -39,8 +41,10 @@ def _server(params):
                      jnp.zeros((), jnp.int32), ints, ints)
 
 def _rows(out_dir):
-  return [json.loads(l) for l in
-          (out_dir / 'metrics.jsonl').read_text().splitlines()]
+  """The run's evaluation-carrying rows with the test metrics by bare
+  name (``eval/loss`` -> ``loss``), beside the other keys."""
+  return [{**r, **round_metrics.eval_metrics(r)}
+          for r in outputs.read_metrics(out_dir / 'metrics.jsonl')]
 
 
 def _dir_sha256(path):
@@ -85,7 +89,8 @@ def test_starts_at_the_checkpoint_of_a_20_round_run(trained, tmp_path):
   # Round 0 is the 20-round model evaluated on the same test batches.
   assert rows[0]['accuracy'] == pytest.approx(src_rows[-1]['accuracy'], abs=1e-6)
   assert rows[0]['loss'] == pytest.approx(src_rows[-1]['loss'], rel=1e-5)
-  assert rows[0]['upload_bytes'] == rows[0]['download_bytes'] == 0
+  assert rows[0]['comm/upload_bytes_total'] == 0
+  assert rows[0]['comm/download_bytes_total'] == 0
   assert not any(k.startswith(('train/', 'time/')) for k in rows[0])
   # Trained from there, not from the random init: far above chance (0.1).
   assert rows[0]['accuracy'] > 0.4

@@ -171,7 +171,7 @@ def test_rounds_after_the_first_compile_nothing(name, engine, data_dir,
   assert rows[0]['engine/client_program_compilations'] > 0, rows[0]
   assert rows[0]['engine/compilations'] > rows[0][
       'engine/client_program_compilations'], rows[0]
-  assert all('loss' in r for r in rows)  # Evaluated every round.
+  assert all('eval/loss' in r for r in rows)  # Evaluated every round.
   assert [r['engine/compilations'] for r in rows[1:]] == [0, 0], [
       {k: v for k, v in r.items() if 'compil' in k} for r in rows]
 

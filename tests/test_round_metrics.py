@@ -116,24 +116,24 @@ def test_engine_counts_flow_through_whatever_their_names():
                           'longest_client_steps': 5, 'compilations': 1}
 
 
-def test_tags_and_evaluation_rows():
-  assert round_metrics.tb_tag('train/loss') == 'train/loss'
-  assert round_metrics.tb_tag('accuracy') == 'eval/accuracy'
-  assert round_metrics.tb_tag('perplexity') == 'eval/perplexity'
-  assert round_metrics.tb_tag('upload_bytes') is None
-  assert round_metrics.tb_tag('round') is None
+def test_one_schema_and_rows_written_before_it():
   train_row = {'round': 3, 'train/loss': 1.0, 'comm/upload_bytes': 8.0}
-  eval_row = {**train_row, 'accuracy': 0.5, 'loss': 1.2, 'upload_bytes': 8.0,
-              'download_bytes': 8.0}
-  old_row = {'round': 2, 'accuracy': 0.4, 'loss': 1.5, 'upload_bytes': 4.0,
-             'download_bytes': 4.0, 'seconds_per_round': 1.0}
+  eval_row = {**train_row, 'eval/accuracy': 0.5, 'eval/loss': 1.2,
+              'comm/upload_bytes_total': 24.0}
   assert not round_metrics.is_evaluation(train_row)
   assert round_metrics.is_evaluation(eval_row)
-  assert round_metrics.is_evaluation(old_row)  # Written before per-round rows.
-  assert round_metrics.evaluations([old_row, train_row, eval_row]) == [
-      old_row, eval_row]
+  assert round_metrics.evaluations([train_row, eval_row]) == [eval_row]
   assert round_metrics.eval_metrics(eval_row) == {'accuracy': 0.5,
                                                   'loss': 1.2}
+  assert round_metrics.eval_row({'loss': 2.0}) == {'eval/loss': 2.0}
+  # Current rows read back unchanged; rows of earlier schemas: flat test
+  # metrics and cumulative bytes (evaluations), comm/total_* (per round).
+  assert round_metrics.normalize_row(eval_row) == eval_row
+  assert round_metrics.normalize_row(
+      {'round': 2, 'accuracy': 0.4, 'loss': 1.5, 'upload_bytes': 4.0,
+       'download_bytes': 6.0, 'comm/total_upload_bytes': 4.0}) == {
+           'round': 2, 'eval/accuracy': 0.4, 'eval/loss': 1.5,
+           'comm/upload_bytes_total': 4.0, 'comm/download_bytes_total': 6.0}
 
 
 def test_hparams_flatten_the_options():
@@ -218,13 +218,13 @@ def test_femnist_rows_tensorboard_and_hparams(data_dir, tmp_path):
   assert all(math.isfinite(r['train/loss']) for r in rows)
   evals = round_metrics.evaluations(rows)
   assert [r['round'] for r in evals] == [10, 20]
-  assert evals[-1]['accuracy'] == summary['final_eval']['accuracy']
+  assert evals[-1]['eval/accuracy'] == summary['final_eval']['accuracy']
   # Per round: 3 clients, FedAvg's 32 bits per parameter each way.
   n = summary['communication']['num_params']
   for r in rows:
     assert r['train/clients'] == 3 and r['train/skipped_clients'] == 0
     assert r['comm/upload_bytes'] == r['comm/download_bytes'] == 3 * 4 * n
-    assert r['comm/total_upload_bytes'] == r['round'] * 3 * 4 * n
+    assert r['comm/upload_bytes_total'] == r['round'] * 3 * 4 * n
     assert r['engine/clients'] == 3 and r['engine/useful_steps'] >= 3
     assert r['train/delta_norm_max'] >= r['train/delta_norm_mean'] > 0
   assert summary['engine']['useful_steps'] == sum(

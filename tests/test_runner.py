@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import fedjax
+import jax
 import numpy as np
 import pytest
 
@@ -14,7 +16,11 @@ from fedlite_jax.training import RunConfig
 from fedlite_jax.training import evaluation
 from fedlite_jax.training import outputs
 from fedlite_jax.training import run
+from fedlite_jax.training import build as build_lib
 from fedlite_jax.training import runner
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import init_params
+from fedlite_jax.training import tasks
 
 SMALL = dict(task='embedded_mnist', num_clients=12, clients_per_round=3,
              client_batch_size=32, eval_every=2, progress=False, seed=3)
@@ -25,32 +31,62 @@ def _final_params(out_dir):
   return checkpoint.read_leaves(path)[1]
 
 
+def _evaluate_with_fedjax(out, config):
+  """The test metrics of ``out``'s last checkpoint by FedJAX's own
+  ``evaluate_model`` on the run's test batches (not the runner's code)."""
+  task = tasks.get_task(config.task)
+  config = config_lib.resolve(config, task.defaults)
+  _, test_fd, info = task.load_data(config)
+  model = task.build_model(config, info).model
+  init = init_params.load_init_params(
+      checkpoint.latest_checkpoint(out / 'checkpoints'),
+      model.init(jax.random.PRNGKey(0)))
+  batches = evaluation.eval_batches(test_fd, config.eval_batch_size,
+                                    config.eval_num_clients, config.seed)
+  return {k: float(v) for k, v in
+          fedjax.evaluate_model(model, init.params, batches).items()}
+
+
 def test_outputs_and_summary(tmp_path):
   out = tmp_path / 'run'
-  summary = run(RunConfig(num_rounds=4, output_dir=str(out), **SMALL))
+  config = RunConfig(num_rounds=4, output_dir=str(out), **SMALL)
+  summary = run(config)
   for name in ('metrics.jsonl', 'summary.json', 'communication.csv',
                'curves.png'):
     assert (out / name).exists(), name
   assert list((out / 'tb').iterdir())
-  rows = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()]
-  # One row per round; evaluations (flat keys) every 2 rounds.
+  rows = outputs.read_metrics(out / 'metrics.jsonl')
+  # One row per round; evaluations every 2 rounds.
   assert [r['round'] for r in rows] == [1, 2, 3, 4]
-  assert [r['round'] for r in rows if 'accuracy' in r] == [2, 4]
-  for key in ('accuracy', 'loss', 'upload_bytes', 'download_bytes',
-              'train/loss', 'time/train_seconds', 'time/eval_seconds'):
-    assert key in rows[-1]
-  assert 'loss' not in rows[0] and 'train/loss' in rows[0]
+  assert [r['round'] for r in rows if 'eval/accuracy' in r] == [2, 4]
+  assert 'eval/loss' not in rows[0] and 'train/loss' in rows[0]
+  assert 'time/eval_seconds' in rows[1] and 'time/eval_seconds' not in rows[0]
   saved = json.loads((out / 'summary.json').read_text())
   assert saved['final_eval'] == summary['final_eval']
-  assert saved['final_eval']['accuracy'] == pytest.approx(rows[-1]['accuracy'])
+  # The final evaluation is the final model's, recomputed by FedJAX.
+  want = _evaluate_with_fedjax(out, config)
+  assert saved['final_eval']['accuracy'] == pytest.approx(want['accuracy'],
+                                                          abs=1e-6)
+  assert saved['final_eval']['loss'] == pytest.approx(want['loss'], rel=1e-5)
+  assert rows[-1]['eval/accuracy'] == saved['final_eval']['accuracy']
   comm = saved['communication']
   n = 1_199_882  # EMNIST CNN with 10 classes: 18,816 + 9216*128+128 + 128*10+10
   assert comm['num_params'] == n
   # FedAvg: 32 bits x params each way, 3 clients x 4 rounds.
   assert comm['total_upload_bytes'] == comm['total_download_bytes'] == 4 * n * 12
+  for r in rows:
+    assert r['train/clients'] == 3 and r['train/skipped_clients'] == 0
+    assert r['comm/upload_bytes'] == r['comm/download_bytes'] == 3 * n * 4
+    assert r['comm/upload_bytes_total'] == r['round'] * 3 * n * 4
   for key in ('upload_compression', 'download_compression', 'total_compression'):
     assert comm[key] == 1.0
+  assert saved['rounds'] == 4 and saved['stopped_early'] is None
+  assert saved['seconds_per_round'] == pytest.approx(
+      sum(r['time/train_seconds'] for r in rows) / 4)
+  assert saved['engine']['useful_steps'] == sum(
+      r['engine/useful_steps'] for r in rows)
   assert saved['flags']['seed'] == 3 and saved['synthetic_partition']
+  assert saved['status'] == 'ok' and saved['failure'] is None
   assert len((out / 'communication.csv').read_text().splitlines()) == 1 + 12
   # The code version: the checkout's HEAD (None outside a git checkout).
   head = subprocess.run(['git', '-C', os.path.dirname(outputs.__file__),
@@ -85,8 +121,8 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, monkeypatch):
   for a, b in zip(_final_params(tmp_path / 'full'),
                   _final_params(tmp_path / 'resumed')):
     np.testing.assert_array_equal(a, b)
-  rows = (tmp_path / 'resumed' / 'metrics.jsonl').read_text().splitlines()
-  assert [json.loads(l)['round'] for l in rows] == [1, 2, 3, 4, 5, 6]
+  rows = outputs.read_metrics(tmp_path / 'resumed' / 'metrics.jsonl')
+  assert [r['round'] for r in rows] == [1, 2, 3, 4, 5, 6]
   full = json.loads((tmp_path / 'full' / 'summary.json').read_text())
   assert summary['communication'] == full['communication']
   assert summary['final_eval'] == full['final_eval']
@@ -210,7 +246,7 @@ def test_skipped_clients_counted_per_round_in_metrics_and_summary(
     tmp_path, monkeypatch):
   # An algorithm that reports its first client of the 2nd round as skipped
   # (as --nonfinite_updates=skip does): 0 upload bits, counted once.
-  real_build = runner.build_algorithm
+  real_build = build_lib.build_algorithm
   calls = {'n': 0}
 
   def build(ctx):
@@ -226,7 +262,7 @@ def test_skipped_clients_counted_per_round_in_metrics_and_summary(
 
     return alg.__class__(alg.init, apply)
 
-  monkeypatch.setattr(runner, 'build_algorithm', build)
+  monkeypatch.setattr(build_lib, 'build_algorithm', build)
   out = tmp_path / 'skip'
   summary = run(RunConfig(num_rounds=3, output_dir=str(out), **SMALL))
   rows = outputs.read_metrics(out / 'metrics.jsonl')

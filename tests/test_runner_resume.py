@@ -277,10 +277,10 @@ def test_truncation_drops_partial_lines(tmp_path):
   assert metrics.read_text() == '{"round": 1}\n{"round": 2}\n'
   csv = tmp_path / 'communication.csv'
   csv.write_text('round,client_id,upload_bits,download_bits\n'
-                 '0,a,1,2\n1,a,1,2\n2,a,1,2\n3,a')
-  outputs.truncate_csv(csv, 2)
+                 '1,a,1,2\n2,a,1,2\n3,a,1,2\n4,a')
+  outputs.truncate_csv(csv, 2)  # Rounds from 1, as in metrics.jsonl.
   assert csv.read_text() == ('round,client_id,upload_bits,download_bits\n'
-                             '0,a,1,2\n1,a,1,2\n')
+                             '1,a,1,2\n2,a,1,2\n')
   csv.write_text('round,client_')  # killed amid the header
   outputs.truncate_csv(csv, 2)
   assert not csv.exists()

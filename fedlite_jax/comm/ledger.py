@@ -80,7 +80,7 @@ class CommLedger:
     """Adds one round.
 
     Args:
-      round_num: the round index (0-based).
+      round_num: the round's number (the runner: 1 for the first round).
       client_bits: ``{client_id: {'upload_bits': u, 'download_bits': d}}``,
         optionally ``'skipped': bool`` (e.g. client diagnostics).
 

@@ -17,7 +17,7 @@ import pathlib
 import shutil
 import struct
 import subprocess
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from fedlite_jax.training import round_metrics
 from fedlite_jax.training.config import ConfigError
@@ -27,13 +27,14 @@ LOCK_FILE = '.lock'
 _PARTIAL_SUFFIX = '.partial'
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+  """``x`` with non-finite floats as strings (JSON has no NaN/inf)."""
   if isinstance(x, float) and not math.isfinite(x):
     return str(x)
   if isinstance(x, dict):
-    return {k: _jsonable(v) for k, v in x.items()}
+    return {k: jsonable(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
+    return [jsonable(v) for v in x]
   return x
 
 
@@ -50,11 +51,14 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-  """The rows of metrics.jsonl ([] if missing; a partial last line dropped)."""
+  """The rows of metrics.jsonl in the current schema
+  (:func:`round_metrics.normalize_row`; [] if missing; a partial last line
+  dropped)."""
   path = pathlib.Path(path)
   if not path.exists():
     return []
-  return [json.loads(line) for line in _complete_lines(path) if line]
+  return [round_metrics.normalize_row(json.loads(line))
+          for line in _complete_lines(path) if line]
 
 
 def truncate_metrics(path: str | os.PathLike, max_round: int) -> list[dict]:
@@ -65,7 +69,7 @@ def truncate_metrics(path: str | os.PathLike, max_round: int) -> list[dict]:
 
 
 def truncate_csv(path: str | os.PathLike, num_rounds: int) -> None:
-  """Keeps the header and complete rows of rounds < ``num_rounds`` (a file
+  """Keeps the header and complete rows of rounds <= ``num_rounds`` (a file
   without a complete header is removed)."""
   path = pathlib.Path(path)
   if not path.exists():
@@ -75,7 +79,7 @@ def truncate_csv(path: str | os.PathLike, num_rounds: int) -> None:
     path.unlink()
     return
   kept = lines[:1] + [l for l in lines[1:]
-                      if int(l.split(',', 1)[0]) < num_rounds]
+                      if int(l.split(',', 1)[0]) <= num_rounds]
   _write_atomic(path, ''.join(l + '\n' for l in kept))
 
 
@@ -170,68 +174,6 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[pathlib.Path]:
     os.close(fd)
 
 
-class MetricsWriter:
-  """Appends rows to metrics.jsonl and their scalars to TensorBoard (tags:
-  :func:`round_metrics.tb_tag`, step: the row's ``round``); a context
-  manager that closes the TensorBoard writer.
-
-  Args:
-    output_dir: the run's output directory.
-    purge_step: resuming after round ``r``: ``r + 1`` (TensorBoard drops
-      older events of steps >= it); None: nothing to drop.
-  """
-
-  def __init__(self, output_dir: str | os.PathLike,
-               purge_step: Optional[int] = None):
-    self.dir = pathlib.Path(output_dir)
-    self.dir.mkdir(parents=True, exist_ok=True)
-    self.path = self.dir / 'metrics.jsonl'
-    self._purge_step = purge_step
-    self._tb = None
-
-  def _writer(self):
-    if self._tb is None:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(str(self.dir / 'tb'),
-                               purge_step=self._purge_step)
-    return self._tb
-
-  def write(self, row: dict[str, Any]) -> None:
-    """Appends ``row`` (a dict with ``round``); finite numbers go to TB."""
-    with self.path.open('a') as f:
-      f.write(json.dumps(_jsonable(row)) + '\n')
-    tb = self._writer()
-    for k, v in row.items():
-      tag = round_metrics.tb_tag(k)
-      if (tag is not None and isinstance(v, (int, float)) and
-          not isinstance(v, bool) and math.isfinite(v)):
-        tb.add_scalar(tag, v, row['round'])
-    tb.flush()
-
-  def write_hparams(self, hparams: Mapping[str, bool | int | float | str],
-                    metrics: Iterable[str]) -> None:
-    """Records the run's settings for TensorBoard's HPARAMS tab (hparams
-    plugin), with ``metrics`` (scalar tags of this run, e.g.
-    ``eval/accuracy``) as the columns to compare runs by."""
-    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
-    tb = self._writer()
-    for s in summary.hparams(dict(hparams), dict.fromkeys(metrics, 0.0)):
-      tb.file_writer.add_summary(s)
-    tb.flush()
-
-  def close(self) -> None:
-    """Flushes and closes the TensorBoard writer."""
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
-
-  def __enter__(self) -> 'MetricsWriter':
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
-
-
 def _records(path: pathlib.Path) -> Iterator[bytes]:
   """The TFRecord payloads of an event file (a torn last record ends it)."""
   data = path.read_bytes()
@@ -282,43 +224,5 @@ def read_tensorboard(tb_dir: str | os.PathLike
 def write_summary(output_dir: str | os.PathLike, summary: dict) -> pathlib.Path:
   """Writes ``summary.json`` atomically; returns its path."""
   path = pathlib.Path(output_dir) / 'summary.json'
-  _write_atomic(path, json.dumps(_jsonable(summary), indent=2, sort_keys=True))
-  return path
-
-
-def plot_curves(output_dir: str | os.PathLike, rows: Iterable[dict],
-                metric: str, title: str) -> Optional[pathlib.Path]:
-  """Training loss per round beside test ``metric`` vs round and vs
-  cumulative upload bytes (PNG); None without rows."""
-  rows = list(rows)
-  evals = [r for r in rows if metric in r]
-  train = [r for r in rows if 'train/loss' in r]
-  if not evals and not train:
-    return None
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 4))
-  ax0.plot([r['round'] for r in train], [r['train/loss'] for r in train],
-           lw=1)
-  ax0.set_xlabel('round')
-  ax0.set_ylabel('training loss (clients, local steps)')
-  ax1.plot([r['round'] for r in evals], [r[metric] for r in evals],
-           marker='.')
-  ax1.set_xlabel('round')
-  ax1.set_ylabel(f'test {metric}')
-  sent = [r for r in evals if r['upload_bytes'] > 0]  # log axis: no round 0
-  ax2.plot([r['upload_bytes'] for r in sent], [r[metric] for r in sent],
-           marker='.')
-  if sent:
-    ax2.set_xscale('log')
-  ax2.set_xlabel('cumulative upload (bytes)')
-  ax2.set_ylabel(f'test {metric}')
-  for ax in (ax0, ax1, ax2):
-    ax.grid(alpha=0.3)
-  fig.suptitle(title)
-  fig.tight_layout()
-  path = pathlib.Path(output_dir) / 'curves.png'
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _write_atomic(path, json.dumps(jsonable(summary), indent=2, sort_keys=True))
   return path

@@ -1,7 +1,9 @@
-"""What a metrics.jsonl row holds: one row per round, evaluations merged in.
+"""One metric schema for every output: a row per round, evaluations merged in.
 
-Every round's row (``round`` = rounds completed) holds, under the names that
-are also its TensorBoard tags (the step is ``round``):
+``metrics.jsonl``, TensorBoard (tag = key, step = ``round``) and
+``communication.csv`` share the keys and the round numbers: ``round`` is the
+number of rounds completed (1 for the first round; 0 only for the
+evaluation of an ``--init_checkpoint`` before training). A row holds:
 
 * ``train/loss``: the example-weighted mean of the kept clients' training
   losses (diagnostic ``train_loss``, weights ``train_examples``, else
@@ -12,37 +14,38 @@ are also its TensorBoard tags (the step is ``round``):
 * ``train/delta_norm_mean``, ``train/delta_norm_max``: of the kept clients'
   ``delta_l2_norm`` (algorithms that send model deltas);
 * ``train/clients``, ``train/skipped_clients`` (non-finite updates dropped);
-* ``comm/upload_bytes``, ``comm/download_bytes`` (this round's) and
-  ``comm/total_upload_bytes``, ``comm/total_download_bytes`` (so far);
+* ``comm/upload_bytes``, ``comm/download_bytes`` (this round's; the sum of
+  the round's ``communication.csv`` bits / 8) and ``comm/upload_bytes_total``,
+  ``comm/download_bytes_total`` (running totals);
 * ``time/data_seconds`` (waiting for the cohort), ``time/train_seconds``,
   ``time/eval_seconds`` (evaluation rounds only): wall-clock, they differ
   between identical runs (:func:`varies_between_runs`);
 * ``engine/<count>``: every count the round engines recorded this round
-  (``rounds.recording_stats``), whatever their names.
+  (``rounds.recording_stats``), whatever their names;
+* ``eval/<metric>`` on evaluation rounds (``--eval_every``, the last round):
+  the task's test metrics (``accuracy``, ``loss``, ``perplexity``, ...).
 
-Evaluation rows (``--eval_every``, the last round, round 0 of a run with
-``--init_checkpoint``) also hold the evaluation flat, as every row did before
-rows were per round: the task's metrics (``accuracy``, ``loss``,
-``perplexity``, ...) and the cumulative ``upload_bytes`` /
-``download_bytes``. TensorBoard tags the metrics ``eval/<name>`` (the byte
-totals are ``comm/total_*``). Flat names keep every reader valid that takes
-"the rows with ``accuracy``" (``experiments/stats.py``), and every run
-directory written before per-round rows readable: a row is an evaluation
-iff it has a key without ``/`` other than ``round``
-(:func:`is_evaluation`).
+Rows written before this schema (flat ``accuracy`` and cumulative
+``upload_bytes``; ``comm/total_upload_bytes``) are read into it by
+:func:`normalize_row` (``outputs.read_metrics`` does so).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 from fedlite_jax.comm.ledger import BITS_PER_BYTE
 from fedlite_jax.rounds import stats as engine_stats
 
-#: Flat keys of an evaluation row that are not evaluation metrics.
-EVAL_BYTES = ('upload_bytes', 'download_bytes')
+#: The namespace of test metrics.
+EVAL = 'eval/'
+#: Legacy keys and their names in this schema.
+_RENAMED = {'upload_bytes': 'comm/upload_bytes_total',
+            'download_bytes': 'comm/download_bytes_total',
+            'comm/total_upload_bytes': 'comm/upload_bytes_total',
+            'comm/total_download_bytes': 'comm/download_bytes_total'}
 #: Engine recorder entries that are settings, not per-round counts.
 _ENGINE_SETTINGS = ('name',) + engine_stats.SETTINGS
 
@@ -95,8 +98,8 @@ def comm_metrics(round_totals: Mapping[str, Any],
           'comm/upload_bytes': round_totals['upload_bits'] / BITS_PER_BYTE,
           'comm/download_bytes': (round_totals['download_bits'] /
                                   BITS_PER_BYTE),
-          'comm/total_upload_bytes': summary['total_upload_bytes'],
-          'comm/total_download_bytes': summary['total_download_bytes']}
+          'comm/upload_bytes_total': summary['total_upload_bytes'],
+          'comm/download_bytes_total': summary['total_download_bytes']}
 
 
 def engine_metrics(counts: Mapping[str, Any]) -> dict[str, float]:
@@ -132,9 +135,27 @@ def varies_between_runs(key: str) -> bool:
                                      'compil' in key)
 
 
+def normalize_row(row: Mapping[str, Any]) -> dict[str, Any]:
+  """``row`` in this schema: legacy flat metrics become ``eval/<name>``,
+  legacy byte totals ``comm/*_bytes_total``; current rows are unchanged."""
+  out = {}
+  for k, v in row.items():
+    if k in _RENAMED:
+      k = _RENAMED[k]
+    elif '/' not in k and k != 'round':
+      k = EVAL + k
+    out.setdefault(k, v)
+  return out
+
+
+def eval_row(metrics: Mapping[str, Any]) -> dict[str, Any]:
+  """Test metrics ``{name: value}`` as row keys ``eval/<name>``."""
+  return {EVAL + k: v for k, v in metrics.items()}
+
+
 def is_evaluation(row: Mapping[str, Any]) -> bool:
-  """Whether ``row`` holds an evaluation (a flat key other than round)."""
-  return any('/' not in k for k in row if k != 'round')
+  """Whether ``row`` (this schema) holds an evaluation (an ``eval/`` key)."""
+  return any(k.startswith(EVAL) for k in row)
 
 
 def evaluations(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -143,21 +164,8 @@ def evaluations(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def eval_metrics(row: Mapping[str, Any]) -> dict[str, Any]:
-  """The evaluation metrics of an evaluation row (its flat keys but
-  ``round`` and the byte totals)."""
-  return {k: v for k, v in row.items()
-          if '/' not in k and k != 'round' and k not in EVAL_BYTES}
-
-
-def tb_tag(key: str) -> Optional[str]:
-  """The TensorBoard tag of a row key: namespaced keys as they are, flat
-  evaluation metrics ``eval/<key>``; None for ``round`` and the flat byte
-  totals (TensorBoard has them as ``comm/total_*``)."""
-  if '/' in key:
-    return key
-  if key == 'round' or key in EVAL_BYTES:
-    return None
-  return f'eval/{key}'
+  """The test metrics of an evaluation row, by bare name (``accuracy``)."""
+  return {k[len(EVAL):]: v for k, v in row.items() if k.startswith(EVAL)}
 
 
 def hparams(fingerprint: Mapping[str, Any],

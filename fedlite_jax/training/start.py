@@ -1,0 +1,146 @@
+"""Before any data is loaded: the output folder, resume or start over, and
+run.json (the run's fingerprint and code version)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import pathlib
+from typing import Any, Optional
+
+import jax
+
+from fedlite_jax import checkpoint
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import init_params
+from fedlite_jax.training import outputs
+from fedlite_jax.rounds import sharding
+
+ConfigError = config_lib.ConfigError
+LOG = logging.getLogger('fedlite_jax.training')
+
+
+def default_output_dir(config: config_lib.RunConfig) -> str:
+  """``runs/<task>_<algorithm>_<hash>_seed<seed>``: ``hash`` is 8 hex digits
+  of the settings that change the result, but the seed, so a baseline and
+  its compressed variant (``--upload``) never share a folder."""
+  fingerprint = {k: v for k, v in config.fingerprint().items()
+                 if k != 'seed'}
+  digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True,
+                                     default=str).encode()).hexdigest()[:8]
+  return str(pathlib.Path('runs') / f'{config.task}_{config.algorithm}_'
+             f'{digest}_seed{config.seed}')
+
+
+@dataclasses.dataclass
+class Start:
+  """What :func:`plan` decided before any data is loaded.
+
+  Attributes:
+    fingerprint: the run's result-determining settings (checked on resume).
+    resume_from: the checkpoint to continue from, or None (round 0).
+    code: this checkout's :func:`outputs.code_version`.
+  """
+  fingerprint: dict[str, Any]
+  resume_from: Optional[pathlib.Path]
+  code: dict[str, Any]
+
+
+def fingerprint_of(config: config_lib.RunConfig) -> dict[str, Any]:
+  """``config.fingerprint()`` plus the ``--init_checkpoint`` file's SHA-256
+  (the same on every process), or ConfigError."""
+  fingerprint = config.fingerprint()
+  if config.init_checkpoint:
+    try:
+      sha256 = init_params.file_sha256(config.init_checkpoint)
+      sharding.check_same_across_processes(
+          f'--init_checkpoint={config.init_checkpoint} contents', sha256)
+    except (OSError, ValueError) as e:
+      raise ConfigError(str(e)) from None
+    fingerprint['init_checkpoint_sha256'] = sha256
+  return fingerprint
+
+
+def conflict(config: config_lib.RunConfig, fingerprint: dict[str, Any],
+             out: pathlib.Path) -> Optional[str]:
+  """Why ``out`` holds results these settings must not touch (without
+  ``--overwrite``), as the ConfigError line; None if it may be used."""
+  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  if config.overwrite or (latest is None and
+                          not (out / 'metrics.jsonl').exists()):
+    return None
+  previous = outputs.read_run_identity(out)
+  if previous is None:
+    reason = 'holds results of another run (metrics.jsonl or checkpoints)'
+  elif diffs := checkpoint.metadata_differences(previous, fingerprint,
+                                                 outputs.RUN_FILE):
+    reason = f'holds results of a run with other flags ({"; ".join(diffs)})'
+  elif not config.resume:
+    reason = 'holds results of this run and --noresume was given'
+  else:
+    return None
+  return (f'--output_dir={out} {reason}; pass --overwrite to replace them or '
+          'choose another --output_dir.')
+
+
+def _resume_from(config: config_lib.RunConfig, fingerprint: dict[str, Any],
+                 out: pathlib.Path, scratch: pathlib.Path
+                 ) -> Optional[pathlib.Path]:
+  """The checkpoint to resume from, or None to start over (clearing
+  ``scratch``, this process's output directory).
+
+  Raises:
+    ConfigError: ``out`` holds results these flags cannot continue.
+    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint;
+      with ``--resume``, msgpack checkpoints of fedlite_jax 644e428 or
+      before (:func:`checkpoint.legacy_error`).
+  """
+  if config.resume and checkpoint.legacy_checkpoints(out / 'checkpoints'):
+    raise checkpoint.legacy_error(out / 'checkpoints')
+  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  if latest is not None and config.resume:
+    if not config.overwrite:
+      return latest  # The restore checks it against these flags.
+    diffs = checkpoint.metadata_differences(
+        checkpoint.read_metadata(latest), fingerprint)
+    if not diffs:
+      return latest
+    LOG.warning('--overwrite: replacing the results in %s (%s).', out,
+                '; '.join(diffs))
+  if (reason := conflict(config, fingerprint, out)) is not None:
+    raise ConfigError(reason)
+  if latest is not None or (out / 'metrics.jsonl').exists():
+    LOG.info('%s holds no checkpoint of this run yet; starting over from '
+             'round 0.', out)
+  # Every process has decided before process 0 deletes anything.
+  sharding.barrier('fedlite_run_start')
+  outputs.clear_results(scratch)
+  return None
+
+
+def plan(config: config_lib.RunConfig, out: pathlib.Path,
+         scratch: pathlib.Path) -> Start:
+  """Plans the start (resume or round 0) and writes run.json (process 0).
+
+  Raises:
+    ConfigError: an unreadable ``--init_checkpoint``, or results these flags
+      cannot continue.
+  """
+  fingerprint = fingerprint_of(config)
+  resume_from = _resume_from(config, fingerprint, out, scratch)
+  code = outputs.code_version()
+  previous_code = outputs.read_code_version(out)
+  if resume_from is not None and previous_code and previous_code != code:
+    LOG.warning(
+        'Resuming %s under other code (it started at commit %s, dirty=%s; '
+        'now %s, dirty=%s): the rounds before and after the restart may '
+        'differ; pass --noresume --overwrite to start over.', out,
+        previous_code.get('commit'), previous_code.get('dirty'),
+        code['commit'], code['dirty'])
+  if jax.process_index() == 0:
+    outputs.write_run_identity(out, fingerprint,
+                               code if resume_from is None or not previous_code
+                               else previous_code)
+  return Start(fingerprint, resume_from, code)
