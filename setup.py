@@ -35,7 +35,8 @@ EXTRAS_REQUIRE = {
         'ipykernel>=6.29',
         'ruff>=0.6',  # .ci/run: ruff check (pyproject.toml).
     ],
-    'notebooks': ['jupyter>=1.0', 'ipykernel>=6.29'],
+    'notebooks': ['jupyter>=1.0', 'ipykernel>=6.29',
+                  'tensorboard>=2.16'],  # tensorboard --logdir runs
     # The documentation (docs/; .ci/run builds it with sphinx-build -W).
     # Tested with Sphinx 9.0.4, sphinx-book-theme 1.4.0, myst-parser 5.2.0,
     # myst-nb 1.4.0 on Python 3.11.

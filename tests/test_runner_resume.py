@@ -71,25 +71,25 @@ _DRIVER = textwrap.dedent('''
       # the checkpoints saved so far are complete (they are written in the
       # background)
       import orbax.checkpoint as ocp
-      from fedlite_jax.training import outputs
+      from fedlite_jax.training.hooks import metrics_file
       managers = []
       real_init = ocp.CheckpointManager.__init__
       def init(self, *args, **kwargs):
         managers.append(self)
         real_init(self, *args, **kwargs)
       ocp.CheckpointManager.__init__ = init
-      real_write = outputs.MetricsWriter.write
-      def write(self, row):
+      real_write = metrics_file.MetricsFileHook.round_end
+      def write(self, run, row):
         if nth():
           for manager in managers:
             manager.wait_until_finished()
-          with self.path.open('a') as f:
+          with (run.scratch / 'metrics.jsonl').open('a') as f:
             f.write(json.dumps(row)[:25])
-          with (self.dir / 'communication.csv').open('a') as f:
-            f.write('4,clie')
+          with (run.scratch / 'communication.csv').open('a') as f:
+            f.write('5,clie')
           die()
-        real_write(self, row)
-      outputs.MetricsWriter.write = write
+        real_write(self, run, row)
+      metrics_file.MetricsFileHook.round_end = write
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     runpy.run_path(script, run_name='__main__')

@@ -19,6 +19,7 @@ class CheckpointHook(Hook):
     self._saved = -1
 
   def start(self, run: Run) -> None:
+    """Opens the checkpointer (process 0)."""
     self._saved = run.start_round
     if run.writer_process:
       self._ckpt = checkpoint.Checkpointer(run.scratch / 'checkpoints',
@@ -31,6 +32,7 @@ class CheckpointHook(Hook):
     self._saved = done
 
   def round_end(self, run: Run, row: dict[str, Any]) -> None:
+    """Saves after every ``--checkpoint_every`` rounds and the last."""
     done, every = row['round'], run.config.checkpoint_every
     if done and ((every and done % every == 0) or
                  done == run.config.num_rounds):
@@ -43,6 +45,7 @@ class CheckpointHook(Hook):
       self._save(run, done)
 
   def close(self) -> None:
+    """Waits for a save still being written."""
     if self._ckpt is not None:
       self._ckpt.close()
       self._ckpt = None

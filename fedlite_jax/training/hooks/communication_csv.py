@@ -16,12 +16,14 @@ class CommunicationCsvHook(Hook):
     self._file = None
 
   def start(self, run: Run) -> None:
+    """Cuts the file back to the restored rounds; streams new ones."""
     path = run.scratch / 'communication.csv'
     outputs.truncate_csv(path, run.start_round)
     self._file = path.open('a')
     run.ledger.attach_csv(self._file)  # It flushes every round.
 
   def close(self) -> None:
+    """Closes the file."""
     if self._file is not None:
       self._file.close()
       self._file = None

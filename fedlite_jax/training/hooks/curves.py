@@ -13,5 +13,6 @@ class CurvesHook(Hook):
   """Draws ``curves.png`` from ``run.rows`` (:func:`plots.plot_curves`)."""
 
   def end(self, run: Run, summary: dict[str, Any]) -> None:
+    """Draws curves.png."""
     plots.plot_curves(run.scratch, run.rows, run.task.metric,
                       plots.run_title(run.config))

@@ -30,14 +30,17 @@ class EngineStatsHook(Hook):
     return (c.total, c.count(*stats_lib.CLIENT_PROGRAMS), c.total_seconds)
 
   def start(self, run: Run) -> None:
+    """Starts recording engine counts and compilations."""
     self.recorder = self._stack.enter_context(engine_lib.recording_stats())
     self.compiles = self._stack.enter_context(
         stats_lib.counting_compilations())
 
   def round_start(self, run: Run, round_num: int) -> None:
+    """Notes the compilations so far."""
     self._before = self._counts()
 
   def round_end(self, run: Run, row: dict[str, Any]) -> None:
+    """Adds the round's ``engine/*`` counts."""
     if row['round'] == 0:
       return
     now = self._counts()
@@ -60,4 +63,5 @@ class EngineStatsHook(Hook):
         'compute_dtype': run.config.compute_dtype}
 
   def close(self) -> None:
+    """Stops recording."""
     self._stack.close()

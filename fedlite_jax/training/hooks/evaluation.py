@@ -16,6 +16,7 @@ class EvaluationHook(Hook):
   ``--init_checkpoint``) and a round after which the run stops early."""
 
   def round_end(self, run: Run, row: dict[str, Any]) -> None:
+    """Evaluates when due; adds ``eval/*``."""
     done = row['round']
     if not (done == 0 or done % run.config.eval_every == 0 or
             done == run.config.num_rounds or run.stop_reason is not None):

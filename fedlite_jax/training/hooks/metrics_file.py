@@ -15,5 +15,6 @@ class MetricsFileHook(Hook):
   back to the restored rounds when they were read into ``run.rows``)."""
 
   def round_end(self, run: Run, row: dict[str, Any]) -> None:
+    """Appends ``row`` to metrics.jsonl."""
     with (run.scratch / 'metrics.jsonl').open('a') as f:
       f.write(json.dumps(outputs.jsonable(row)) + '\n')

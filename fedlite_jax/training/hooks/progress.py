@@ -33,6 +33,7 @@ class ProgressHook(Hook):
     self._t0 = 0.0
 
   def start(self, run: Run) -> None:
+    """Opens the bar on a terminal."""
     if (run.config.progress and run.writer_process and
         getattr(self._stream, 'isatty', lambda: False)()):
       self._bar = tqdm.tqdm(total=run.config.num_rounds,
@@ -41,6 +42,7 @@ class ProgressHook(Hook):
                             unit='round')
 
   def round_start(self, run: Run, round_num: int) -> None:
+    """Says that the first round compiles."""
     self._t0 = time.perf_counter()
     if self._first is None and round_num > 0:
       self._first = round_num
@@ -48,6 +50,7 @@ class ProgressHook(Hook):
                round_num)
 
   def round_end(self, run: Run, row: dict[str, Any]) -> None:
+    """Times the round; moves the bar."""
     if row['round'] == 0:
       return
     self._times.append(time.perf_counter() - self._t0)
@@ -60,6 +63,7 @@ class ProgressHook(Hook):
       self._bar.update(1)
 
   def evaluation(self, run: Run, row: dict[str, Any]) -> None:
+    """Shows the evaluation (bar or INFO line)."""
     metrics = round_metrics.eval_metrics(row)
     if self._bar is not None:
       self._bar.set_postfix({k: f'{v:.4f}' for k, v in metrics.items()
@@ -77,6 +81,7 @@ class ProgressHook(Hook):
              eta)
 
   def close(self) -> None:
+    """Closes the bar."""
     if self._bar is not None:
       self._bar.close()
       self._bar = None

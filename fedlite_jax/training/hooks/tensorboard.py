@@ -19,12 +19,14 @@ class TensorBoardHook(Hook):
     self._tb = None
 
   def start(self, run: Run) -> None:
+    """Opens the writer (purging events after a resume)."""
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self._tb = SummaryWriter(
         str(run.scratch / 'tb'),
         purge_step=run.start_round + 1 if run.start_round else None)
 
   def round_end(self, run: Run, row: dict[str, Any]) -> None:
+    """Writes the row's finite numbers."""
     for k, v in row.items():
       if (k != 'round' and isinstance(v, (int, float)) and
           not isinstance(v, bool) and math.isfinite(v)):
@@ -32,6 +34,7 @@ class TensorBoardHook(Hook):
     self._tb.flush()
 
   def end(self, run: Run, summary: dict[str, Any]) -> None:
+    """Writes the run's hparams."""
     from tensorboardX import summary as tb_summary  # pylint: disable=g-import-not-at-top
     metrics = [round_metrics.EVAL + k for k in summary['final_eval']]
     hparams = round_metrics.hparams(run.fingerprint,
@@ -42,6 +45,7 @@ class TensorBoardHook(Hook):
     self._tb.flush()
 
   def close(self) -> None:
+    """Closes the writer."""
     if self._tb is not None:
       self._tb.close()
       self._tb = None
