@@ -35,6 +35,7 @@ from fedlite_jax.training import init_params
 from fedlite_jax.training import registry
 from fedlite_jax.training import runner
 from fedlite_jax.training import tasks
+from fedlite_jax.training import validate
 
 #: Choices that RunConfig's metadata cannot list (they live above it).
 _CHOICES = {'task': tuple(tasks.TASKS),
@@ -188,7 +189,13 @@ def main(argv):
   try:
     config = checked_config()
     if FLAGS.validate_only:
+      try:
+        lines = validate.validate(config)
+      except datasets.DatasetNotFoundError as e:  # Its first line.
+        raise config_lib.ConfigError(str(e).splitlines()[0]) from None
       print(f'flags OK: --task={config.task} --algorithm={config.algorithm}')
+      for what, value in lines.items():
+        print(f'  {what}: {value}')
       return
     summary = runner.run(config)
   except (config_lib.ConfigError, datasets.DatasetNotFoundError,

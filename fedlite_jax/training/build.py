@@ -116,14 +116,19 @@ def _load_init(config: config_lib.RunConfig, like: Any, sha256: Optional[str]
   return init
 
 
-def _training_source(config, train_fd, mesh):
-  """The sampler's view of the training clients (cached; partitioned by
-  process on several hosts), or ConfigError for a cohort that cannot fit."""
-  num_train_clients = train_fd.num_clients()
+def check_cohort(config: config_lib.RunConfig, num_train_clients: int
+                 ) -> None:
+  """ConfigError if ``--clients_per_round`` exceeds the training clients."""
   if config.clients_per_round > num_train_clients:
     raise ConfigError(
         f'--clients_per_round={config.clients_per_round} exceeds the '
         f'{num_train_clients} training clients of task {config.task!r}.')
+
+
+def _training_source(config, train_fd, mesh):
+  """The sampler's view of the training clients (cached; partitioned by
+  process on several hosts), or ConfigError for a cohort that cannot fit."""
+  check_cohort(config, train_fd.num_clients())
   # Decoded clients kept across rounds (--client_cache_mb=0: none), a SQLite
   # connection per thread; inside the multi-process partition.
   source = data_path.ClientCache(train_fd, config.client_cache_mb * 2**20)

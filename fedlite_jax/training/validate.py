@@ -1,0 +1,89 @@
+"""``--validate_only``: a run's checks without training or writing anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+
+from fedlite_jax import datasets
+from fedlite_jax import transforms as tx
+from fedlite_jax.algorithms import fedopt
+from fedlite_jax.common import FLOAT_BITS
+from fedlite_jax.training import build as build_lib
+from fedlite_jax.training import compression_options
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import registry
+from fedlite_jax.training import start as start_lib
+from fedlite_jax.training import tasks
+
+ConfigError = config_lib.ConfigError
+
+
+def _bits_per_client(config: config_lib.RunConfig, params) -> dict[str, str]:
+  """Upload and download bits per client per round as the ``--upload`` /
+  ``--download`` stages encode ``params`` (algorithms that take both)."""
+  dense = FLOAT_BITS * fedopt.num_params(params)
+  names = {o.name for o in registry.get(config.algorithm).options}
+  if not {'upload', 'download'} <= names:
+    return {'bits per client': f'{dense:,.0f} each way uncompressed; '
+                               f'--algorithm={config.algorithm} counts its '
+                               'own in each round'}
+  c = compression_options.compression_from_options(config.options)
+  out = {}
+  for way, chain in (('upload', c.upload), ('download', c.download)):
+    bits = dense if chain is None else tx.message_bits(chain, params)
+    out[f'{way} bits per client'] = (
+        f'{bits:,.0f} ({dense / bits:,.1f}x less than 32-bit floats; '
+        f'{bits * config.clients_per_round / 8e6:,.3f} MB per round)')
+  if c.pvt_fraction < 1:
+    out['upload bits per client'] += (
+        f'; PVT trains {c.pvt_fraction:g} of the variables, so the measured '
+        'upload is lower and varies by client')
+  return out
+
+
+def validate(config: config_lib.RunConfig) -> dict[str, str]:
+  """Checks ``config`` as a run would before its first round, loading the
+  data index and building the model, and writes nothing.
+
+  Returns:
+    ``{what: value}`` lines to print: the output folder, the data, the
+    resolved settings, and the bits per client per round.
+
+  Raises:
+    ConfigError: the output folder holds results of other flags (without
+      ``--overwrite``), or the cohort exceeds the training clients.
+    datasets.DatasetNotFoundError: the data is not on disk (and
+      ``--allow_download`` is not set).
+  """
+  task = tasks.get_task(config.task)
+  config = config_lib.resolve(config, task.defaults)
+  out = pathlib.Path(config.output_dir or start_lib.default_output_dir(config))
+  reason = start_lib.conflict(config, start_lib.fingerprint_of(config), out)
+  if reason is not None:
+    raise ConfigError(reason)
+  lines = {'output folder': str(out)}
+  try:  # Never a download here.
+    train_fd, _, info = task.load_data(
+        dataclasses.replace(config, allow_download=False))
+  except datasets.DatasetNotFoundError:
+    if not config.allow_download:
+      raise
+    lines['data'] = 'not on disk; the run downloads it (--allow_download)'
+    return {**lines, 'flags': _flags(config)}
+  build_lib.check_cohort(config, train_fd.num_clients())
+  lines['data'] = info.description
+  model = task.build_model(dataclasses.replace(
+      config, conv_implementation='lax'), info).model  # Same parameters.
+  params = model.init(jax.random.PRNGKey(config.seed))
+  return {**lines, 'flags': _flags(config),
+          **_bits_per_client(config, params)}
+
+
+def _flags(config: config_lib.RunConfig) -> str:
+  """The resolved settings that determine the result, as flags."""
+  fingerprint = config.fingerprint()
+  options = fingerprint.pop('options', {})
+  return ' '.join(f'--{k}={v}' for k, v in {**fingerprint, **options}.items())
