@@ -453,17 +453,22 @@ def _added_lines(data: dict) -> list[str]:
 def _dp_lines(rows: list[dict]) -> list[str]:
   """One paragraph per DP row: what was released and how often it was
   clipped."""
-  lines = []
+  lines, seen = [], set()
   for r in rows:
-    if r['observation'] != 'dp':
+    key = (r['model'], r.get('clip_norm'), r.get('noise_multiplier'))
+    if r['observation'] != 'dp' or key in seen:
       continue
-    lines += ['', f'{r["label"]}: DP-FedAvg\'s release of this client\'s '
-              f'gradient (McMahan et al. 2018, Alg. 1) viewed as a cohort of '
-              f'1: clipped to L2 norm C = {r["clip_norm"]:g} '
-              f'({r["clipped"]}/{r["images"]} gradients were above C; median '
-              f'norm before clipping {r["median_grad_norm"]:.3g}), plus '
-              f'N(0, {r["noise_std"]:g}^2) on each of the {r["D"]:,} entries '
-              f'(std z C, z = {r["noise_multiplier"]:g}); the attacker knows C '
+    seen.add(key)
+    lines += ['', f'{r["model"]}, clip(g, C={r["clip_norm"]:g}) + N(0, '
+              f'(zC)^2), z={r["noise_multiplier"]:g} (with and without the '
+              'TV prior): DP-FedAvg\'s release of this client\'s gradient '
+              '(McMahan et al. 2018, Alg. 1) viewed as a cohort of 1: clipped '
+              f'to L2 norm C = {r["clip_norm"]:g} ({r["clipped"]}/'
+              f'{r["images"]} gradients were above C; median norm before '
+              f'clipping {r["median_grad_norm"]:.3g}), plus N(0, '
+              f'{r["noise_std"]:g}^2) on each of the {r["D"]:,} entries (std '
+              f'z C; the noise has norm about sqrt(D) z C = '
+              f'{np.sqrt(r["D"]) * r["noise_std"]:.3g}); the attacker knows C '
               'and matches its candidate\'s clipped gradient; the iDLG label '
               'is read from the noised update.']
   return lines
@@ -562,6 +567,7 @@ def main(argv):
   if started is None:
     return
   seeds, out = started
+  prov = provenance.file_provenance()  # At the start: commit and time.
   spec = _rows_spec()
   stored = None
   if FLAGS.add_missing_rows:
@@ -588,12 +594,12 @@ def main(argv):
     data = {**stored, 'results': [old.get(n) or new[n] for n in
                                   (_row_name(*s) for s in spec)]}
     data['added_rows'] = stored.get('added_rows', []) + [
-        {'rows': [r['run'] for r in rows], **provenance.file_provenance()}]
+        {'rows': [r['run'] for r in rows], **prov}]
     data['comparisons'] = _comparisons(data['results'])
     data['check'] = _check_record()
     provenance.write_study(out, 'igc_privacy', data, _report)
     return
-  data = {'provenance': provenance.file_provenance(),
+  data = {'provenance': prov,
           'meta': {'seeds': seeds, 'images_per_seed': FLAGS.images_per_seed,
                    'attack_steps': FLAGS.attack_steps,
                    'cnn_attack_steps': FLAGS.cnn_attack_steps,
