@@ -25,9 +25,12 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 from fedlite_jax.common import PyTree
+from fedlite_jax.privacy import clip_by_global_norm
+from fedlite_jax.privacy import gaussian_noise_like
 
-__all__ = ['InversionResult', 'gradient_inversion', 'gradient_observation',
-           'infer_label', 'matching_loss', 'mse', 'psnr', 'total_variation']
+__all__ = ['InversionResult', 'clipped_noised_observation',
+           'gradient_inversion', 'gradient_observation', 'infer_label',
+           'matching_loss', 'mse', 'psnr', 'total_variation']
 
 Array = jax.Array
 Observe = Callable[[Array, Array], PyTree]
@@ -142,6 +145,41 @@ def gradient_observation(
     return flat if transform is None else transform(flat)
 
   return observe
+
+
+def clipped_noised_observation(
+    observe: Observe, clip_norm: float, noise_std: float
+) -> tuple[Observe, Callable[[Array, Array, Array], PyTree]]:
+  """A DP-FedAvg client's update as the attacker sees it, and its model.
+
+  McMahan et al. (2018), Alg. 1: the update is clipped to L2 norm ``C``
+  (:func:`fedlite_jax.privacy.clip_by_global_norm`) and Gaussian noise
+  (:func:`fedlite_jax.privacy.gaussian_noise_like`) is added. ``C`` is
+  public, the noise is not: the attacker matches its candidate's *clipped*
+  observation against the noised one.
+
+  Args:
+    observe: ``observe(x, y_probs) -> observation``, e.g.
+      :func:`gradient_observation`.
+    clip_norm: ``C`` > 0.
+    noise_std: std of the noise on every entry (e.g. ``z * C``, from
+      :func:`fedlite_jax.privacy.noise_std_on_sum`), >= 0.
+
+  Returns:
+    ``(clipped, noised)``: ``clipped(x, y_probs) = clip(observe(x, y_probs),
+    C)`` (the attacker's model) and ``noised(x, y_probs, key) = clipped(x,
+    y_probs) + N(0, noise_std^2 I)`` (the observed update; noise from
+    ``key``).
+  """
+
+  def clipped(x, y_probs):
+    return clip_by_global_norm(observe(x, y_probs), clip_norm)[0]
+
+  def noised(x, y_probs, key):
+    c = clipped(x, y_probs)
+    return jax.tree.map(jnp.add, c, gaussian_noise_like(c, key, noise_std))
+
+  return clipped, noised
 
 
 def matching_loss(observation: PyTree, target: PyTree) -> Array:

@@ -7,7 +7,9 @@ Zhu et al. (2019), "Deep Leakage from Gradients" (DLG), on a client's
 single-example gradient, (a) uncompressed (the D numbers), (b) compressed to
 ``A^T g`` (the d numbers a client uploads; the attacker knows the public
 Fastfood seed, so ``A``) at several intrinsic dimensions d, and (c) what the
-server decodes, ``A A^T g``; each without and with a total-variation image
+server decodes, ``A A^T g``, and (d) the full gradient as DP-FedAvg
+releases it (McMahan et al. 2018, Alg. 1): clipped to L2 norm ``C`` and
+noised with std ``z * C``; each without and with a total-variation image
 prior (Geiping et al. 2020), over seeds.
 
   FEDLITE_DATA_DIR=/path/to/data python experiments/igc_privacy.py
@@ -27,6 +29,16 @@ Setup (choices the paper leaves open are flags):
   loss, plus ``tv_weight * TV(x')`` for each of ``--tv_weights``;
   ``--label_mode=known`` gives the attacker the true label. An image uses the
   same attack initialization in every setting.
+* DP row: ``clip(g, C) + N(0, (z C)^2 I)`` with ``C = --dp_clip_norm``,
+  ``z = --dp_noise_multiplier`` (``fedlite_jax.privacy``: ``clip_by_global_norm``,
+  ``gaussian_noise_like``, ``noise_std_on_sum``). This is the per-client
+  view of central DP's noise on the sum: a cohort of size 1, so the noise
+  std on the released update is ``z * C`` (in a cohort of n the noise on the
+  mean is ``z * C / n``, but n - 1 other updates are summed in as well).
+  The attacker knows ``C`` and matches the clipped gradient of its
+  candidate; the noise of image i is drawn from
+  ``split(fold_in(key(seed), 3), n)[i]``. The iDLG label is read from the
+  noised update (what the server receives).
 * Metrics on the reconstruction clipped to [0, 1]: PSNR = 10 log10(1 / MSE)
   dB; per seed the mean over its images, then mean ± std over seeds; images
   at >= 20 dB counted as recognizable; the iDLG label read from the
@@ -34,11 +46,15 @@ Setup (choices the paper leaves open are flags):
 
 Writes ``igc_privacy.json`` (rows under ``results``, each with its ``seeds``
 and per-image values; paired comparisons; a ``check`` that re-runs a
-compressed row on one image), ``igc_privacy.md`` and two figures: PSNR by d
-(``igc_privacy.png``) and the reconstructions of seed 0
+compressed row and the DP row on one image), ``igc_privacy.md`` and two
+figures: PSNR by d (``igc_privacy.png``) and the reconstructions of seed 0
 (``igc_privacy_images.png``). ``--report_only`` rewrites the .md and figures
 from the JSON; ``--check`` runs only the check configuration and writes
-``<output_dir>/check.json``.
+``<output_dir>/check.json``; ``--add_missing_rows`` runs only the rows the
+stored JSON lacks (same seeds and settings), inserts them in table order,
+records their command and commit under ``added_rows``, re-runs the check
+and rewrites the .md and the PSNR figure (the reconstructions figure stays
+as stored).
 """
 
 from __future__ import annotations
@@ -63,6 +79,8 @@ from jax.flatten_util import ravel_pytree
 from fedlite_jax.datasets import load_federated_data
 from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.models import emnist
+from fedlite_jax.privacy import global_norm
+from fedlite_jax.privacy import noise_std_on_sum
 import gradient_inversion as privacy
 import provenance
 import stats
@@ -92,11 +110,18 @@ flags.DEFINE_list('cnn_dims', ['256', '4096', '65536'],
                   'Intrinsic dimensions d for the CNN attacks.')
 flags.DEFINE_integer('cnn_attack_steps', 100,
                      'L-BFGS iterations per CNN attack.', lower_bound=1)
+flags.DEFINE_float('dp_clip_norm', 1.0, 'DP row: clip norm C of the LeNet '
+                   'gradient (public).', lower_bound=0.0)
+flags.DEFINE_float('dp_noise_multiplier', 1.0, 'DP row: noise multiplier z; '
+                   'noise std z * C per entry (cohort of 1).', lower_bound=0.0)
+flags.DEFINE_bool('add_missing_rows', False, 'Run only the rows missing from '
+                  'the stored <output_dir>/igc_privacy.json and merge them.')
 flags.DEFINE_bool('check', False, 'Write only <output_dir>/check.json (the '
                   'per-image values of every row), no report.')
 FLAGS = flags.FLAGS
 
-#: The check: a compressed row, one image, few iterations (~1 minute).
+#: The check: a compressed row and the DP row, one image, few iterations
+#: (~1 minute).
 CHECK_FLAGS = ('--seeds=0', '--images_per_seed=1', '--dims=1024',
                '--decoded_dims=', '--tv_weights=0', '--attack_steps=20',
                '--cnn_images_per_seed=0')
@@ -137,14 +162,21 @@ class DlgLeNet(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One observation: 'full', 'compressed' (A^T g) or 'decoded' (A A^T g)."""
+  """One observation: 'full', 'compressed' (A^T g), 'decoded' (A A^T g) or
+  'dp' (clip(g, C) + N(0, (z C)^2 I); ``clip_norm`` C and
+  ``noise_multiplier`` z)."""
   kind: str
   d: int | None = None
+  clip_norm: float | None = None
+  noise_multiplier: float | None = None
 
   @property
   def label(self) -> str:
     if self.kind == 'full':
       return 'full gradient g'
+    if self.kind == 'dp':
+      return (f'clip(g, C={self.clip_norm:g}) + N(0, (zC)^2), '
+              f'z={self.noise_multiplier:g}')
     if self.kind == 'compressed':
       return f'A^T g, d={self.d:,}'
     return f'A A^T g, d={self.d:,}'
@@ -168,10 +200,11 @@ def _pick_images(data_dir: str | None, n: int, seed: int):
 def _observation(setting: Setting, D: int, seed: int):
   """(transform, decode) of the flattened gradient for one setting.
 
-  ``transform``: what the attacker sees (None: the gradient itself);
+  ``transform``: what the attacker sees (None: the gradient itself; for
+  'dp' clipping and noise are added by :func:`_attack_setting`);
   ``decode``: what the server reconstructs (``A A^T g``; identity for full).
   """
-  if setting.kind == 'full':
+  if setting.kind in ('full', 'dp'):
     return None, lambda g: g
   a = ff.fastfood_params(seed, D, setting.d)
   decode = lambda g: ff.fastfood_lift(a, ff.fastfood_project(a, g))
@@ -183,22 +216,36 @@ def _observation(setting: Setting, D: int, seed: int):
 def _attack_setting(apply_fn: Callable, params: Any, setting: Setting,
                     tv_weight: float, images: np.ndarray, labels: np.ndarray,
                     keys: jax.Array, steps: int,
-                    bias_of: Callable[[Any], jax.Array]) -> dict:
+                    bias_of: Callable[[Any], jax.Array],
+                    noise_keys: jax.Array) -> dict:
   """The attack on every image (vmapped) for one observation: per-image
   PSNR, MSE, final matching loss, iDLG and soft-label correctness, and the
-  reconstructions."""
+  reconstructions ('dp': also the gradient norm before clipping)."""
   flat0, unravel = ravel_pytree(params)
   D = int(flat0.shape[0])
   transform, decode = _observation(setting, D, FLAGS.fastfood_seed)
   observe = privacy.gradient_observation(apply_fn, params, transform)
   full = privacy.gradient_observation(apply_fn, params, None)
   known = FLAGS.label_mode == 'known'
+  dp = setting.kind == 'dp'
+  if dp:
+    # Central DP's noise on the sum of a cohort of 1: std z * C.
+    std = noise_std_on_sum(setting.clip_norm, setting.noise_multiplier, 1)
+    observe, noised = privacy.clipped_noised_observation(
+        observe, setting.clip_norm, std)
 
-  def one(x, y, key):
+  def one(x, y, key, noise_key):
     x, y1 = x[None], y[None]
-    target = observe(x, jax.nn.one_hot(y1, NUM_CLASSES))
-    # iDLG label from what the server can decode (full: exact gradient).
-    g_dec = decode(full(x, jax.nn.one_hot(y1, NUM_CLASSES)))
+    extra = {}
+    if dp:
+      target = noised(x, jax.nn.one_hot(y1, NUM_CLASSES), noise_key)
+      g_dec = target  # The server receives the noised update.
+      extra['grad_norm'] = global_norm(full(x, jax.nn.one_hot(y1,
+                                                              NUM_CLASSES)))
+    else:
+      target = observe(x, jax.nn.one_hot(y1, NUM_CLASSES))
+      # iDLG label from what the server can decode (full: exact gradient).
+      g_dec = decode(full(x, jax.nn.one_hot(y1, NUM_CLASSES)))
     idlg = privacy.infer_label(bias_of(unravel(g_dec)))
     res = privacy.gradient_inversion(
         observe, target, key, x.shape, label=y1 if known else None,
@@ -207,10 +254,11 @@ def _attack_setting(apply_fn: Callable, params: Any, setting: Setting,
     return {'rec': rec, 'mse': privacy.mse(rec, x[0]),
             'psnr': privacy.psnr(rec, x[0]), 'best_loss': res.best_loss,
             'label_ok': jnp.argmax(res.label_probs[0]) == y,
-            'idlg_ok': idlg == y}
+            'idlg_ok': idlg == y, **extra}
 
   t0 = time.perf_counter()
-  out = jax.jit(jax.vmap(one))(jnp.asarray(images), jnp.asarray(labels), keys)
+  out = jax.jit(jax.vmap(one))(jnp.asarray(images), jnp.asarray(labels), keys,
+                               noise_keys)
   out = {k: np.asarray(v) for k, v in out.items()}
   return {'D': D, 'seconds': time.perf_counter() - t0, 'rec': out.pop('rec'),
           **{k: v.tolist() for k, v in out.items()}}
@@ -229,6 +277,8 @@ def _rows_spec() -> list[tuple[str, Setting, float]]:
   lenet = [Setting('full')] + [Setting('compressed', int(d))
                                for d in FLAGS.dims]
   lenet += [Setting('decoded', int(d)) for d in FLAGS.decoded_dims if d]
+  lenet += [Setting('dp', clip_norm=FLAGS.dp_clip_norm,
+                    noise_multiplier=FLAGS.dp_noise_multiplier)]
   rows = [('LeNet', s, float(tv)) for tv in FLAGS.tv_weights for s in lenet]
   if FLAGS.cnn_images_per_seed:
     rows += [('CNN', s, 0.0) for s in [Setting('full')] + [
@@ -237,6 +287,9 @@ def _rows_spec() -> list[tuple[str, Setting, float]]:
 
 
 def _row_name(model: str, setting: Setting, tv: float) -> str:
+  if setting.kind == 'dp':
+    return (f'{model}|dp|C{setting.clip_norm:g}z{setting.noise_multiplier:g}'
+            f'|{tv:g}')
   return f'{model}|{setting.kind}|{setting.d}|{tv:g}'
 
 
@@ -247,6 +300,7 @@ def _run_seed(seed: int, spec) -> tuple[dict[str, dict], dict]:
   images, labels, _ = _pick_images(FLAGS.data_dir, n, seed)
   root = jax.random.key(seed)
   keys = jax.random.split(jax.random.fold_in(root, 1), n)
+  noise_keys = jax.random.split(jax.random.fold_in(root, 3), n)
   lenet = DlgLeNet()
   models = {'LeNet': (lenet.apply, lenet.init(jax.random.fold_in(root, 0),
                                               jnp.zeros((1,) + IMAGE_SHAPE)),
@@ -265,7 +319,7 @@ def _run_seed(seed: int, spec) -> tuple[dict[str, dict], dict]:
   for model, setting, tv in spec:
     apply_fn, params, k, steps, bias_of = models[model]
     r = _attack_setting(apply_fn, params, setting, tv, images[:k], labels[:k],
-                        keys[:k], steps, bias_of)
+                        keys[:k], steps, bias_of, noise_keys[:k])
     recs[_row_name(model, setting, tv)] = r.pop('rec')
     out[_row_name(model, setting, tv)] = {'seed': seed, **r}
     print(f'seed {seed} {model:<5} {setting.label:<20} tv {tv:g}: PSNR '
@@ -301,6 +355,15 @@ def _aggregate(spec, per_seed: dict[int, dict[str, dict]]) -> list[dict]:
         'median_match': float(np.median([b for r in runs
                                          for b in r['best_loss']])),
         'runs': runs})
+    if setting.kind == 'dp':
+      norms = [v for r in runs for v in r['grad_norm']]
+      rows[-1].update({
+          'clip_norm': setting.clip_norm,
+          'noise_multiplier': setting.noise_multiplier,
+          'noise_std': float(noise_std_on_sum(
+              setting.clip_norm, setting.noise_multiplier, 1)),
+          'median_grad_norm': float(np.median(norms)),
+          'clipped': int(sum(v > setting.clip_norm for v in norms))})
   return rows
 
 
@@ -342,6 +405,7 @@ def _report(data: dict, out: pathlib.Path) -> None:
       f'points (seed {m["seeds"][0]}\'s images): a blank image scores '
       f'{m["zero_psnr"]:.1f} dB, the attack\'s clipped random start '
       f'{m["init_psnr"]:.1f} dB.', '',
+      *_added_lines(data),
       '| row | numbers seen | compression | PSNR dB | images >= 20 dB | '
       'iDLG label | median rel. match |', '|---|---|---|---|---|---|---|']
   for r in rows:
@@ -349,6 +413,7 @@ def _report(data: dict, out: pathlib.Path) -> None:
         f'| {r["label"]} | {r["numbers_seen"]:,} | {r["compression"]:.3g}x | '
         f'{stats.fmt(r["psnr"], 1)} | {r["recognizable"]}/{r["images"]} | '
         f'{r["idlg_correct"]}/{r["images"]} | {r["median_match"]:.1e} |')
+  lines += _dp_lines(rows)
   lines += ['', '| comparison (paired by seed) | PSNR difference (dB) |',
             '|---|---|']
   lines += [f'| {c["label"]} | {stats.fmt_paired(c, 1)} |'
@@ -367,9 +432,46 @@ def _report(data: dict, out: pathlib.Path) -> None:
       'gradient. The input has 28 x 28 = 784 pixels.', '',
       '![reconstructions](igc_privacy_images.png)', '',
       f'Figure 2: seed {m["seeds"][0]}\'s images and their LeNet '
-      'reconstructions per observation (PSNR under each).', '']
+      'reconstructions per observation (PSNR under each)' +
+      ('; rows added later (above) are not in it.' if data.get('added_rows')
+       else '.'), '']
   (out / 'igc_privacy.md').write_text('\n'.join(lines))
   _plot_psnr(rows, out / 'igc_privacy.png')
+
+
+def _added_lines(data: dict) -> list[str]:
+  """Header paragraphs naming the command and commit of rows added later."""
+  lines = []
+  for add in data.get('added_rows', []):
+    dirty = ' (dirty)' if add['dirty'] else ''
+    lines += [f'Rows {", ".join(add["rows"])} were added at commit '
+              f'`{add["commit"]}`{dirty} on {add["utc"]} by:', '',
+              f'    {add["command"]}', '']
+  return lines
+
+
+def _dp_lines(rows: list[dict]) -> list[str]:
+  """One paragraph per DP row: what was released and how often it was
+  clipped."""
+  lines, seen = [], set()
+  for r in rows:
+    key = (r['model'], r.get('clip_norm'), r.get('noise_multiplier'))
+    if r['observation'] != 'dp' or key in seen:
+      continue
+    seen.add(key)
+    lines += ['', f'{r["model"]}, clip(g, C={r["clip_norm"]:g}) + N(0, '
+              f'(zC)^2), z={r["noise_multiplier"]:g} (with and without the '
+              'TV prior): DP-FedAvg\'s release of this client\'s gradient '
+              '(McMahan et al. 2018, Alg. 1) viewed as a cohort of 1: clipped '
+              f'to L2 norm C = {r["clip_norm"]:g} ({r["clipped"]}/'
+              f'{r["images"]} gradients were above C; median norm before '
+              f'clipping {r["median_grad_norm"]:.3g}), plus N(0, '
+              f'{r["noise_std"]:g}^2) on each of the {r["D"]:,} entries (std '
+              f'z C; the noise has norm about sqrt(D) z C = '
+              f'{np.sqrt(r["D"]) * r["noise_std"]:.3g}); the attacker knows C '
+              'and matches its candidate\'s clipped gradient; the iDLG label '
+              'is read from the noised update.']
+  return lines
 
 
 def _plot_psnr(rows: list[dict], path: pathlib.Path) -> None:
@@ -428,17 +530,57 @@ def _plot_images(extras: dict, rows: list[dict], path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def _check_record() -> dict:
+  """Runs the check configuration (``CHECK_FLAGS``): the JSON's ``check``."""
+  rel = f'{FLAGS.runs_dir}/check'
+  rec = provenance.run_script('experiments/igc_privacy.py', [
+      '--check', *CHECK_FLAGS, f'--output_dir={rel}'])
+  return {
+      'label': 'LeNet, A^T g d=1,024 and the DP row, seed 0, one image, 20 '
+               'iterations',
+      'command': rec['command'], 'commit': rec['commit'],
+      'dirty': rec['dirty'],
+      'rows': json.loads((provenance.REPO / rel / 'check.json').read_text())[
+          'rows']}
+
+
+def _stored_for_merge(path: pathlib.Path, seeds: list[int], spec) -> dict:
+  """The stored study, if its setup matches these flags (else UsageError)."""
+  stored = json.loads(path.read_text())
+  m = stored['meta']
+  now = {'seeds': seeds, 'images_per_seed': FLAGS.images_per_seed,
+         'attack_steps': FLAGS.attack_steps,
+         'cnn_attack_steps': FLAGS.cnn_attack_steps,
+         'fastfood_seed': FLAGS.fastfood_seed, 'label_mode': FLAGS.label_mode}
+  differ = [k for k, v in now.items() if m.get(k) != v]
+  names = {_row_name(*s) for s in spec}
+  extra = [r['run'] for r in stored['results'] if r['run'] not in names]
+  if differ or extra:
+    raise app.UsageError(f'--add_missing_rows: {path} has other settings '
+                         f'({differ}) or rows these flags do not make '
+                         f'({extra}).')
+  return stored
+
+
 def main(argv):
   started = provenance.start_study(argv, 'igc_privacy', _report)
   if started is None:
     return
   seeds, out = started
+  prov = provenance.file_provenance()  # At the start: commit and time.
   spec = _rows_spec()
+  stored = None
+  if FLAGS.add_missing_rows:
+    stored = _stored_for_merge(out / 'igc_privacy.json', seeds, spec)
+    have = {r['run'] for r in stored['results']}
+    spec_run = [s for s in spec if _row_name(*s) not in have]
+  else:
+    spec_run = spec
   per_seed, extras = {}, None
   for seed in seeds:
-    per_seed[seed], ex = _run_seed(seed, spec)
+    per_seed[seed], ex = _run_seed(seed, spec_run)
     extras = extras or ex
-  rows = _aggregate(spec, per_seed)
+  rows = _aggregate(spec_run, per_seed)
   out.mkdir(parents=True, exist_ok=True)
   if FLAGS.check:
     provenance.write_json(out / 'check.json', {'rows': [
@@ -446,7 +588,18 @@ def main(argv):
          'best_loss': [b for x in r['runs'] for b in x['best_loss']]}
         for r in rows]})
     return
-  data = {'provenance': provenance.file_provenance(),
+  if stored is not None:
+    new = {r['run']: r for r in rows}
+    old = {r['run']: r for r in stored['results']}
+    data = {**stored, 'results': [old.get(n) or new[n] for n in
+                                  (_row_name(*s) for s in spec)]}
+    data['added_rows'] = stored.get('added_rows', []) + [
+        {'rows': [r['run'] for r in rows], **prov}]
+    data['comparisons'] = _comparisons(data['results'])
+    data['check'] = _check_record()
+    provenance.write_study(out, 'igc_privacy', data, _report)
+    return
+  data = {'provenance': prov,
           'meta': {'seeds': seeds, 'images_per_seed': FLAGS.images_per_seed,
                    'attack_steps': FLAGS.attack_steps,
                    'cnn_attack_steps': FLAGS.cnn_attack_steps,
@@ -456,15 +609,7 @@ def main(argv):
                    'init_psnr': float(-10 * np.log10(extras['init_mse']))},
           'results': rows}
   data['comparisons'] = _comparisons(rows)
-  rel = f'{FLAGS.runs_dir}/check'
-  rec = provenance.run_script('experiments/igc_privacy.py', [
-      '--check', *CHECK_FLAGS, f'--output_dir={rel}'])
-  data['check'] = {
-      'label': 'LeNet, A^T g d=1,024, seed 0, one image, 20 iterations',
-      'command': rec['command'], 'commit': rec['commit'],
-      'dirty': rec['dirty'],
-      'rows': json.loads((provenance.REPO / rel / 'check.json').read_text())[
-          'rows']}
+  data['check'] = _check_record()
   _plot_images(extras, rows, out / 'igc_privacy_images.png')
   provenance.write_study(out, 'igc_privacy', data, _report)
 
