@@ -11,10 +11,12 @@ the row.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -357,10 +359,58 @@ def test_validate_only_checks_without_training(repo_root, tmp_path):
   ok = _run(repo_root, ['--validate_only', '--algorithm=fedlite',
                         f'--output_dir={tmp_path}/out'], {}, tmp_path)
   assert ok.returncode == 0, ok.stderr[-4000:]
-  assert 'flags OK' in ok.stdout
+  assert 'flags OK' in ok.stdout and '--algorithm=fedlite' in ok.stdout
   assert not (tmp_path / 'out').exists()
   bad = _run(repo_root, ['--validate_only', '--topk_k=3'], {}, tmp_path)
   assert bad.returncode == 2 and '--topk_k' in bad.stderr
+
+
+@pytest.mark.parametrize('case', ['missing_data_dir', 'oversized_cohort',
+                                  'taken_output_dir'])
+def test_validate_only_catches_what_the_run_would_meet(repo_root, tmp_path,
+                                                       case):
+  """Each: one error line, exit non-zero, nothing written."""
+  out = tmp_path / 'out'
+  args = {'missing_data_dir': ['--task=emnist',
+                               f'--data_dir={tmp_path}/nonexistent'],
+          'oversized_cohort': EMB + ['--clients_per_round=500'],
+          'taken_output_dir': EMB + ['--client_lr=0.5']}[case]
+  expected = {'missing_data_dir': f'data_dir {tmp_path}/nonexistent',
+              'oversized_cohort': '--clients_per_round=500 exceeds the 5 '
+                                  'training clients',
+              'taken_output_dir': 'holds results of a run with other flags '
+                                  '(client_lr'}[case]
+  if case == 'taken_output_dir':  # Results of the same command, lr 0.1.
+    first = _run(repo_root, EMB + ['--num_rounds=1', '--client_lr=0.1',
+                                   f'--output_dir={out}'], {}, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+  before = sorted(p.name for p in tmp_path.rglob('*'))
+  proc = _run(repo_root, ['--validate_only', f'--output_dir={out}', *args],
+              {}, tmp_path)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [l for l in proc.stderr.splitlines() if 'error:' in l]
+  assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+  assert proc.stderr.rstrip().endswith(errors[0])  # The last line.
+  assert sorted(p.name for p in tmp_path.rglob('*')) == before
+
+
+def test_validate_only_bits_are_what_a_round_sends(repo_root, tmp_path):
+  """The printed bits per client are those the ledger counts in a run."""
+  flags = EMB + ['--upload=uniform_quantization:8',
+                 '--download=uniform_quantization:16', '--num_rounds=1',
+                 f'--output_dir={tmp_path}/out']
+  proc = _run(repo_root, ['--validate_only', *flags], {}, tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  printed = {way: float(re.search(rf'{way} bits per client: ([\d,]+)',
+                                  proc.stdout).group(1).replace(',', ''))
+             for way in ('upload', 'download')}
+  run = _run(repo_root, flags, {}, tmp_path)
+  assert run.returncode == 0, run.stderr[-2000:]
+  with (tmp_path / 'out' / 'communication.csv').open() as f:
+    rows = list(csv.DictReader(f))
+  assert rows and all(float(r['upload_bits']) == printed['upload'] and
+                      float(r['download_bits']) == printed['download']
+                      for r in rows), (printed, rows[0])
 
 
 def test_flagfiles_resolve_for_their_algorithm_and_task(repo_root, tmp_path):
