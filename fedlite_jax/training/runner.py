@@ -23,14 +23,13 @@ import jax
 import numpy as np
 import tqdm
 
-from fedlite_jax import checkpoint
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms.split_clients import resolve_client_execution
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import data_path
 from fedlite_jax.training import evaluation
-from fedlite_jax.training import init_params
+from fedlite_jax.training import state_io
 from fedlite_jax.training import outputs
 from fedlite_jax.training import registry
 from fedlite_jax.training import round_metrics
@@ -78,7 +77,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     ConfigError: bad settings or ``--init_checkpoint``; an ``output_dir`` in
       use, or holding results of other flags (without ``--overwrite``).
     FileNotFoundError: missing data (the message names the files).
-    checkpoint.CheckpointError: a corrupt or mismatched checkpoint.
+    state_io.CheckpointError: a corrupt or mismatched checkpoint.
     FloatingPointError: the model diverged (non-finite updates).
   """
   task = tasks.get_task(config.task)
@@ -144,14 +143,14 @@ def _model_config(config: RunConfig, mesh: sharding.ClientMesh
 
 
 def _load_init(config: RunConfig, like: Any
-               ) -> Optional[init_params.InitParams]:
+               ) -> Optional[state_io.InitParams]:
   """The ``--init_checkpoint`` parameters (None without it), or ConfigError."""
   if not config.init_checkpoint:
     return None
   try:
-    init = init_params.load_init_params(config.init_checkpoint, like)
+    init = state_io.load_init_params(config.init_checkpoint, like)
   except (OSError, ValueError) as e:
-    raise ConfigError(str(e)) from None
+    raise init_error(config.init_checkpoint, e) from None
   logging.info('Starting from --init_checkpoint=%s (%s%s, sha256 %s).',
                init.path, init.source,
                '' if init.round is None else f' after round {init.round}',
@@ -164,9 +163,15 @@ def _init_sha256(config: RunConfig) -> Optional[str]:
   if not config.init_checkpoint:
     return None
   try:
-    return init_params.file_sha256(config.init_checkpoint)
+    return state_io.file_sha256(config.init_checkpoint)
   except OSError as e:
-    raise ConfigError(str(e)) from None
+    raise init_error(config.init_checkpoint, e) from None
+
+
+def init_error(path: str, e: Exception) -> ConfigError:
+  """A state_io error about ``path`` as one line naming --init_checkpoint."""
+  return ConfigError(f'--init_checkpoint={path}: '
+                     f'{str(e).removeprefix(f"{path}: ")}')
 
 
 def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
@@ -178,18 +183,22 @@ def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
   Raises:
     ConfigError: ``out`` holds results these flags cannot continue (without
       ``--overwrite``).
-    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint;
+    state_io.CheckpointError: with ``--overwrite``, a corrupt checkpoint;
       with ``--resume``, msgpack checkpoints of fedlite_jax 644e428 or
-      before (:func:`checkpoint.legacy_error`).
+      before (:func:`state_io.legacy_error`).
   """
-  if config.resume and checkpoint.legacy_checkpoints(out / 'checkpoints'):
-    raise checkpoint.legacy_error(out / 'checkpoints')
-  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  if config.resume and state_io.legacy_checkpoints(out / 'checkpoints'):
+    raise state_io.CheckpointError(
+        f'{state_io.legacy_error(out / "checkpoints")} Finish the run with '
+        f'fedlite_jax at commit {state_io.LEGACY_COMMIT}, or pass --noresume '
+        '--overwrite to start it over; --init_checkpoint takes their model '
+        'parameters.')
+  latest = state_io.latest_checkpoint(out / 'checkpoints')
   if latest is not None and config.resume:
     if not config.overwrite:
       return latest  # The restore checks it against these flags.
-    diffs = checkpoint.metadata_differences(
-        checkpoint.read_metadata(latest), fingerprint)
+    diffs = state_io.metadata_differences(
+        state_io.read_metadata(latest), fingerprint)
     if not diffs:
       return latest
     logging.warning('--overwrite: replacing the results in %s (%s).', out,
@@ -201,8 +210,8 @@ def _plan_start(config: RunConfig, fingerprint: dict[str, Any],
     previous = outputs.read_run_identity(out)
     if previous is None:
       reason = 'holds results of another run (metrics.jsonl or checkpoints)'
-    elif diffs := checkpoint.metadata_differences(previous, fingerprint,
-                                                   outputs.RUN_FILE):
+    elif diffs := state_io.metadata_differences(previous, fingerprint,
+                                                 outputs.RUN_FILE):
       reason = f'holds results of a run with other flags ({"; ".join(diffs)})'
     elif not config.resume:
       reason = 'holds results of this run and --noresume was given'
@@ -258,7 +267,7 @@ class _Built:
   info: Any
   source: Any
   test_batches: Any
-  init: Optional[init_params.InitParams]
+  init: Optional[state_io.InitParams]
   engine: str
   conv_implementation: str
   start_round: int
@@ -336,7 +345,7 @@ def _build(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
   Raises:
     ConfigError: settings that do not fit the data, the mesh or the
       algorithm; an ``--init_checkpoint`` that does not fit the model.
-    checkpoint.CheckpointError: a corrupt or mismatched checkpoint.
+    state_io.CheckpointError: a corrupt or mismatched checkpoint.
   """
   train_fd, test_fd, info = task.load_data(config)
   num_train_clients = train_fd.num_clients()
@@ -389,9 +398,14 @@ def _build(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
 
   start_round, rows = 0, []
   if start.resume_from is not None:
-    start_round, restored = checkpoint.restore_checkpoint(
-        start.resume_from, {'server': state, 'ledger': ledger.state_dict()},
-        start.fingerprint)
+    try:
+      start_round, restored = state_io.restore_checkpoint(
+          start.resume_from, {'server': state, 'ledger': ledger.state_dict()},
+          start.fingerprint)
+    except state_io.CheckpointError as e:
+      raise state_io.CheckpointError(
+          f'{e} Resume with the flags it was written with, or delete it or '
+          'pass another --output_dir to start over.') from e
     state = restored['server']
     ledger = CommLedger.from_state_dict(restored['ledger'])
     rows = outputs.truncate_metrics(scratch / 'metrics.jsonl', start_round)
@@ -433,7 +447,7 @@ def _round_loop(config: RunConfig, task: tasks.Task, built: _Built,
   csv = (scratch / 'communication.csv').open('a')
   built.ledger.attach_csv(csv)
   # Process 0 writes the checkpoints (the others read them on a restart).
-  ckpt = (checkpoint.Checkpointer(scratch / 'checkpoints', keep=2)
+  ckpt = (state_io.Checkpointer(scratch / 'checkpoints', keep=2)
           if jax.process_index() == 0 else None)
   bar = tqdm.tqdm(range(built.start_round, config.num_rounds),
                   initial=built.start_round, total=config.num_rounds,
