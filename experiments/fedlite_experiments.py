@@ -57,7 +57,7 @@ import numpy as np
 from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.transforms import pq
-from fedlite_jax.training import init_params
+from fedlite_jax.training import state_io
 import provenance
 import stats
 
@@ -233,7 +233,7 @@ def _fig3(seeds: list[int], split: dict[int, dict]) -> dict:
           f'{ckpts_dir / str(it)}: Figure 3 reads SplitFed\'s checkpoint at '
           f'iteration {it}; rerun that run with a --checkpoint_every '
           f'dividing {it} (the runner keeps its last 2 checkpoints).')
-    params = init_params.load_init_params(
+    params = state_io.load_init_params(
         ckpt, model.model.init(jax.random.PRNGKey(0))).params
     z = np.stack([np.asarray(model.client_apply(params['client'], b))
                   for b in batches])  # float32 [clients, B, d]

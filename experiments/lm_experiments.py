@@ -189,8 +189,8 @@ def _pretrain() -> dict:
   path = provenance.REPO / _pretrain_path()
   if not path.exists():
     provenance.run_script(script, _pretrain_flags())
-  from fedlite_jax.training import init_params  # pylint: disable=g-import-not-at-top
-  meta = init_params.read_metadata(path)
+  from fedlite_jax.training import state_io  # pylint: disable=g-import-not-at-top
+  meta = state_io.read_metadata(path)
   meta.pop('task_tokenizer', None)  # A path on the machine that ran it.
   return {'command': shlex.join(['python', script, *_pretrain_flags()]),
           'metadata': meta}

@@ -31,8 +31,8 @@ import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 import jax
 
 from fedlite_jax.datasets import sentencepiece_vocab
-from fedlite_jax.training import init_params
 from fedlite_jax.training import pretrain
+from fedlite_jax.training import state_io
 from fedlite_jax.models import lm
 
 flags.DEFINE_enum('task', 'shakespeare', sorted(sentencepiece_vocab.SP_TASKS),
@@ -81,7 +81,7 @@ def main(argv):
               FLAGS.sequence_length, 'lr': FLAGS.lr,
           'clip_norm': FLAGS.clip_norm, 'batch_size': FLAGS.batch_size,
           'seed': FLAGS.seed, **stats}
-  init_params.save_params(FLAGS.output, params, meta)
+  state_io.save_params(FLAGS.output, params, meta)
   print(json.dumps(meta, indent=1))
 
 

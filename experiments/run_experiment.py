@@ -27,13 +27,13 @@ from absl import logging
 import jax
 
 import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
-from fedlite_jax import checkpoint
 from fedlite_jax import datasets
 from fedlite_jax.training import compression_options
 from fedlite_jax.training import config as config_lib
-from fedlite_jax.training import init_params
 from fedlite_jax.training import registry
 from fedlite_jax.training import runner
+from fedlite_jax.training import start
+from fedlite_jax.training import state_io
 from fedlite_jax.training import tasks
 from fedlite_jax.training import validate
 
@@ -155,15 +155,10 @@ def checked_config() -> config_lib.RunConfig:
   config_lib.check_explicit(resolved, [
       n for n in _FIELDS + list(registry.all_options()) if FLAGS[n].present])
   if config.init_checkpoint is not None:
-    flag = f'--init_checkpoint={config.init_checkpoint}'
     try:
-      init_params.file_kind(config.init_checkpoint)
-    except (ValueError, KeyError, OSError) as e:
-      message = str(e)
-      if not message.startswith(flag):
-        message = (f'{flag}: not a parameter file of init_params.save_params '
-                   f'nor a runner checkpoint ({type(e).__name__}: {e}).')
-      raise config_lib.ConfigError(message) from None
+      state_io.file_kind(config.init_checkpoint)
+    except (ValueError, OSError) as e:
+      raise start.init_error(config.init_checkpoint, e) from None
   return config
 
 
@@ -199,7 +194,7 @@ def main(argv):
       return
     summary = runner.run(config)
   except (config_lib.ConfigError, datasets.DatasetNotFoundError,
-          datasets.DatasetFormatError, checkpoint.CheckpointError,
+          datasets.DatasetFormatError, state_io.CheckpointError,
           FloatingPointError, OSError) as e:
     # OSError: an output or data path that fails after the checks (disk
     # full, permissions changed); its message names the file.

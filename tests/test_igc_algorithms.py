@@ -22,7 +22,7 @@ import optax
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from fedlite_jax import checkpoint
+from fedlite_jax.training import state_io
 from fedlite_jax import datasets
 from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import batching
@@ -280,10 +280,10 @@ def test_resume_from_checkpoint_is_exact(setup, femnist, tmp_path):
             rounds_per_epoch=2, seed=3, download_accounting='exact')
   full, full_diags = _run(_build(setup, femnist, **kw), setup[2], rounds)
   part, _ = _run(_build(setup, femnist, **kw), setup[2], rounds[:3])
-  checkpoint.save_checkpoint(tmp_path, 3, {'server': part}, {'x': 1})
+  state_io.save_checkpoint(tmp_path, 3, {'server': part}, {'x': 1})
   template = _build(setup, femnist, **kw).init(setup[2])
-  _, restored = checkpoint.restore_checkpoint(
-      checkpoint.latest_checkpoint(tmp_path), {'server': template}, {'x': 1})
+  _, restored = state_io.restore_checkpoint(
+      state_io.latest_checkpoint(tmp_path), {'server': template}, {'x': 1})
   fresh = _build(setup, femnist, **kw)  # cold subspace cache
   resumed, diags = _run(fresh, setup[2], rounds[3:], state=restored['server'])
   _equal(full.params, resumed.params)

@@ -1,6 +1,6 @@
 """``--init_checkpoint``: the runner starts from given parameters.
 
-Sources: a parameter file (``init_params.save_params``, written by
+Sources: a parameter file (``state_io.save_params``, written by
 ``experiments/pretrain_centralized.py``) or one of the runner's own round
 checkpoints. The starting point is evaluated as a round-0 row of
 metrics.jsonl; the file's SHA-256 is part of the run's fingerprint.
@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from fedlite_jax import checkpoint
+from fedlite_jax.training import state_io
 from fedlite_jax import models
 from fedlite_jax.algorithms import FedOptState
 from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
-from fedlite_jax.training import init_params
 from fedlite_jax.training import outputs
 from fedlite_jax.training import round_metrics
 from fedlite_jax.training import run
@@ -64,8 +63,8 @@ def _cnn_params(seed=3):
 
 
 def _final_params(out_dir):
-  path = checkpoint.latest_checkpoint(out_dir / 'checkpoints')
-  return checkpoint.stored_params(path, _cnn_params())[1]
+  path = state_io.latest_checkpoint(out_dir / 'checkpoints')
+  return state_io.stored_params(path, _cnn_params())[1]
 
 
 @pytest.fixture(scope='module')
@@ -78,7 +77,7 @@ def trained(tmp_path_factory):
 
 def test_starts_at_the_checkpoint_of_a_20_round_run(trained, tmp_path):
   src, src_rows = trained
-  ckpt = checkpoint.latest_checkpoint(src / 'checkpoints')
+  ckpt = state_io.latest_checkpoint(src / 'checkpoints')
   assert ckpt.name == '20' and ckpt.is_dir()
   out = tmp_path / 'fine_tune'
   summary = run(RunConfig(num_rounds=2, eval_every=2, init_checkpoint=str(ckpt),
@@ -104,7 +103,7 @@ def test_starts_at_the_checkpoint_of_a_20_round_run(trained, tmp_path):
 def test_split_learning_starts_from_a_fedavg_checkpoint(trained, tmp_path):
   """The state layout differs (SplitState), the model parameters do not."""
   src, src_rows = trained
-  ckpt = checkpoint.latest_checkpoint(src / 'checkpoints')
+  ckpt = state_io.latest_checkpoint(src / 'checkpoints')
   out = tmp_path / 'splitfed'
   run(RunConfig(algorithm='splitfed', num_rounds=1, eval_every=1,
                 init_checkpoint=str(ckpt), output_dir=str(out), **TINY))
@@ -116,8 +115,8 @@ def test_split_learning_starts_from_a_fedavg_checkpoint(trained, tmp_path):
 def test_all_zero_parameters_start_elsewhere_than_the_random_init(tmp_path):
   cfg = dict(num_rounds=1, eval_every=1, **TINY)
   # The seed's own random init as a file, and all-zero parameters.
-  same = init_params.save_params(tmp_path / 'random.params', _cnn_params())
-  zeros = init_params.save_params(
+  same = state_io.save_params(tmp_path / 'random.params', _cnn_params())
+  zeros = state_io.save_params(
       tmp_path / 'zeros.params', jax.tree.map(np.zeros_like, _cnn_params()))
   run(RunConfig(output_dir=str(tmp_path / 'random'), init_checkpoint=same,
                 **cfg))
@@ -134,13 +133,13 @@ def test_all_zero_parameters_start_elsewhere_than_the_random_init(tmp_path):
 
 def test_file_contents_are_part_of_the_fingerprint(tmp_path):
   path = tmp_path / 'init.params'
-  init_params.save_params(path, _cnn_params())
+  state_io.save_params(path, _cnn_params())
   out = str(tmp_path / 'run')
   cfg = dict(eval_every=1, init_checkpoint=str(path), output_dir=out, **TINY)
   run(RunConfig(num_rounds=1, **cfg))
   # Same path, other contents: the run cannot be extended from its checkpoint.
-  init_params.save_params(path, jax.tree.map(np.zeros_like, _cnn_params()))
-  with pytest.raises(checkpoint.CheckpointError,
+  state_io.save_params(path, jax.tree.map(np.zeros_like, _cnn_params()))
+  with pytest.raises(state_io.CheckpointError,
                      match='init_checkpoint_sha256'):
     run(RunConfig(num_rounds=2, **cfg))
 
@@ -151,7 +150,7 @@ def test_missing_or_unfit_file_is_one_config_error(tmp_path):
                      match=f'--init_checkpoint={missing}: no such file'):
     run(RunConfig(num_rounds=1, init_checkpoint=str(missing),
                   output_dir=str(tmp_path / 'a'), **TINY))
-  wrong = init_params.save_params(
+  wrong = state_io.save_params(
       tmp_path / 'lm.params', {'embed': np.zeros((5, 3), np.float32)})
   with pytest.raises(ConfigError, match='variables differ'):
     run(RunConfig(num_rounds=1, init_checkpoint=wrong,
@@ -181,8 +180,8 @@ def _like():
 
 def test_load_parameter_file_checks_structure_shape_dtype(tmp_path):
   params = jax.tree.map(lambda x: x * 2, _like())
-  path = init_params.save_params(tmp_path / 'p', params, {'corpus': 'x'})
-  got = init_params.load_init_params(path, _like())
+  path = state_io.save_params(tmp_path / 'p', params, {'corpus': 'x'})
+  got = state_io.load_init_params(path, _like())
   np.testing.assert_array_equal(got.params['dense']['kernel'],
                                 params['dense']['kernel'])
   assert got.source == 'params_file' and got.round is None
@@ -190,16 +189,16 @@ def test_load_parameter_file_checks_structure_shape_dtype(tmp_path):
     assert got.sha256 == hashlib.sha256(f.read()).hexdigest()
   bad_shape = {'dense': {'kernel': np.ones((3, 3), np.float32),
                          'bias': np.ones((3,), np.float32)}}
-  init_params.save_params(tmp_path / 'shape', bad_shape)
+  state_io.save_params(tmp_path / 'shape', bad_shape)
   with pytest.raises(ValueError, match=r'dense/kernel has shape \(3, 3\)'):
-    init_params.load_init_params(tmp_path / 'shape', _like())
+    state_io.load_init_params(tmp_path / 'shape', _like())
   bad_dtype = jax.tree.map(lambda x: x.astype(np.float64), _like())
-  init_params.save_params(tmp_path / 'dtype', bad_dtype)
+  state_io.save_params(tmp_path / 'dtype', bad_dtype)
   with pytest.raises(ValueError, match='float64, the model needs'):
-    init_params.load_init_params(tmp_path / 'dtype', _like())
+    state_io.load_init_params(tmp_path / 'dtype', _like())
   (tmp_path / 'junk').write_text('{"not": "msgpack"}')
-  with pytest.raises(ValueError, match='--init_checkpoint=.*junk'):
-    init_params.load_init_params(tmp_path / 'junk', _like())
+  with pytest.raises(ValueError, match='junk: not a parameter file'):
+    state_io.load_init_params(tmp_path / 'junk', _like())
 
 
 def _server_state(params):
@@ -210,42 +209,42 @@ def _server_state(params):
 def test_load_round_checkpoint_takes_the_recorded_params(tmp_path):
   params = jax.tree.map(lambda x: x * 3, _like())
   state = _server_state(params)
-  path = checkpoint.save_checkpoint(tmp_path, 7, state, {'seed': 0},
+  path = state_io.save_checkpoint(tmp_path, 7, state, {'seed': 0},
                                     params=state['server'].params)
-  got = init_params.load_init_params(path, _like())
+  got = state_io.load_init_params(path, _like())
   assert got.source == 'checkpoint' and got.round == 7
-  assert init_params.file_kind(path) == 'checkpoint'
+  assert state_io.file_kind(path) == 'checkpoint'
   assert got.sha256 == _dir_sha256(path)
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
   # Parameters that are not arrays of the state are stored as copies.
   copy = jax.tree.map(lambda x: x + 1, params)
-  path = checkpoint.save_checkpoint(tmp_path / 'c', 8, state, {}, params=copy)
-  got = init_params.load_init_params(path, _like())
+  path = state_io.save_checkpoint(tmp_path / 'c', 8, state, {}, params=copy)
+  got = state_io.load_init_params(path, _like())
   np.testing.assert_array_equal(got.params['dense']['bias'],
                                 copy['dense']['bias'])
   # Another model's checkpoint, and one without recorded parameters.
   with pytest.raises(ValueError, match='different structure'):
-    init_params.load_init_params(path, {'w': np.ones(3, np.float32)})
+    state_io.load_init_params(path, {'w': np.ones(3, np.float32)})
   wide = {'dense': {'kernel': np.ones((2, 4), np.float32),
                     'bias': np.ones((3,), np.float32)}}
   with pytest.raises(ValueError, match=r"\['kernel'\] has shape \(2, 3\)"):
-    init_params.load_init_params(path, wide)
-  old = checkpoint.save_checkpoint(tmp_path / 'old', 1, state, {})
+    state_io.load_init_params(path, wide)
+  old = state_io.save_checkpoint(tmp_path / 'old', 1, state, {})
   with pytest.raises(ValueError, match='does not record'):
-    init_params.load_init_params(old, _like())
+    state_io.load_init_params(old, _like())
   # The checkpoints directory itself is not a checkpoint.
-  with pytest.raises(ValueError, match='checkpoints/<round>'):
-    init_params.load_init_params(tmp_path / 'old', _like())
+  with pytest.raises(ValueError, match='old is not a checkpoint'):
+    state_io.load_init_params(tmp_path / 'old', _like())
 
 
 def test_msgpack_checkpoint_of_644e428_still_loads(repo_root):
   """Runner checkpoints of the earlier msgpack format still give their
   model parameters (see tests/test_checkpoint.py for how it was written)."""
   path = repo_root / 'tests' / 'golden' / 'ckpt_00000002.msgpack'
-  got = init_params.load_init_params(path, _like())
+  got = state_io.load_init_params(path, _like())
   assert got.source == 'checkpoint' and got.round == 2
-  assert init_params.file_kind(path) == 'checkpoint'
+  assert state_io.file_kind(path) == 'checkpoint'
   assert got.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
   np.testing.assert_array_equal(
       got.params['dense']['kernel'],

@@ -87,17 +87,17 @@ def test_skipped_clients_are_counted_per_round_and_in_total():
 
 
 def test_checkpoints_from_before_skip_counting_restore(tmp_path):
-  from fedlite_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import state_io  # pylint: disable=g-import-not-at-top
   old = CommLedger(10)
   old.record_round(0, {b'a': {'upload_bits': 3.0, 'download_bits': 4.0}})
   legacy = old.legacy_state_dict()
   assert set(legacy) == set(old.state_dict()) - {'skipped_client_rounds'}
-  checkpoint.save_checkpoint(tmp_path, 1, {'ledger': legacy}, {})
-  path = checkpoint.latest_checkpoint(tmp_path)
-  with pytest.raises(checkpoint.CheckpointError, match='state structure'):
-    checkpoint.restore_checkpoint(
+  state_io.save_checkpoint(tmp_path, 1, {'ledger': legacy}, {})
+  path = state_io.latest_checkpoint(tmp_path)
+  with pytest.raises(state_io.CheckpointError, match='state structure'):
+    state_io.restore_checkpoint(
         path, {'ledger': CommLedger(10).state_dict()}, {})
-  _, restored = checkpoint.restore_checkpoint(
+  _, restored = state_io.restore_checkpoint(
       path, {'ledger': CommLedger(10).legacy_state_dict()}, {})
   ledger = CommLedger.from_state_dict(restored['ledger'])
   assert ledger.skipped_client_rounds == 0

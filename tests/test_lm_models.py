@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fedlite_jax.training import evaluation
-from fedlite_jax.training import init_params
+from fedlite_jax.training import state_io
 from fedlite_jax.models import lm
 
 V = 4096
@@ -180,21 +180,21 @@ def test_bad_configs_raise():
 def test_init_params_roundtrip_and_mismatch(tmp_path):
   model = lm.create_lm(SMALL_TF, vocab_size=50, max_length=7).model
   params = model.init(jax.random.PRNGKey(6))
-  path = init_params.save_params(tmp_path / 'p.msgpack', params,
+  path = state_io.save_params(tmp_path / 'p.msgpack', params,
                                  {'corpus': 'test'})
   like = model.init(jax.random.PRNGKey(7))
-  loaded = init_params.load_params(path, like)
+  loaded = state_io.load_init_params(path, like).params
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(a, b)
-  assert init_params.read_metadata(path) == {'corpus': 'test'}
+  assert state_io.read_metadata(path) == {'corpus': 'test'}
   other = lm.create_lm(SMALL_LSTM, vocab_size=50, max_length=7).model
   with pytest.raises(ValueError, match='variables differ'):
-    init_params.load_params(path, other.init(jax.random.PRNGKey(0)))
+    state_io.load_init_params(path, other.init(jax.random.PRNGKey(0)))
   wider = lm.create_lm(SMALL_TF, vocab_size=60, max_length=7).model
   with pytest.raises(ValueError, match='shape'):
-    init_params.load_params(path, wider.init(jax.random.PRNGKey(0)))
+    state_io.load_init_params(path, wider.init(jax.random.PRNGKey(0)))
   with pytest.raises(FileNotFoundError):
-    init_params.load_params(tmp_path / 'missing', like)
+    state_io.load_init_params(tmp_path / 'missing', like)
   (tmp_path / 'junk').write_bytes(b'not msgpack at all')
-  with pytest.raises(ValueError, match='init_checkpoint'):
-    init_params.load_params(tmp_path / 'junk', like)
+  with pytest.raises(ValueError, match='junk: not a parameter file'):
+    state_io.load_init_params(tmp_path / 'junk', like)

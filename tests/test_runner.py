@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedlite_jax import checkpoint
+from fedlite_jax.training import state_io
 from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import evaluation
@@ -19,7 +19,6 @@ from fedlite_jax.training import run
 from fedlite_jax.training import build as build_lib
 from fedlite_jax.training import runner
 from fedlite_jax.training import config as config_lib
-from fedlite_jax.training import init_params
 from fedlite_jax.training import tasks
 
 SMALL = dict(task='embedded_mnist', num_clients=12, clients_per_round=3,
@@ -27,8 +26,8 @@ SMALL = dict(task='embedded_mnist', num_clients=12, clients_per_round=3,
 
 
 def _final_params(out_dir):
-  path = checkpoint.latest_checkpoint(os.path.join(out_dir, 'checkpoints'))
-  return checkpoint.read_leaves(path)[1]
+  path = state_io.latest_checkpoint(os.path.join(out_dir, 'checkpoints'))
+  return state_io.read_leaves(path)[1]
 
 
 def _evaluate_with_fedjax(out, config):
@@ -38,8 +37,8 @@ def _evaluate_with_fedjax(out, config):
   config = config_lib.resolve(config, task.defaults)
   _, test_fd, info = task.load_data(config)
   model = task.build_model(config, info).model
-  init = init_params.load_init_params(
-      checkpoint.latest_checkpoint(out / 'checkpoints'),
+  init = state_io.load_init_params(
+      state_io.latest_checkpoint(out / 'checkpoints'),
       model.init(jax.random.PRNGKey(0)))
   batches = evaluation.eval_batches(test_fd, config.eval_batch_size,
                                     config.eval_num_clients, config.seed)
@@ -114,7 +113,7 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     run(RunConfig(output_dir=str(tmp_path / 'resumed'), **cfg))
   monkeypatch.setattr(evaluation, 'evaluate', real_evaluate)
-  assert checkpoint.latest_checkpoint(tmp_path / 'resumed' / 'checkpoints').name \
+  assert state_io.latest_checkpoint(tmp_path / 'resumed' / 'checkpoints').name \
       == '2'
   summary = run(RunConfig(output_dir=str(tmp_path / 'resumed'), **cfg))
 
@@ -137,7 +136,7 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, monkeypatch):
 def test_mismatched_resume_and_foreign_output_dir(tmp_path):
   out = str(tmp_path / 'r')
   run(RunConfig(num_rounds=2, output_dir=out, **SMALL))
-  with pytest.raises(checkpoint.CheckpointError, match='client_lr'):
+  with pytest.raises(state_io.CheckpointError, match='client_lr'):
     run(RunConfig(num_rounds=2, output_dir=out, client_lr=0.5, **SMALL))
   with pytest.raises(ConfigError, match='--overwrite'):
     run(RunConfig(num_rounds=2, output_dir=out, resume=False, **SMALL))
@@ -145,8 +144,8 @@ def test_mismatched_resume_and_foreign_output_dir(tmp_path):
   summary = run(RunConfig(num_rounds=2, output_dir=out, client_lr=0.5,
                           overwrite=True, **SMALL))
   assert summary['flags']['client_lr'] == 0.5
-  latest = checkpoint.latest_checkpoint(os.path.join(out, 'checkpoints'))
-  assert checkpoint.read_metadata(latest)['client_lr'] == 0.5
+  latest = state_io.latest_checkpoint(os.path.join(out, 'checkpoints'))
+  assert state_io.read_metadata(latest)['client_lr'] == 0.5
   assert [r['round'] for r in outputs.read_metrics(
       os.path.join(out, 'metrics.jsonl'))] == [1, 2]
 

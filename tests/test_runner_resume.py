@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from fedlite_jax import checkpoint
+from fedlite_jax.training import state_io
 from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import config as config_lib
@@ -120,8 +120,8 @@ def _binary(repo_root, out_dir, kill_at=None, tmp_path=None):
 
 
 def _final_leaves(out_dir):
-  return checkpoint.read_leaves(
-      checkpoint.latest_checkpoint(out_dir / 'checkpoints'))
+  return state_io.read_leaves(
+      state_io.latest_checkpoint(out_dir / 'checkpoints'))
 
 
 def _partial_saves(out_dir):
@@ -179,7 +179,7 @@ def test_killed_binary_reruns_to_the_uninterrupted_result(
   # The kill happened where intended.
   complete = (out / 'metrics.jsonl').read_text().split('\n')[:-1]
   assert len(complete) == expect['rows']
-  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  latest = state_io.latest_checkpoint(out / 'checkpoints')
   assert (latest and _final_leaves(out)[0]) == expect['checkpoint']
   assert bool(_partial_saves(out)) == expect['partial']
   rerun = _binary(repo_root, out)
@@ -302,5 +302,5 @@ def test_msgpack_checkpoints_of_644e428_are_one_clear_line(repo_root, tmp_path):
   assert 'Traceback' not in rerun.stderr
   run(RunConfig(output_dir=str(out), progress=False, resume=False,
                 overwrite=True, **dict(SETTINGS, num_rounds=1)))
-  assert not checkpoint.legacy_checkpoints(out / 'checkpoints')
+  assert not state_io.legacy_checkpoints(out / 'checkpoints')
   assert _final_leaves(out)[0] == 1

@@ -55,13 +55,13 @@ _HELPER = textwrap.dedent('''
     import fedlite_jax
     import jax
     import numpy as np
-    from fedlite_jax import checkpoint
+    from fedlite_jax.training import state_io
     from fedlite_jax.training import config as config_lib
     from fedlite_jax.training import runner
 
     def final_leaves(out):
-      return checkpoint.read_leaves(
-          checkpoint.latest_checkpoint(pathlib.Path(out) / 'checkpoints'))
+      return state_io.read_leaves(
+          state_io.latest_checkpoint(pathlib.Path(out) / 'checkpoints'))
 
     def run(out, **kw):
       return runner.run(config_lib.RunConfig(output_dir=str(out),

@@ -22,13 +22,14 @@ pkgs = {  # target name -> (folder, deps, doc)
   'comm': ('fedlite_jax/comm', [], 'Communication ledger.'),
   'algorithms': ('fedlite_jax/algorithms', [':fedlite_jax', ':rounds', ':transforms', ':models'], 'Federated algorithms (FedJAX FederatedAlgorithm builders).'),
   'transforms': ('fedlite_jax/transforms', [':fedlite_jax'], 'Composable compression transforms with bit costs, their kernels (FWHT, Fastfood, grouped PQ, k-means) and the intrinsic reparameterization.'),
-  'training': ('fedlite_jax/training', [':algorithms', ':comm', ':datasets', ':models', ':checkpoint_lib'], 'Training package: the experiment runner library.'),
+  'training': ('fedlite_jax/training', [':algorithms', ':comm', ':datasets', ':models'], 'Training package: the experiment runner library.'),
 }
 ext = {
   'fedlite_jax': ['jax', 'numpy', 'fedjax'], 'datasets': ['fedjax', 'numpy', 'h5py', 'mlxtend', 'absl-py', 'msgpack'],
   'models': ['flax', 'jax', 'fedjax'], 'rounds': ['jax', 'numpy'], 'comm': [], 'algorithms': ['absl-py', 'fedjax', 'jax', 'numpy', 'optax'],
   'transforms': ['jax', 'numpy'],
-  'training': ['absl-py', 'fedjax', 'jax', 'matplotlib', 'optax', 'tensorboardX', 'tqdm'],
+  'training': ['absl-py', 'fedjax', 'flax', 'jax', 'matplotlib', 'numpy', 'optax',
+               'orbax-checkpoint', 'tensorboardX', 'tqdm'],
 }
 out = ['# Bazel targets (rules_python). tests/test_build.py checks that every module,',
        '# binary and test file is named here exactly once.', '',
@@ -43,16 +44,11 @@ def dep_lines(d):
   return '\n'.join(' ' * 8 + (x if x.startswith('requirement') else f'"{x}"') + ',' for x in d)
 for name, (folder, local, doc) in pkgs.items():
   srcs = files(folder)
-  if name == 'fedlite_jax':
-    srcs = [x for x in srcs if not x.endswith('checkpoint.py')]
   if not srcs:
     continue
-  local = [l for l in local
-           if l == ':checkpoint_lib' or files(pkgs[l[1:]][0])]
+  local = [l for l in local if files(pkgs[l[1:]][0])]
   out += [f'# {doc}', 'py_library(', f'    name = "{name}",', '    srcs = [', lst(srcs), '    ],',
           '    deps = [', dep_lines(deps(local, ext[name])), '    ],', ')', '']
-out += ['py_library(', '    name = "checkpoint_lib",', '    srcs = ["fedlite_jax/checkpoint.py"],',
-        '    deps = [requirement("flax"), requirement("jax"), requirement("numpy")],', ')', '']
 # Libraries of the binaries: provenance (shared), the gradient-inversion attack
 # (igc_privacy's).
 EXPERIMENT_LIBS = ('experiments/gradient_inversion.py', 'experiments/provenance.py')

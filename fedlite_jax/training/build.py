@@ -10,14 +10,14 @@ from typing import Any, Optional
 import fedjax
 import jax
 
-from fedlite_jax import checkpoint
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import data_path
 from fedlite_jax.training import evaluation
-from fedlite_jax.training import init_params
 from fedlite_jax.training import outputs
+from fedlite_jax.training import start as start_lib
+from fedlite_jax.training import state_io
 from fedlite_jax.training import registry
 from fedlite_jax.training import tasks
 from fedlite_jax.rounds import remote
@@ -65,7 +65,7 @@ class Run:
   info: tasks.LoadedInfo
   source: Any
   test_batches: list[dict]
-  init: Optional[init_params.InitParams]
+  init: Optional[state_io.InitParams]
   engine: str
   conv_implementation: str
   start_round: int = 0
@@ -98,14 +98,14 @@ def build_algorithm(ctx: registry.BuildContext) -> fedjax.FederatedAlgorithm:
 
 
 def _load_init(config: config_lib.RunConfig, like: Any, sha256: Optional[str]
-               ) -> Optional[init_params.InitParams]:
+               ) -> Optional[state_io.InitParams]:
   """The ``--init_checkpoint`` parameters (None without it), or ConfigError."""
   if not config.init_checkpoint:
     return None
   try:
-    init = init_params.load_init_params(config.init_checkpoint, like)
+    init = state_io.load_init_params(config.init_checkpoint, like)
   except (OSError, ValueError) as e:
-    raise ConfigError(str(e)) from None
+    raise start_lib.init_error(config.init_checkpoint, e) from None
   if init.sha256 != sha256:
     raise ConfigError(f'--init_checkpoint={init.path} changed while the run '
                       'started; start it again.')
@@ -156,7 +156,7 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
   Raises:
     ConfigError: settings that do not fit the data, the mesh or the
       algorithm; an ``--init_checkpoint`` that does not fit the model.
-    checkpoint.CheckpointError: a corrupt or mismatched checkpoint.
+    state_io.CheckpointError: a corrupt or mismatched checkpoint.
   """
   train_fd, test_fd, info = task.load_data(config)
   LOG.info('Data (--task=%s): %s', config.task, info.description)
@@ -186,9 +186,14 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
       k: 0.0 for k in spec.communication_keys})
   start_round, rows = 0, []
   if resume_from is not None:
-    start_round, restored = checkpoint.restore_checkpoint(
-        resume_from, {'server': state, 'ledger': ledger.state_dict()},
-        fingerprint)
+    try:
+      start_round, restored = state_io.restore_checkpoint(
+          resume_from, {'server': state, 'ledger': ledger.state_dict()},
+          fingerprint)
+    except state_io.CheckpointError as e:
+      raise state_io.CheckpointError(
+          f'{e} Resume with the flags it was written with, or delete it or '
+          'pass another --output_dir to start over.') from e
     state = restored['server']
     ledger = CommLedger.from_state_dict(restored['ledger'])
     rows = outputs.truncate_metrics(scratch / 'metrics.jsonl', start_round)

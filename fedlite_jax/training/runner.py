@@ -74,7 +74,7 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     ConfigError: bad settings or ``--init_checkpoint``; an ``output_dir`` in
       use, or holding results of other flags (without ``--overwrite``).
     FileNotFoundError: missing data (the message names the files).
-    checkpoint.CheckpointError: a corrupt or mismatched checkpoint.
+    state_io.CheckpointError: a corrupt or mismatched checkpoint.
     FloatingPointError: the model diverged (non-finite updates).
   """
   task = tasks.get_task(config.task)

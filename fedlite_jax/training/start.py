@@ -12,14 +12,19 @@ from typing import Any, Optional
 
 import jax
 
-from fedlite_jax import checkpoint
 from fedlite_jax.training import config as config_lib
-from fedlite_jax.training import init_params
 from fedlite_jax.training import outputs
+from fedlite_jax.training import state_io
 from fedlite_jax.rounds import sharding
 
 ConfigError = config_lib.ConfigError
 LOG = logging.getLogger('fedlite_jax.training')
+
+
+def init_error(path: str, e: Exception) -> ConfigError:
+  """A state_io error about ``path`` as one line naming --init_checkpoint."""
+  return ConfigError(f'--init_checkpoint={path}: '
+                     f'{str(e).removeprefix(f"{path}: ")}')
 
 
 def default_output_dir(config: config_lib.RunConfig) -> str:
@@ -54,11 +59,11 @@ def fingerprint_of(config: config_lib.RunConfig) -> dict[str, Any]:
   fingerprint = config.fingerprint()
   if config.init_checkpoint:
     try:
-      sha256 = init_params.file_sha256(config.init_checkpoint)
+      sha256 = state_io.file_sha256(config.init_checkpoint)
       sharding.check_same_across_processes(
           f'--init_checkpoint={config.init_checkpoint} contents', sha256)
     except (OSError, ValueError) as e:
-      raise ConfigError(str(e)) from None
+      raise init_error(config.init_checkpoint, e) from None
     fingerprint['init_checkpoint_sha256'] = sha256
   return fingerprint
 
@@ -67,14 +72,14 @@ def conflict(config: config_lib.RunConfig, fingerprint: dict[str, Any],
              out: pathlib.Path) -> Optional[str]:
   """Why ``out`` holds results these settings must not touch (without
   ``--overwrite``), as the ConfigError line; None if it may be used."""
-  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  latest = state_io.latest_checkpoint(out / 'checkpoints')
   if config.overwrite or (latest is None and
                           not (out / 'metrics.jsonl').exists()):
     return None
   previous = outputs.read_run_identity(out)
   if previous is None:
     reason = 'holds results of another run (metrics.jsonl or checkpoints)'
-  elif diffs := checkpoint.metadata_differences(previous, fingerprint,
+  elif diffs := state_io.metadata_differences(previous, fingerprint,
                                                  outputs.RUN_FILE):
     reason = f'holds results of a run with other flags ({"; ".join(diffs)})'
   elif not config.resume:
@@ -93,18 +98,22 @@ def _resume_from(config: config_lib.RunConfig, fingerprint: dict[str, Any],
 
   Raises:
     ConfigError: ``out`` holds results these flags cannot continue.
-    checkpoint.CheckpointError: with ``--overwrite``, a corrupt checkpoint;
+    state_io.CheckpointError: with ``--overwrite``, a corrupt checkpoint;
       with ``--resume``, msgpack checkpoints of fedlite_jax 644e428 or
-      before (:func:`checkpoint.legacy_error`).
+      before (:func:`state_io.legacy_error`).
   """
-  if config.resume and checkpoint.legacy_checkpoints(out / 'checkpoints'):
-    raise checkpoint.legacy_error(out / 'checkpoints')
-  latest = checkpoint.latest_checkpoint(out / 'checkpoints')
+  if config.resume and state_io.legacy_checkpoints(out / 'checkpoints'):
+    raise state_io.CheckpointError(
+        f'{state_io.legacy_error(out / "checkpoints")} Finish the run with '
+        f'fedlite_jax at commit {state_io.LEGACY_COMMIT}, or pass --noresume '
+        '--overwrite to start it over; --init_checkpoint takes their model '
+        'parameters.')
+  latest = state_io.latest_checkpoint(out / 'checkpoints')
   if latest is not None and config.resume:
     if not config.overwrite:
       return latest  # The restore checks it against these flags.
-    diffs = checkpoint.metadata_differences(
-        checkpoint.read_metadata(latest), fingerprint)
+    diffs = state_io.metadata_differences(
+        state_io.read_metadata(latest), fingerprint)
     if not diffs:
       return latest
     LOG.warning('--overwrite: replacing the results in %s (%s).', out,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedlite_jax import checkpoint
+from fedlite_jax.training import state_io
 from fedlite_jax.training.build import Run
 from fedlite_jax.training.hooks import Hook
 
@@ -22,7 +22,7 @@ class CheckpointHook(Hook):
     """Opens the checkpointer (process 0)."""
     self._saved = run.start_round
     if run.writer_process:
-      self._ckpt = checkpoint.Checkpointer(run.scratch / 'checkpoints',
+      self._ckpt = state_io.Checkpointer(run.scratch / 'checkpoints',
                                            keep=2)
 
   def _save(self, run: Run, done: int) -> None:

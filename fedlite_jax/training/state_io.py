@@ -1,27 +1,23 @@
-"""Round checkpoints (orbax-checkpoint): save every N rounds, resume exactly,
-fail loudly.
+"""Files on disk: round checkpoints, parameter files, the legacy format.
 
-A checkpoint is ``<directory>/<round>/``, written by
-``orbax.checkpoint.CheckpointManager`` (into a temporary directory renamed
-when complete, in a background thread where the backend allows it, the
-newest ``keep`` kept; leftovers of a save killed mid-way are removed when
-the next :class:`Checkpointer` opens the directory). It holds two items:
-
-* ``arrays``: NumPy copies of the state's arrays by leaf index (``'3'``),
-  and of model parameters that are not state arrays (``'p0'``, ...);
-* ``meta`` (JSON): format version, round, the run's metadata (its flags),
-  the state's treedef, zero-size leaves (orbax stores none), which leaves
-  are the model parameters.
-
-Restoring checks the metadata, structure, shapes and dtypes and raises
-:class:`CheckpointError` on any difference; it never restarts silently.
-Checkpoints of fedlite_jax's earlier msgpack format (``ckpt_<round>.msgpack``
-files, commit 644e428 and before) are not resumed (:func:`legacy_error`);
-the model parameters they record still load (:func:`legacy_stored_params`).
+A round checkpoint ``<directory>/<round>/`` is written by orbax's
+CheckpointManager (a temporary directory renamed when complete, in a
+background thread; the newest ``keep`` kept; a killed save's leftovers
+removed by the next :class:`Checkpointer`): ``arrays`` (the state's leaves,
+``'3'``, and model parameters that are not leaves, ``'p0'``) and ``meta``
+(JSON: format, round, the run's metadata, treedef, zero-size leaves, which
+leaves are the parameters); restoring checks all of it. A parameter file
+(Ro et al. (2022), Sec. 5, App. D: pretraining, then federated fine-tuning)
+is one msgpack dict ``{'format': PARAMS_FORMAT, 'version', 'params',
+'metadata': <json str>}``. ``ckpt_<round>.msgpack`` files (fedlite_jax
+644e428 and before) are not resumed, but their parameters load. Errors name
+paths and values, never command-line flags.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -34,8 +30,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fedlite_jax.common import PyTree
+
 FORMAT = 'fedlite_jax.checkpoint'
 FORMAT_VERSION = 2
+PARAMS_FORMAT = 'fedlite_jax.params'
+PARAMS_VERSION = 1
 #: The last commit that wrote msgpack checkpoints.
 LEGACY_COMMIT = '644e428'
 _ITEMS = ('arrays', 'meta')
@@ -60,14 +60,7 @@ def _process_options() -> ocp.options.MultiprocessingOptions:
       barrier_sync_key_prefix=f'fedlite_ckpt_p{me}')
 
 
-def _step_dir(path: str | os.PathLike) -> None:
-  """CheckpointError unless ``path`` is a directory ``<dir>/<round>``."""
-  path = pathlib.Path(path)
-  if not path.name.isdigit() or not path.is_dir():
-    raise CheckpointError(
-        f'{path} is not a checkpoint (a <output_dir>/checkpoints/<round> '
-        'directory).')
-
+# --- Round checkpoints (orbax) -----------------------------------------------
 
 class Checkpointer:
   """Saves a run's checkpoints into ``directory`` (this process writes).
@@ -166,53 +159,27 @@ def latest_checkpoint(directory: str | os.PathLike) -> Optional[pathlib.Path]:
   return directory / str(max(steps)) if steps else None
 
 
-def legacy_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
-  """The msgpack checkpoints of the earlier format in ``directory``, by
-  round ([] for none or a missing directory)."""
-  directory = pathlib.Path(directory)
-  if not directory.is_dir():
-    return []
-  return sorted((p for p in directory.iterdir() if _LEGACY_NAME.match(p.name)),
-                key=lambda p: p.name)
-
-
-def legacy_error(directory: str | os.PathLike) -> CheckpointError:
-  """The one-line error for resuming from msgpack checkpoints."""
-  found = legacy_checkpoints(directory)
-  return CheckpointError(
-      f'{directory} holds checkpoints in the msgpack format of fedlite_jax '
-      f'{LEGACY_COMMIT} and before ({found[-1].name if found else "none"}); '
-      'this version resumes only its orbax checkpoints: finish the run with '
-      f'fedlite_jax at commit {LEGACY_COMMIT}, or pass --noresume '
-      '--overwrite to start it over (their model parameters still load as '
-      '--init_checkpoint).')
-
-
 def _restore(path: str | os.PathLike, items: tuple[str, ...]) -> Any:
   """The named items of checkpoint ``path``, or CheckpointError."""
-  _step_dir(path)
+  path = pathlib.Path(path)
+  if not path.name.isdigit() or not path.is_dir():
+    raise CheckpointError(f'{path} is not a checkpoint (a <directory>/<round> '
+                          'directory).')
   args = {'meta': ocp.args.JsonRestore(), 'arrays': ocp.args.PyTreeRestore()}
   try:
     reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
                               multiprocessing_options=_process_options())
-    restored = reader.restore(
-        pathlib.Path(path).absolute(), args=ocp.args.Composite(
-            **{k: args[k] for k in items}))
+    restored = reader.restore(path.absolute(), args=ocp.args.Composite(
+        **{k: args[k] for k in items}))
     meta = restored.meta if 'meta' in items else None
     if meta is not None and meta.get('format') != FORMAT:
       raise ValueError(f'format {meta.get("format")!r}, not {FORMAT!r}')
   except Exception as e:  # Any decoding failure means a corrupt checkpoint.
     raise CheckpointError(
         f'Checkpoint {path} is corrupt or not a fedlite_jax checkpoint '
-        f'({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}). '
-        'Delete it (or the output directory) to start over, or point '
-        '--output_dir elsewhere.') from e
+        f'({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}).'
+    ) from e
   return restored
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-  """The metadata a checkpoint was saved with (CheckpointError if corrupt)."""
-  return dict(_restore(path, ('meta',)).meta['metadata'])
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -262,9 +229,8 @@ def restore_checkpoint(path: str | os.PathLike, target: Any,
   diffs = metadata_differences(meta['metadata'], metadata)
   if diffs:
     raise CheckpointError(
-        f'Checkpoint {path} was written with different flags; refusing to '
-        f'resume. Differences: {"; ".join(diffs)}. Use the same flags, or a '
-        'new --output_dir.')
+        f'Checkpoint {path} was written with other metadata; refusing to '
+        f'resume. Differences: {"; ".join(diffs)}.')
   leaves, treedef = jax.tree.flatten(target)
   if meta['treedef'] != str(treedef) or meta['num_leaves'] != len(leaves):
     raise CheckpointError(
@@ -293,7 +259,7 @@ def _params_as(like: Any, treedef_str: str, values: list[Any]) -> Any:
     raise CheckpointError(
         f'its model parameters have a different structure ({len(values)} '
         f'arrays) than this model ({len(flat)} arrays); was it written for '
-        'another task or --model?')
+        'another task or model?')
   out = []
   for (key_path, ref), v in zip(flat, values):
     arr, ref = np.asarray(v), np.asarray(ref)
@@ -303,6 +269,12 @@ def _params_as(like: Any, treedef_str: str, values: list[Any]) -> Any:
           f'{arr.dtype}, this model needs {ref.shape} {ref.dtype}')
     out.append(arr)
   return jax.tree.unflatten(treedef, out)
+
+
+def _no_params(older: str = '') -> CheckpointError:
+  return CheckpointError(
+      'the checkpoint does not record which of its arrays are the model '
+      f'parameters (saved without params={older})')
 
 
 def stored_params(path: str | os.PathLike, like: Any) -> tuple[int, Any]:
@@ -317,20 +289,37 @@ def stored_params(path: str | os.PathLike, like: Any) -> tuple[int, Any]:
   meta, arrays = _arrays(path)
   section = meta.get('params')
   if not isinstance(section, Mapping):
-    raise CheckpointError(
-        'the checkpoint does not record which of its arrays are the model '
-        'parameters (saved without params=)')
+    raise _no_params()
   return int(meta['round']), _params_as(
       like, section['treedef'], [arrays[k] for k in section['leaves']])
+
+
+# --- Round checkpoints of 644e428 and before (msgpack) -----------------------
+
+def legacy_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
+  """The msgpack checkpoints of the earlier format in ``directory``, by
+  round ([] for none or a missing directory)."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  return sorted((p for p in directory.iterdir() if _LEGACY_NAME.match(p.name)),
+                key=lambda p: p.name)
+
+
+def legacy_error(directory: str | os.PathLike) -> CheckpointError:
+  """The one-line error for resuming from msgpack checkpoints."""
+  found = legacy_checkpoints(directory)
+  return CheckpointError(
+      f'{directory} holds checkpoints in the msgpack format of fedlite_jax '
+      f'{LEGACY_COMMIT} and before ({found[-1].name if found else "none"}); '
+      'this version resumes only its orbax checkpoints (load_init_params '
+      'still reads their model parameters).')
 
 
 def decode_legacy(data: bytes) -> Optional[dict[str, Any]]:
   """A decoded msgpack checkpoint of the earlier format, or None if
   ``data`` is not one."""
-  try:
-    payload = serialization.msgpack_restore(data)
-  except Exception:  # pylint: disable=broad-except  # Not msgpack at all.
-    return None
+  payload = _msgpack(data)
   if (isinstance(payload, Mapping) and 'format_version' in payload and
       'leaves' in payload and 'round' in payload):
     return dict(payload)
@@ -346,10 +335,197 @@ def legacy_stored_params(payload: Mapping[str, Any], like: Any) -> Any:
   """
   section = payload.get('params')
   if not isinstance(section, Mapping):
-    raise CheckpointError(
-        'the checkpoint does not record which of its arrays are the model '
-        'parameters (saved without params=, e.g. by an older fedlite_jax)')
+    raise _no_params(', e.g. by an older fedlite_jax')
   saved = section['leaves']
   values = [payload['leaves'][str(v)] if isinstance(v, int) else v
             for v in (saved[str(j)] for j in range(len(saved)))]
   return _params_as(like, section['treedef'], values)
+
+
+# --- Parameter files and the dispatch on what a path holds -------------------
+
+def save_params(path: str | os.PathLike[str], params: PyTree,
+                metadata: Optional[Mapping[str, Any]] = None) -> str:
+  """Writes ``params`` (a pytree of arrays) and JSON-able ``metadata`` to
+  ``path`` atomically (parents created); returns the path."""
+  path = os.fspath(path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  payload = {
+      'format': PARAMS_FORMAT,
+      'version': PARAMS_VERSION,
+      'params': serialization.to_state_dict(
+          jax.tree.map(np.asarray, params)),
+      'metadata': json.dumps(dict(metadata or {}), sort_keys=True,
+                             default=str),
+  }
+  tmp = f'{path}.{os.getpid()}.partial'
+  with open(tmp, 'wb') as f:
+    f.write(serialization.msgpack_serialize(payload))
+  os.replace(tmp, path)
+  return path
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+  """Hex SHA-256 of the file, or of a directory's files (their relative
+  paths and contents, in path order).
+
+  Raises:
+    FileNotFoundError: ``'<path>: no such file or directory.'``
+  """
+  root = pathlib.Path(_existing(path))
+  if not root.is_dir():
+    return hashlib.sha256(root.read_bytes()).hexdigest()
+  digest = hashlib.sha256()
+  for f in sorted(p for p in root.rglob('*') if p.is_file()):
+    name = f.relative_to(root).as_posix().encode()
+    digest.update(len(name).to_bytes(8, 'little') + name)
+    data = f.read_bytes()
+    digest.update(len(data).to_bytes(8, 'little') + data)
+  return digest.hexdigest()
+
+
+def _msgpack(data: bytes) -> Any:
+  """``data`` decoded as msgpack, or None if it is not msgpack."""
+  try:
+    return serialization.msgpack_restore(data)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _existing(path: str | os.PathLike[str]) -> str:
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path}: no such file or directory.')
+  return path
+
+
+def _open(path: str | os.PathLike[str]) -> tuple[str, Any]:
+  """The one dispatch on what ``path`` holds: ``('orbax', meta)``,
+  ``('legacy', payload)`` or ``('params_file', payload)``.
+
+  Raises:
+    FileNotFoundError: no such path.
+    CheckpointError: a directory that is not a readable round checkpoint.
+    ValueError: a file of none of the three kinds.
+  """
+  path = _existing(path)
+  if os.path.isdir(path):
+    return 'orbax', _restore(path, ('meta',)).meta
+  with open(path, 'rb') as f:
+    data = f.read()
+  payload = _msgpack(data)
+  if isinstance(payload, dict) and payload.get('format') == PARAMS_FORMAT:
+    return 'params_file', payload
+  if (legacy := decode_legacy(data)) is not None:
+    return 'legacy', legacy
+  raise ValueError(
+      f'{path}: not a parameter file ({PARAMS_FORMAT}, written by save_params '
+      'or experiments/pretrain_centralized.py), a round checkpoint directory '
+      f'(<directory>/<round>) or a msgpack checkpoint of fedlite_jax '
+      f'{LEGACY_COMMIT} and before.')
+
+
+def file_kind(path: str | os.PathLike[str]) -> str:
+  """``'params_file'`` or ``'checkpoint'`` (orbax or msgpack).
+
+  Raises:
+    FileNotFoundError: no such path.
+    ValueError: none of those (``'<path>: ...'``).
+  """
+  try:
+    kind, _ = _open(path)
+  except CheckpointError as e:
+    raise ValueError(f'{os.fspath(path)}: {e}') from None
+  return 'params_file' if kind == 'params_file' else 'checkpoint'
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+  """The metadata dict a round checkpoint, legacy checkpoint or parameter
+  file was written with.
+
+  Raises:
+    FileNotFoundError, ValueError: as :func:`file_kind`.
+    CheckpointError: a directory that is not a readable round checkpoint.
+  """
+  kind, contents = _open(path)
+  if kind == 'orbax':
+    return dict(contents['metadata'])
+  return json.loads(contents['metadata'])
+
+
+@dataclasses.dataclass(frozen=True)
+class InitParams:
+  """Starting parameters (numpy) read by :func:`load_init_params` from
+  ``path`` (hex ``sha256``), a ``'params_file'`` or ``'checkpoint'``
+  (``source``) of ``round`` completed rounds (None for a parameter file)."""
+  params: PyTree
+  path: str
+  sha256: str
+  source: str
+  round: Optional[int] = None
+
+  def describe(self) -> dict[str, Any]:
+    """JSON-ready description (no arrays), for ``summary.json``."""
+    return {'path': self.path, 'sha256': self.sha256, 'source': self.source,
+            'round': self.round}
+
+
+def load_init_params(path: str | os.PathLike[str], like: PyTree) -> InitParams:
+  """Reads starting parameters from a parameter file or a round checkpoint.
+
+  Args:
+    path: a :func:`save_params` file, or a round checkpoint saved with
+      ``params=`` (a :class:`Checkpointer` ``<directory>/<round>``, or a
+      ``ckpt_*.msgpack`` of the earlier format); a checkpoint gives its
+      model (SplitFed/FedLite: client + server part).
+    like: the model's parameters (structure, shapes and dtypes to match).
+
+  Raises:
+    FileNotFoundError: no such file or directory.
+    ValueError: none of those kinds, or parameters that do not fit
+      ``like``; one line starting ``<path>:``.
+  """
+  path = os.fspath(path)
+  digest = file_sha256(path)
+  try:
+    kind, contents = _open(path)
+    if kind == 'orbax':
+      round_num, params = stored_params(path, like)
+      return InitParams(params, path, digest, 'checkpoint', round_num)
+    if kind == 'legacy':
+      return InitParams(legacy_stored_params(contents, like), path, digest,
+                        'checkpoint', int(contents['round']))
+  except (CheckpointError, KeyError, TypeError) as e:
+    raise ValueError(f'{path}: cannot start from this round checkpoint: '
+                     f'{e}.') from None
+  return InitParams(_params_from_file(path, contents, like), path, digest,
+                    'params_file')
+
+
+def _params_from_file(path: str, payload: dict[str, Any],
+                      like: PyTree) -> PyTree:
+  """The parameters of a decoded :func:`save_params` file, as ``like``."""
+  saved = payload['params']
+  saved_flat = _flatten(saved)
+  target_flat = _flatten(serialization.to_state_dict(like))
+  if set(saved_flat) != set(target_flat):
+    missing = sorted(set(target_flat) - set(saved_flat))[:3]
+    extra = sorted(set(saved_flat) - set(target_flat))[:3]
+    raise ValueError(f'{path}: variables differ from the model (missing '
+                     f'{missing}, unexpected {extra}); was it written for '
+                     'another model?')
+  for name, t in target_flat.items():
+    s, t = np.asarray(saved_flat[name]), np.asarray(t)
+    if s.shape != t.shape or s.dtype != t.dtype:
+      raise ValueError(f'{path}: variable {name} has shape {s.shape} '
+                       f'{s.dtype}, the model needs {t.shape} {t.dtype}.')
+  return jax.tree.map(np.asarray, serialization.from_state_dict(like, saved))
+
+
+def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if isinstance(tree, Mapping):
+    out = {}
+    for k, v in tree.items():
+      out.update(_flatten(v, f'{prefix}/{k}' if prefix else str(k)))
+    return out
+  return {prefix: tree}
