@@ -361,6 +361,42 @@ def test_register_adds_a_users_algorithm_and_refuses_clashes(monkeypatch):
     registry.get('nope')
 
 
+def test_config_and_runner_name_no_algorithm():
+  """What an algorithm ignores or how it runs its clients is its spec's
+  (``ignored_fields``, ``clients_vmapped``, ``model_overrides``)."""
+  from fedlite_jax.training import config
+  from fedlite_jax.training import registry
+  optimizers = set(config.CLIENT_OPTIMIZERS) | set(config.SERVER_OPTIMIZERS)
+  for name in ('config.py', 'runner.py'):
+    text = (ROOT / PACKAGE / 'training' / name).read_text()
+    named = [a for a in registry.algorithms() if a not in optimizers and
+             (f"'{a}'" in text or f'"{a}"' in text)]
+    assert not named, f'training/{name} names algorithms {named}'
+
+
+def test_spec_says_whether_clients_run_vmapped():
+  import types
+  from fedlite_jax.training import registry
+  fedavg, split = registry.get('fedavg'), registry.get('splitfed')
+  auto = types.SimpleNamespace(conv_implementation='auto', options={})
+  assert fedavg.clients_vmapped(auto, 'vmap')
+  assert not fedavg.clients_vmapped(auto, 'loop')
+  assert fedavg.model_overrides(auto, 'loop') == {'conv_implementation': 'lax'}
+  assert fedavg.uses_round_engine() and not split.uses_round_engine()
+  for execution, vmapped in (('vmap', True), ('unroll', False)):
+    config = types.SimpleNamespace(
+        conv_implementation='auto',
+        options={'split_client_execution': execution})
+    for engine in ('vmap', 'loop'):
+      assert split.clients_vmapped(config, engine) is vmapped
+      assert split.model_overrides(config, engine) == {
+          'conv_implementation': 'im2col' if vmapped else 'lax'}
+  fixed = types.SimpleNamespace(conv_implementation='lax', options={})
+  assert split.model_overrides(fixed, 'vmap') == {}
+  assert 'split_client_execution' in split.ignored_reason('round_engine')
+  assert split.ignored_reason('client_lr') is None
+
+
 def test_subpackages_reachable_from_the_top_level_import():
   """``import fedlite_jax`` then ``fedlite_jax.datasets.load_federated_data``
   (the README's spelling), as jax / flax / optax allow; lazily, in a fresh

@@ -25,7 +25,6 @@ import tqdm
 
 from fedlite_jax import checkpoint
 from fedlite_jax.algorithms import fedopt
-from fedlite_jax.algorithms.split_clients import resolve_client_execution
 from fedlite_jax.comm import CommLedger
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import data_path
@@ -130,17 +129,11 @@ def _engine_name(config: RunConfig, mesh: sharding.ClientMesh) -> str:
 
 def _model_config(config: RunConfig, mesh: sharding.ClientMesh
                   ) -> RunConfig:
-  """``config`` with ``--conv_implementation=auto`` resolved: im2col where
-  clients run vmapped (the vmap engine, vmapped split learning)."""
-  if config.conv_implementation != 'auto':
-    return config
-  if config.algorithm in ('splitfed', 'fedlite'):
-    vmapped = resolve_client_execution(
-        config.options.get('split_client_execution', 'auto')) == 'vmap'
-  else:
-    vmapped = _engine_name(config, mesh) == 'vmap'
-  return dataclasses.replace(
-      config, conv_implementation='im2col' if vmapped else 'lax')
+  """``config`` with its algorithm's ``AlgorithmSpec.model_overrides``
+  (e.g. ``--conv_implementation=auto`` resolved)."""
+  spec = registry.get(config.algorithm)
+  overrides = spec.model_overrides(config, _engine_name(config, mesh))
+  return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def _load_init(config: RunConfig, like: Any
