@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import Iterator, Optional
 
 import pytest
@@ -296,6 +297,24 @@ def test_algorithms_do_not_import_training():
 def test_nothing_in_the_package_imports_experiments():
   bad = violations(PACKAGE, ('experiments',))
   assert not bad, 'layering: ' + '; '.join(bad)
+
+
+#: ``--name`` (a command-line flag) inside a string.
+_FLAG = re.compile(r'(?<![\w-])--[a-z][a-z0-9_]*')
+
+
+def test_layers_below_the_runner_name_no_flags():
+  """rounds/, algorithms/, transforms/ and datasets/ speak of values
+  (``num_devices=3``); the runner and binaries name their flags."""
+  bad = []
+  for sub in ('rounds', 'algorithms', 'transforms', 'datasets'):
+    for path in sorted((ROOT / PACKAGE / sub).rglob('*.py')):
+      tree = ast.parse(path.read_text(), filename=str(path))
+      for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+          for flag in _FLAG.findall(node.value):
+            bad.append(f'{path.relative_to(ROOT)}:{node.lineno}: {flag}')
+  assert not bad, 'flag names below the runner: ' + '; '.join(bad)
 
 
 def test_algorithm_modules_of_training_do_not_import_each_other():

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from fedlite_jax import rounds
@@ -365,6 +366,16 @@ def parse_lanes_per_device(value: Any) -> int | str:
   raise ConfigError(f"--lanes_per_device={value}: must be 'auto' or an "
                     'integer >= 1 (clients run side by side per device by '
                     'the vmap engine and split learning).')
+
+
+def flag_message(error: BaseException) -> str:
+  """The message of ``error`` from below the runner, with the settings it
+  quotes (its ``settings`` attribute, e.g. ``num_devices``; see
+  ``rounds.SettingError``) named as flags (``--num_devices``)."""
+  text = str(error)
+  for name in getattr(error, 'settings', ()):
+    text = re.sub(rf'(?<![\w-]){re.escape(name)}\b', f'--{name}', text)
+  return text
 
 
 def _not_applicable(name: str, config: RunConfig,

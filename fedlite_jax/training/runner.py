@@ -36,6 +36,7 @@ from fedlite_jax.training import round_metrics
 from fedlite_jax.training import tasks
 from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import engine as engine_lib
+from fedlite_jax.rounds import errors as rounds_errors
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 from fedlite_jax.rounds import stats as stats_lib
@@ -87,13 +88,18 @@ def run(config: RunConfig) -> dict[str, Any]:
         pathlib.Path('runs') /
         f'{config.task}_{config.algorithm}_seed{config.seed}'))
   if config.num_processes > 1 and not jax.distributed.is_initialized():
-    sharding.initialize_distributed(
-        config.coordinator_address, config.num_processes, config.process_id,
-        timeout_s=config.distributed_timeout)
+    try:
+      sharding.initialize_distributed(
+          config.coordinator_address, config.num_processes, config.process_id,
+          timeout_s=config.distributed_timeout)
+    except ValueError as e:
+      raise ConfigError(config_lib.flag_message(e)) from None
+    except sharding.DistributedInitError as e:
+      raise sharding.DistributedInitError(config_lib.flag_message(e)) from None
   try:
     mesh = sharding.make_client_mesh(config.num_devices)
   except ValueError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError(config_lib.flag_message(e)) from None
   if mesh.num_processes != config.num_processes:
     raise ConfigError(f'--num_processes={config.num_processes}, but JAX runs '
                       f'{mesh.num_processes} processes.')
@@ -372,10 +378,8 @@ def _build(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
           config=config, split_model=split_model,
           num_params=fedopt.num_params(params),
           train_client_ids=tuple(train_fd.client_ids()), info=info))
-    except ValueError as e:
-      if 'round engine' in str(e):
-        raise ConfigError(str(e)) from None
-      raise
+    except rounds_errors.EngineConfigError as e:
+      raise ConfigError(config_lib.flag_message(e)) from None
   state = algorithm.init(params)
   ledger = CommLedger(fedopt.num_params(params), extra_bits={
       k: 0.0 for k in spec.communication_keys})
