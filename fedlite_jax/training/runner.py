@@ -395,9 +395,8 @@ def _build(config: RunConfig, task: tasks.Task, mesh: sharding.ClientMesh,
     outputs.truncate_csv(scratch / 'communication.csv', start_round)
     logging.info('Resumed from %s at round %d.', start.resume_from,
                  start_round)
-  if info.synthetic_partition:
-    logging.warning('Task %s uses a SYNTHETIC federated partition: %s',
-                    config.task, info.description)
+  # A SYNTHETIC partition (info.synthetic_partition) is warned about once,
+  # by the dataset loader that makes it up.
   # Committed to this process's first device from round 0 on, as the round
   # engines' sums are: the server update then compiles once, not twice.
   state = jax.device_put(state, jax.local_devices()[0])
