@@ -84,38 +84,63 @@ def _define_option_flags() -> None:
             upper_bound=opt.upper_bound)
 
 
-def _define_removed_flags() -> None:
-  """The removed compression flags, parsed only to name their replacement
-  (``compression_options.check_removed``)."""
-  for name in compression_options.REMOVED_FLAGS:
-    if name in registry.all_options():
-      continue
-    help_text = 'Removed: use --upload / --download stages.'
-    if name in ('terngrad_clip', 'upload_zero_center'):
-      flags.DEFINE_bool(name, None, help_text)
-    else:
-      flags.DEFINE_string(name, None, help_text)
-
-
 #: Removed round-engine flags and the flag that replaces each (the value
 #: carries over).
 REMOVED_ENGINE_FLAGS = {'clients_per_chunk': 'lanes_per_device'}
 
+#: Every removed flag (not defined, so ``--helpfull`` does not list them):
+#: :func:`parse_flags` takes them out of the command line and its flagfiles,
+#: and :func:`checked_config` names their replacement.
+REMOVED_FLAGS = tuple(n for n in compression_options.REMOVED_FLAGS
+                      if n not in registry.all_options()) + tuple(
+                          REMOVED_ENGINE_FLAGS)
+_REMOVED_BOOL_FLAGS = ('terngrad_clip', 'upload_zero_center')
 
-def _define_removed_engine_flags() -> None:
-  """Removed engine flags, parsed only to name their replacement."""
-  for name, new in REMOVED_ENGINE_FLAGS.items():
-    flags.DEFINE_string(name, None, f'Removed: use --{new}.')
+#: The removed flags of the last :func:`parse_flags`, name -> value.
+_removed_given: dict[str, object] = {}
+
+
+def _take_removed_flags(args: list[str]) -> list[str]:
+  """``args`` (flagfiles expanded) without the removed flags, which go to
+  ``_removed_given``."""
+  rest = []
+  args = list(args)
+  while args:
+    arg = args.pop(0)
+    if arg == '--':
+      rest += [arg] + args
+      break
+    m = re.fullmatch(r'--?(no)?(\w+)(?:=(.*))?', arg, re.S)
+    name = m and m[2]
+    if not m or name not in REMOVED_FLAGS:
+      rest.append(arg)
+      continue
+    value = m[3]
+    if name in _REMOVED_BOOL_FLAGS:
+      value = (not m[1] if value is None else
+               value.strip().lower() in ('true', 't', '1'))
+    elif value is None and args:
+      value = args.pop(0)
+    _removed_given[name] = value
+  return rest
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing of ``argv``, the removed flags taken out first."""
+  _removed_given.clear()
+  try:
+    args = FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+  except flags.Error:
+    args = argv[1:]  # absl's parser reports the bad flagfile
+  return app.parse_flags_with_usage(argv[:1] + _take_removed_flags(args))
 
 
 _define_config_flags()
-_define_removed_engine_flags()
 flags.DEFINE_bool('validate_only', False,
                   'Check the flags (values, paths, and that each applies to '
                   'the task and algorithm) and exit without loading data or '
                   'training.')
 _define_option_flags()
-_define_removed_flags()
 FLAGS = flags.FLAGS
 
 
@@ -126,15 +151,17 @@ _FIELDS = [f.name for f in config_lib.dataclasses.fields(config_lib.RunConfig)
 def _config_from_flags() -> config_lib.RunConfig:
   options = {name: getattr(FLAGS, name) for name in registry.all_options()
              if getattr(FLAGS, name) is not None}
-  removed = {name: FLAGS[name].value for name in
-             compression_options.REMOVED_FLAGS + ('topk_k',)
-             if FLAGS[name].present}
+  given = dict(_removed_given)
+  if FLAGS['topk_k'].present:
+    given['topk_k'] = FLAGS.topk_k
+  removed = {name: given[name] for name in
+             compression_options.REMOVED_FLAGS + ('topk_k',) if name in given}
   compression_options.check_removed(removed, FLAGS.algorithm)
   for name, new in REMOVED_ENGINE_FLAGS.items():
-    if FLAGS[name].present:
+    if name in given:
       raise config_lib.ConfigError(
-          f'--{name}={FLAGS[name].value} was removed; use '
-          f'--{new}={FLAGS[name].value} (clients run on lanes that each '
+          f'--{name}={given[name]} was removed; use '
+          f'--{new}={given[name]} (clients run on lanes that each '
           'stream their clients, no longer in chunks).')
   return config_lib.RunConfig(**{n: getattr(FLAGS, n) for n in _FIELDS},
                               options=options)
@@ -170,6 +197,16 @@ def _human_bytes(n: float) -> str:
   return f'{n} B'
 
 
+def _ratio(x: float) -> str:
+  """A compression ratio, readably: ``1,176x``, ``12.5x``, ``1.18x``,
+  ``0.5x`` (three significant digits below 100, thousands separators)."""
+  if x != x or x in (float('inf'), float('-inf')):
+    return f'{x}x'
+  if abs(x) >= 100:
+    return f'{x:,.0f}x'
+  return f'{float(f"{x:.3g}"):g}x'
+
+
 def _flag_named_in(message: str) -> Optional[str]:
   """The first RunConfig field or algorithm option with an underscore
   (``round_engine``, not ``model``) that ``message`` names, else None."""
@@ -198,11 +235,16 @@ def main(argv):
           FloatingPointError, OSError) as e:
     # OSError: an output or data path that fails after the checks (disk
     # full, permissions changed); its message names the file.
-    sys.stderr.write(f'run_experiment.py: error: {e}\n')
+    sys.stderr.write(
+        f'run_experiment.py: error: {config_lib.flag_message(e)}\n')
     sys.exit(2)
   except ValueError as e:
     # Library errors name parameters (round_engine, lanes_per_device, ...);
     # one that names a setting of this binary is that flag's error.
+    if getattr(e, 'settings', ()):
+      sys.stderr.write(
+          f'run_experiment.py: error: {config_lib.flag_message(e)}\n')
+      sys.exit(2)
     flag = _flag_named_in(str(e))
     if flag is None:
       raise
@@ -232,13 +274,13 @@ def main(argv):
         f'rounds] test {headline}')
   print(f'communication: upload {_human_bytes(comm["total_upload_bytes"])}, '
         f'download {_human_bytes(comm["total_download_bytes"])}, '
-        f'compression up {comm["upload_compression"]:.3g}x / down '
-        f'{comm["download_compression"]:.3g}x / total '
-        f'{comm["total_compression"]:.3g}x vs FedAvg; '
+        f'compression up {_ratio(comm["upload_compression"])} / down '
+        f'{_ratio(comm["download_compression"])} / total '
+        f'{_ratio(comm["total_compression"])} vs FedAvg; '
         f'{summary["seconds_per_round"]:.3f} s/round')
   print(f'outputs: {summary["flags"]["output_dir"]}')
 
 
 if __name__ == '__main__':
   logging.set_verbosity(logging.WARNING)
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -559,6 +559,45 @@ def test_validate_only_gives_the_real_runs_stage_errors(repo_root, tmp_path):
     assert err_r.count('\n') == 1, err_r
 
 
+def test_removed_flags_are_answered_but_not_listed(repo_root, tmp_path):
+  """Removed flags are no flags (``--helpfull`` does not list them); the
+  binary takes them out of argv and flagfiles and names the replacement;
+  docs/runner.md's removed-flags table lists every one."""
+  script = textwrap.dedent(f'''
+      import importlib.util, sys
+      spec = importlib.util.spec_from_file_location(
+          'run_experiment', {str(repo_root / 'experiments' /
+                                  'run_experiment.py')!r})
+      binary = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(binary)
+      print('REMOVED', *binary.REMOVED_FLAGS)
+      print('DEFINED', *[n for n in binary.REMOVED_FLAGS if n in binary.FLAGS])
+      rest = binary.parse_flags(['x', '--upload_bits', '8', '--seed=3',
+                                 '--noterngrad_clip', '--', '--upload_bits=1'])
+      print('REST', *rest)
+      print('GIVEN', sorted(binary._removed_given.items()))
+      print('RATIO', binary._ratio(1176.01), binary._ratio(12.54),
+            binary._ratio(1.0))
+      ''')
+  proc = subprocess.run([sys.executable, '-c', script], capture_output=True,
+                        text=True, timeout=600, cwd=tmp_path,
+                        env=_env(repo_root, tmp_path))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = {line.split(' ', 1)[0]: line.split(' ', 1)[1:]
+           for line in proc.stdout.splitlines()}
+  removed = lines['REMOVED'][0].split()
+  assert 'clients_per_chunk' in removed and 'upload_bits' in removed
+  assert not lines['DEFINED']
+  assert lines['REST'] == ['x --upload_bits=1']  # after '--': an argument
+  assert lines['GIVEN'] == ["[('terngrad_clip', False), ('upload_bits', '8')]"]
+  assert lines['RATIO'] == ['1,176x 12.5x 1x']
+  table = (repo_root / 'docs' / 'runner.md').read_text()
+  table = table[table.index('| removed | use |'):]
+  table = table[:table.index('\n\n')]
+  for name in removed + ['topk_k']:
+    assert f'--{name}' in table or f'--no{name}' in table, name
+
+
 def test_flags_come_from_run_config_metadata(repo_root, tmp_path):
   """Each RunConfig field is a flag with its default and help; library
   ValueErrors naming a parameter map to that flag."""

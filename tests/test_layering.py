@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import Iterator, Optional
 
 import pytest
@@ -298,6 +299,24 @@ def test_nothing_in_the_package_imports_experiments():
   assert not bad, 'layering: ' + '; '.join(bad)
 
 
+#: ``--name`` (a command-line flag) inside a string.
+_FLAG = re.compile(r'(?<![\w-])--[a-z][a-z0-9_]*')
+
+
+def test_layers_below_the_runner_name_no_flags():
+  """rounds/, algorithms/, transforms/ and datasets/ speak of values
+  (``num_devices=3``); the runner and binaries name their flags."""
+  bad = []
+  for sub in ('rounds', 'algorithms', 'transforms', 'datasets'):
+    for path in sorted((ROOT / PACKAGE / sub).rglob('*.py')):
+      tree = ast.parse(path.read_text(), filename=str(path))
+      for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+          for flag in _FLAG.findall(node.value):
+            bad.append(f'{path.relative_to(ROOT)}:{node.lineno}: {flag}')
+  assert not bad, 'flag names below the runner: ' + '; '.join(bad)
+
+
 def test_algorithm_modules_of_training_do_not_import_each_other():
   graph = import_graph(import_time_only=False)
   algo = {m for m in graph if m.startswith('fedlite_jax.training.algo_')}
@@ -359,6 +378,42 @@ def test_register_adds_a_users_algorithm_and_refuses_clashes(monkeypatch):
   assert 'other' not in registry.algorithms()
   with pytest.raises(ValueError, match="allowed values are fedavg, "):
     registry.get('nope')
+
+
+def test_config_and_runner_name_no_algorithm():
+  """What an algorithm ignores or how it runs its clients is its spec's
+  (``ignored_fields``, ``clients_vmapped``, ``model_overrides``)."""
+  from fedlite_jax.training import config
+  from fedlite_jax.training import registry
+  optimizers = set(config.CLIENT_OPTIMIZERS) | set(config.SERVER_OPTIMIZERS)
+  for name in ('config.py', 'runner.py'):
+    text = (ROOT / PACKAGE / 'training' / name).read_text()
+    named = [a for a in registry.algorithms() if a not in optimizers and
+             (f"'{a}'" in text or f'"{a}"' in text)]
+    assert not named, f'training/{name} names algorithms {named}'
+
+
+def test_spec_says_whether_clients_run_vmapped():
+  import types
+  from fedlite_jax.training import registry
+  fedavg, split = registry.get('fedavg'), registry.get('splitfed')
+  auto = types.SimpleNamespace(conv_implementation='auto', options={})
+  assert fedavg.clients_vmapped(auto, 'vmap')
+  assert not fedavg.clients_vmapped(auto, 'loop')
+  assert fedavg.model_overrides(auto, 'loop') == {'conv_implementation': 'lax'}
+  assert fedavg.uses_round_engine() and not split.uses_round_engine()
+  for execution, vmapped in (('vmap', True), ('unroll', False)):
+    config = types.SimpleNamespace(
+        conv_implementation='auto',
+        options={'split_client_execution': execution})
+    for engine in ('vmap', 'loop'):
+      assert split.clients_vmapped(config, engine) is vmapped
+      assert split.model_overrides(config, engine) == {
+          'conv_implementation': 'im2col' if vmapped else 'lax'}
+  fixed = types.SimpleNamespace(conv_implementation='lax', options={})
+  assert split.model_overrides(fixed, 'vmap') == {}
+  assert 'split_client_execution' in split.ignored_reason('round_engine')
+  assert split.ignored_reason('client_lr') is None
 
 
 def test_subpackages_reachable_from_the_top_level_import():

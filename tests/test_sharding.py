@@ -24,6 +24,7 @@ import pytest
 
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import runner
+from fedlite_jax import rounds
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 
@@ -136,11 +137,24 @@ def test_remote_client_dataset_has_size_but_no_examples():
 def test_num_devices_out_of_range_is_a_clear_error(tmp_path):
   present = jax.local_device_count()
   for bad in (0, present + 1):
-    with pytest.raises(ValueError, match=f'--num_devices={bad}'):
+    # rounds/ names the value; the runner names the flag.
+    with pytest.raises(rounds.SettingError, match=f'^num_devices={bad}:'):
       sharding.make_client_mesh(bad)
   with pytest.raises(config_lib.ConfigError, match='--num_devices'):
     runner.run(config_lib.RunConfig(num_devices=present + 3, num_rounds=1,
                                     output_dir=str(tmp_path), progress=False))
+
+
+def test_engine_errors_are_engine_config_errors():
+  with pytest.raises(rounds.EngineConfigError, match='nope'):
+    rounds.make_engine('nope', None)
+  with pytest.raises(rounds.SettingError, match='^process_id=2: .* for '
+                     'num_processes=2'):
+    sharding.initialize_distributed('localhost:1', 2, 2)
+  e = rounds.SettingError('process_id=2: must be in [0, 2) for '
+                          'num_processes=2.', 'process_id', 'num_processes')
+  assert config_lib.flag_message(e) == (
+      '--process_id=2: must be in [0, 2) for --num_processes=2.')
 
 
 def test_bad_multi_process_flags_are_clear_errors(tmp_path):

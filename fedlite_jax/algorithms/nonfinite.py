@@ -1,4 +1,5 @@
-"""The non-finite-update policy of every algorithm (``--nonfinite_updates``).
+"""The non-finite-update policy of every algorithm (the runner's
+``nonfinite_updates`` setting).
 
 ``'raise'`` (default): a client update with a NaN or +-Inf raises
 ``FloatingPointError``. ``'skip'``: such a client is dropped from its round
@@ -17,6 +18,16 @@ import numpy as np
 
 from fedlite_jax.rounds import ClientProgram
 from fedlite_jax.common import PyTree
+
+
+class NonFiniteUpdateError(FloatingPointError):
+  """A client update with NaN/Inf under policy ``'raise'``.
+
+  Attributes:
+    settings: the setting names the message quotes (for a caller's flags).
+  """
+
+  settings = ('nonfinite_updates',)
 
 
 POLICIES = ('raise', 'skip')
@@ -74,17 +85,18 @@ def resolve(client_ids: Sequence[bytes], finite: Iterable[Any], policy: str,
     The ids of the clients to drop.
 
   Raises:
-    FloatingPointError: ``'raise'`` and any non-finite update; ``'skip'``
-      and every update non-finite.
+    NonFiniteUpdateError: (a FloatingPointError) ``'raise'`` and any
+      non-finite update.
+    FloatingPointError: ``'skip'`` and every update non-finite.
   """
   bad = [cid for cid, ok in zip(client_ids, finite) if not bool(ok)]
   if not bad:
     return []
   where = algorithm if round_num is None else f'{algorithm} (round {round_num})'
   if policy == 'raise':
-    raise FloatingPointError(
+    raise NonFiniteUpdateError(
         f'{where}: non-finite client updates from {bad}; lower the '
-        'learning rate, add clipping, or pass --nonfinite_updates=skip to '
+        'learning rate, add clipping, or set nonfinite_updates=skip to '
         'drop such clients from their round.')
   if len(bad) == len(client_ids):
     raise FloatingPointError(

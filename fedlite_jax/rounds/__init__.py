@@ -9,6 +9,8 @@ from fedlite_jax.rounds.engine import RoundResult
 from fedlite_jax.rounds.engine import VmapEngine
 from fedlite_jax.rounds.engine import default_engine_name
 from fedlite_jax.rounds.engine import make_engine
+from fedlite_jax.rounds.errors import EngineConfigError
+from fedlite_jax.rounds.errors import SettingError
 from fedlite_jax.rounds.fedjax_backend import VmapBackend
 from fedlite_jax.rounds.lanes import LanePlan
 from fedlite_jax.rounds.lanes import choose_lanes

@@ -18,6 +18,7 @@ import numpy as np
 
 from fedlite_jax.checks import check_int
 from fedlite_jax.common import PyTree
+from fedlite_jax.rounds import errors
 from fedlite_jax.rounds import lanes as lanes_lib
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
@@ -327,7 +328,8 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
       ``sharding.use_client_mesh``, if any. One device is the same as none.
 
   Raises:
-    ValueError: an unknown name, or 'loop' with several devices.
+    errors.EngineConfigError: (a ValueError) an unknown name, or 'loop'
+      with several devices.
   """
   if mesh is None:
     mesh = sharding.current_client_mesh()
@@ -337,7 +339,7 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
     name = 'vmap' if mesh is not None else default_engine_name()
   if name == 'loop':
     if mesh is not None:
-      raise ValueError(
+      raise errors.EngineConfigError(
           f'round engine loop runs on one device, but {mesh.num_devices} '
           "devices were requested; use engine 'vmap' (or 'auto') or one "
           'device.')
@@ -346,4 +348,5 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
     return VmapEngine(program, mesh=mesh, lanes_per_device=lanes_per_device,
                       segment_steps=segment_steps, slots=slots,
                       segment_loop=segment_loop)
-  raise ValueError(f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')
+  raise errors.EngineConfigError(
+      f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')

@@ -18,6 +18,7 @@ import numpy as np
 
 from fedlite_jax.checks import check_int
 from fedlite_jax.common import PyTree
+from fedlite_jax.rounds import errors
 from fedlite_jax.rounds import lanes as lanes_lib
 from fedlite_jax.rounds import sharding
 from fedlite_jax.rounds import stats
@@ -114,8 +115,9 @@ class VmapBackend(fedjax.ForEachClientBackend):
   def __call__(self, client_init, client_step, client_final):
     mesh = self._mesh or sharding.make_client_mesh()
     if mesh.multi_process:
-      raise ValueError('VmapBackend runs the clients of one process; with '
-                       'several processes use the fedlite_jax round engines.')
+      raise errors.EngineConfigError(
+          'VmapBackend runs the clients of one process; with '
+          'several processes use the fedlite_jax round engines.')
     devices = mesh.num_devices
     streams: dict[tuple[bool, bool], streaming.LaneStreams] = {}
     slots: dict[tuple, int] = {}

@@ -23,6 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from fedlite_jax.rounds import errors
+
 AXIS = 'clients'
 
 
@@ -74,13 +76,14 @@ class ClientMesh:
                     process_index: Optional[int] = None) -> tuple[int, int]:
     """``[lo, hi)``: the cohort positions a process runs and loads.
 
-    Raises ValueError for a cohort smaller than the number of processes.
+    Raises errors.SettingError (a ValueError) for a cohort smaller than the
+    number of processes.
     """
     if cohort_size < self.num_processes:
-      raise ValueError(
+      raise errors.SettingError(
           f'A cohort of {cohort_size} clients cannot be split over '
-          f'{self.num_processes} processes; use --clients_per_round >= '
-          f'{self.num_processes}.')
+          f'{self.num_processes} processes; clients_per_round must be >= '
+          f'{self.num_processes}.', 'clients_per_round')
     counts = self._counts(cohort_size)
     p = self.process_index if process_index is None else process_index
     lo = int(counts[:p].sum())
@@ -137,11 +140,11 @@ def local_device_count_error(num_devices: int) -> Optional[str]:
   """Why ``num_devices`` is not allowed here, or None when it is."""
   present = jax.local_device_count()
   if num_devices < 1 or num_devices > present:
-    return (f'--num_devices={num_devices}: must be between 1 and the '
+    return (f'num_devices={num_devices}: must be between 1 and the '
             f'{present} local {jax.default_backend()} device(s) present '
             f'({", ".join(str(d) for d in jax.local_devices())}). On CPU, '
-            'XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N '
-            'devices.')
+            'the XLA flag xla_force_host_platform_device_count=N (in the '
+            'XLA_FLAGS environment variable) simulates N devices.')
   return None
 
 
@@ -152,19 +155,21 @@ def make_client_mesh(num_devices: Optional[int] = None) -> ClientMesh:
     num_devices: devices of each process (default: all local ones).
 
   Raises:
-    ValueError: ``num_devices`` < 1 or more than the local devices present.
+    errors.SettingError: (a ValueError) ``num_devices`` < 1 or more than the
+      local devices present.
   """
   if num_devices is None:
     num_devices = jax.local_device_count()
   error = local_device_count_error(num_devices)
   if error:
-    raise ValueError(error)
+    raise errors.SettingError(error, 'num_devices')
   if jax.process_count() > 1:
     counts = multihost_utils.process_allgather(np.int32(num_devices))
     if len(set(np.asarray(counts).ravel().tolist())) != 1:
-      raise ValueError(
-          f'--num_devices differs across processes: {np.asarray(counts)}; '
-          'every process must use the same number of local devices.')
+      raise errors.SettingError(
+          f'num_devices differs across processes: {np.asarray(counts)}; '
+          'every process must use the same number of local devices.',
+          'num_devices')
   devices = []
   for p in range(jax.process_count()):
     local = sorted((d for d in jax.devices() if d.process_index == p),
@@ -193,7 +198,14 @@ def use_client_mesh(mesh: Optional[ClientMesh]) -> Iterator[None]:
 
 
 class DistributedInitError(RuntimeError):
-  """``jax.distributed`` could not be initialized (e.g. no coordinator)."""
+  """``jax.distributed`` could not be initialized (e.g. no coordinator).
+
+  Attributes:
+    settings: the setting names the message quotes (see
+      :class:`errors.SettingError`).
+  """
+
+  settings = ('coordinator_address', 'num_processes')
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int,
@@ -207,19 +219,23 @@ def initialize_distributed(coordinator_address: str, num_processes: int,
     timeout_s: seconds to wait for every process to connect.
 
   Raises:
-    ValueError: process_id out of range or a bad address.
+    errors.SettingError: (a ValueError) process_id out of range or a bad
+      address.
     DistributedInitError: (process > 0) the coordinator was not reachable
       within ``timeout_s`` (process 0 is ended by XLA with DEADLINE_EXCEEDED).
   """
   if num_processes < 1:
-    raise ValueError(f'--num_processes={num_processes}: must be >= 1.')
+    raise errors.SettingError(
+        f'num_processes={num_processes}: must be >= 1.', 'num_processes')
   if not 0 <= process_id < num_processes:
-    raise ValueError(f'--process_id={process_id}: must be in [0, '
-                     f'{num_processes}) for --num_processes={num_processes}.')
+    raise errors.SettingError(
+        f'process_id={process_id}: must be in [0, {num_processes}) for '
+        f'num_processes={num_processes}.', 'process_id', 'num_processes')
   host, _, port = coordinator_address.rpartition(':')
   if not host or not port.isdigit():
-    raise ValueError(f'--coordinator_address={coordinator_address!r}: must be '
-                     'host:port, e.g. localhost:12355.')
+    raise errors.SettingError(
+        f'coordinator_address={coordinator_address!r}: must be host:port, '
+        'e.g. localhost:12355.', 'coordinator_address')
   if process_id != 0:
     # XLA aborts the process when the coordinator is unreachable: probe.
     _wait_for_port(host, int(port), timeout_s, coordinator_address,
@@ -243,8 +259,8 @@ def _wait_for_port(host: str, port: int, timeout_s: float, address: str,
         raise DistributedInitError(
             f'Process {process_id} of {num_processes} could not reach the '
             f'jax.distributed coordinator at {address} within {timeout_s:g} '
-            f's ({e}). Start process 0 with the same --coordinator_address '
-            'and --num_processes, and check that the port is reachable.'
+            f's ({e}). Start process 0 with the same coordinator_address '
+            'and num_processes, and check that the port is reachable.'
         ) from None
       time.sleep(0.2)
 

@@ -22,6 +22,7 @@ from fedlite_jax import transforms
 
 ConfigError = spec.ConfigError
 Option = spec.Option
+_opt = spec.option_value
 
 SKETCH_ROWS = Option(
     'sketch_rows', 5, 'FetchSGD count sketch rows.', lower_bound=1)
@@ -40,10 +41,6 @@ def _check_common(ctx: spec.BuildContext) -> None:
   if config.client_epochs != 1:
     raise ConfigError(f'{config.algorithm} takes --local_steps, not '
                       f'--client_epochs (got {config.client_epochs}).')
-  k = config.options.get('topk_k')
-  if k is not None and k > ctx.num_params:
-    raise ConfigError(f'--topk_k={k} exceeds the model\'s {ctx.num_params} '
-                      'parameters.')
 
 
 def _sgd_baseline(ctx: spec.BuildContext, name: str, upload,
@@ -58,7 +55,7 @@ def _sgd_baseline(ctx: spec.BuildContext, name: str, upload,
       weighting='uniform', compression=fedopt.Compression(upload=upload),
       download_accounting=download_accounting,
       client_ids=ctx.train_client_ids,
-      nonfinite=config.options['nonfinite_updates'], name=name,
+      nonfinite=_opt(config.options, common.NONFINITE_UPDATES), name=name,
       **common.engine_options(config))
 
 
@@ -70,8 +67,10 @@ def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
 def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
   """``--upload`` stages (default :data:`common.TOPK_DEFAULT_UPLOAD`), or
   ConfigError if they cannot encode the model (e.g. k > D)."""
-  stages = str(opts['upload']).strip() or common.TOPK_DEFAULT_UPLOAD
-  upload = common.stages_from_option({'upload': stages}, common.UPLOAD)
+  stages = str(_opt(opts, common.UPLOAD)).strip() or \
+      common.TOPK_DEFAULT_UPLOAD
+  upload = common.stages_from_option({common.UPLOAD.name: stages},
+                                     common.UPLOAD)
   try:
     transforms.message_bits(
         upload, [jax.ShapeDtypeStruct((num_params,), jnp.float32)])
@@ -84,31 +83,37 @@ def _build_topk(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   opts = ctx.config.options
   return _sgd_baseline(ctx, 'topk', _topk_upload(opts, ctx.num_params),
-                         opts['download_accounting'])
+                         _opt(opts, common.DOWNLOAD_ACCOUNTING))
 
 
 def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
   config = ctx.config
   opts = config.options
+  k = _opt(opts, common.TOPK_K)
+  if k > ctx.num_params:
+    raise ConfigError(f'--topk_k={k} exceeds the model\'s {ctx.num_params} '
+                      'parameters.')
   if config.server_optimizer != 'sgd':
     raise ConfigError('fetchsgd has its own server step (momentum + error '
                       'feedback in the sketch); use --server_optimizer=sgd '
                       f'(got {config.server_optimizer!r}) and --server_lr.')
-  if not opts['sketch_momentum'] < 1:
-    raise ConfigError(f'--sketch_momentum={opts["sketch_momentum"]}: must be '
-                      'in [0, 1).')
+  momentum = _opt(opts, SKETCH_MOMENTUM)
+  if not momentum < 1:
+    raise ConfigError(f'--sketch_momentum={momentum}: must be in [0, 1).')
   return fetchsgd_lib.fetchsgd(
       rounds_common.train_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
       batch_size=config.client_batch_size,
-      rows=opts['sketch_rows'], cols=opts['sketch_cols'], k=opts['topk_k'],
-      server_lr=config.server_lr, momentum=opts['sketch_momentum'],
+      rows=_opt(opts, SKETCH_ROWS), cols=_opt(opts, SKETCH_COLS),
+      k=_opt(opts, common.TOPK_K), server_lr=config.server_lr,
+      momentum=momentum,
       local_steps=common.local_steps(opts),
-      seed=common.derived_seed(opts['sketch_seed'], config.seed, b'sketch'),
-      download_accounting=opts['download_accounting'],
+      seed=common.derived_seed(_opt(opts, SKETCH_SEED), config.seed,
+                               b'sketch'),
+      download_accounting=_opt(opts, common.DOWNLOAD_ACCOUNTING),
       client_ids=ctx.train_client_ids,
-      nonfinite=opts['nonfinite_updates'],
+      nonfinite=_opt(opts, common.NONFINITE_UPDATES),
       **common.engine_options(config))
 
 

@@ -18,6 +18,7 @@ from fedlite_jax.transforms import fastfood
 
 ConfigError = spec.ConfigError
 Option = spec.Option
+_opt = spec.option_value
 
 INTRINSIC_DIM = Option(
     'intrinsic_dim', 4096, 'd: intrinsic dimension (coordinates uploaded per '
@@ -45,11 +46,7 @@ DOWNLOAD = Option(
 INDEX_BITS = Option(
     'igc_count_index_bits', True, 'Charge ceil(log2 K) upload bits for the '
     'subspace index.')
-PROJECT_ON_SERVER = Option(
-    'igc_project_on_server', False, 'Faster simulation, same result up to '
-    'float rounding: project the per-subspace weighted sum of client deltas '
-    'once on the server (the projection is linear); bits counted per client. '
-    'Not with --upload.')
+PROJECT_ON_SERVER = common.IGC_PROJECT_ON_SERVER
 
 _COMMON = (INTRINSIC_DIM, SCALE, SEED, DOWNLOAD, INDEX_BITS,
            common.UPLOAD, common.LOCAL_STEPS, common.NONFINITE_UPDATES,
@@ -62,7 +59,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
     config = ctx.config
     opts = config.options
     name = config.algorithm
-    d = opts['intrinsic_dim']
+    d = _opt(opts, INTRINSIC_DIM)
     if d > ctx.num_params:
       raise ConfigError(f'--intrinsic_dim={d} exceeds the model\'s '
                         f'{ctx.num_params} parameters.')
@@ -70,12 +67,12 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
       raise ConfigError(f'{name} takes --local_steps, not --client_epochs '
                         f'(got --client_epochs={config.client_epochs}).')
     upload = common.stages_from_option(opts, common.UPLOAD)
-    if upload is not None and opts['igc_project_on_server']:
+    if upload is not None and _opt(opts, PROJECT_ON_SERVER):
       raise ConfigError('--igc_project_on_server needs a linear upload; it '
-                        f'cannot be combined with --upload={opts["upload"]}.')
+                        f'cannot be combined with --upload={_opt(opts, common.UPLOAD)}.')
     rpe = None
     if time_varying:
-      rpe = opts['igc_rounds_per_epoch'] or igc.default_rounds_per_epoch(
+      rpe = _opt(opts, ROUNDS_PER_EPOCH) or igc.default_rounds_per_epoch(
           len(ctx.train_client_ids), config.clients_per_round)
     return igc.intrinsic_gradient_compression(
         rounds_common.train_grad(ctx.split_model.model),
@@ -84,18 +81,18 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         batch_size=config.client_batch_size,
         intrinsic_dim=d,
         local_steps=common.local_steps(opts),
-        num_subspaces=opts['num_subspaces'] if num_subspaces_option else 1,
+        num_subspaces=_opt(opts, NUM_SUBSPACES) if num_subspaces_option else 1,
         time_varying=time_varying,
         rounds_per_epoch=rpe,
-        seed=common.derived_seed(opts['igc_seed'], config.seed, b'igc'),
-        scale=opts['igc_scale'],
-        count_index_bits=opts['igc_count_index_bits'],
+        seed=common.derived_seed(_opt(opts, SEED), config.seed, b'igc'),
+        scale=_opt(opts, SCALE),
+        count_index_bits=_opt(opts, INDEX_BITS),
         upload_transform=upload,
-        download_accounting=opts['igc_download_accounting'],
+        download_accounting=_opt(opts, DOWNLOAD),
         client_ids=ctx.train_client_ids,
-        nonfinite=opts['nonfinite_updates'],
+        nonfinite=_opt(opts, common.NONFINITE_UPDATES),
         **common.engine_options(config),
-        project_on_server=opts['igc_project_on_server'])
+        project_on_server=_opt(opts, PROJECT_ON_SERVER))
 
   return build
 

@@ -63,13 +63,13 @@ def build_fedavg(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
 def build_fedprox(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   """``--algorithm=fedprox``: FedAvg's round plus ``--fedprox_mu``'s term."""
   return _fedopt(ctx, name='fedprox',
-                 fedprox_mu=float(ctx.config.options[FEDPROX_MU.name]))
+                 fedprox_mu=float(_opt(ctx.config.options, FEDPROX_MU)))
 
 
 def mime_base_optimizer(config) -> optax.GradientTransformation:
   """``--mime_base_optimizer`` at ``--client_lr`` (+ ``--client_clip_norm``)."""
-  name = config.options[MIME_BASE_OPTIMIZER.name]
-  eps = float(config.options[MIME_BASE_EPS.name])
+  name = _opt(config.options, MIME_BASE_OPTIMIZER)
+  eps = float(_opt(config.options, MIME_BASE_EPS))
   if name == 'sgd':
     return optimizers.make_optimizer('sgd', config.client_lr,
                                      clip_norm=config.client_clip_norm)
@@ -86,7 +86,7 @@ def build_mime_lite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       rounds_common.train_grad(ctx.split_model.model),
       mime_base_optimizer(config),
       optimizers.client_batch_hparams(config),
-      grads_batch_size=int(config.options[MIME_GRADS_BATCH_SIZE.name]),
+      grads_batch_size=int(_opt(config.options, MIME_GRADS_BATCH_SIZE)),
       server_learning_rate=float(config.server_lr),
       compression=compression_from_options(config.options),
       seed=config.seed, name='mime_lite',

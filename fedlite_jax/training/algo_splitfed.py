@@ -11,6 +11,7 @@ from __future__ import annotations
 import fedjax
 
 from fedlite_jax.algorithms import split_accounting
+from fedlite_jax.algorithms.split_clients import resolve_client_execution
 from fedlite_jax.algorithms import splitfed
 from fedlite_jax.training import compression_options as common
 from fedlite_jax.training import optimizers
@@ -19,6 +20,7 @@ from fedlite_jax.transforms import pq
 
 ConfigError = spec.ConfigError
 Option = spec.Option
+_opt = spec.option_value
 
 #: Subvector size for ``--num_subvectors=0`` (FEMNIST: q = 9,216 / 8 = 1,152).
 AUTO_SUBVECTOR_SIZE = 8
@@ -73,11 +75,20 @@ CLIENT_EXECUTION = Option(
     "compiled iteration: vmap, unroll, or auto (unroll on CPU).",
     choices=('auto', 'vmap', 'unroll'), affects_result=False)
 
-#: FedAvg-style flags these algorithms do not read.
-IGNORED_FIELDS = ('server_optimizer', 'server_lr', 'server_beta1',
-                  'server_beta2', 'server_eps', 'client_epochs',
-                  'round_engine', 'steps_per_call', 'segment_steps',
-                  'segment_loop')
+_OWN_SERVER = ('the server-side model has --split_server_optimizer and '
+               '--split_server_lr')
+_OWN_CLIENTS = ('split learning runs its clients itself '
+                '(--split_client_execution)')
+
+#: FedAvg-style flags these algorithms do not read, with the reason.
+IGNORED_FIELDS = {
+    'server_optimizer': _OWN_SERVER, 'server_lr': _OWN_SERVER,
+    'server_beta1': _OWN_SERVER, 'server_beta2': _OWN_SERVER,
+    'server_eps': _OWN_SERVER,
+    'client_epochs': 'each client uses one batch per round',
+    'round_engine': _OWN_CLIENTS, 'steps_per_call': _OWN_CLIENTS,
+    'segment_steps': _OWN_CLIENTS, 'segment_loop': _OWN_CLIENTS,
+}
 
 SPLIT_OPTIONS = (SERVER_OPTIMIZER, SERVER_LR, LABEL_BITS, CLIENT_WEIGHTING,
                  CLIENT_EXECUTION, PHI, common.NONFINITE_UPDATES)
@@ -93,23 +104,31 @@ def auto_num_subvectors(cut_size: int) -> int:
   return cut_size
 
 
+def clients_vmapped(config, engine_name: str) -> bool:
+  """Whether the clients run vmapped: ``--split_client_execution`` resolved
+  (the round engine ``engine_name`` does not run them)."""
+  del engine_name
+  return resolve_client_execution(_opt(config.options, CLIENT_EXECUTION)) \
+      == 'vmap'
+
+
 def _common_kwargs(ctx: spec.BuildContext) -> dict:
   config, opts = ctx.config, ctx.config.options
-  server_name = opts['split_server_optimizer']
+  server_name = _opt(opts, SERVER_OPTIMIZER)
   if server_name == 'same':
     server_name = config.client_optimizer
-  server_lr = opts['split_server_lr'] or config.client_lr
+  server_lr = _opt(opts, SERVER_LR) or config.client_lr
   return dict(
       split_model=ctx.split_model,
       client_optimizer=optimizers.client_optimizer(config),
       server_optimizer=optimizers.make_optimizer(server_name, server_lr),
       batch_size=config.client_batch_size,
-      phi=opts['fedlite_phi'],
-      label_bits=opts['split_label_bits'],
-      client_weighting=opts['split_client_weighting'],
-      client_execution=opts['split_client_execution'],
+      phi=_opt(opts, PHI),
+      label_bits=_opt(opts, LABEL_BITS),
+      client_weighting=_opt(opts, CLIENT_WEIGHTING),
+      client_execution=_opt(opts, CLIENT_EXECUTION),
       lanes_per_device=config.lanes_per_device,
-      nonfinite=opts[common.NONFINITE_UPDATES.name])
+      nonfinite=_opt(opts, common.NONFINITE_UPDATES))
 
 
 def build_splitfed(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
@@ -129,19 +148,19 @@ def quantizer_from_options(ctx: spec.BuildContext
   """
   opts = ctx.config.options
   d = ctx.split_model.cut_size
-  q = opts['num_subvectors'] or auto_num_subvectors(d)
+  q = _opt(opts, NUM_SUBVECTORS) or auto_num_subvectors(d)
   if d % q:
     raise ConfigError(f'--num_subvectors={q}: must divide the cut size d={d} '
                       f'of task {ctx.config.task!r}.')
   try:
     quantizer = splitfed.QuantizerConfig(
         num_subvectors=q,
-        num_groups=opts['num_groups'],
-        num_centroids=opts['num_centroids'],
-        correction_lambda=float(opts['correction_lambda']),
-        lambda_scaling=opts['fedlite_lambda_scaling'],
-        kmeans_iters=opts['fedlite_kmeans_iters'],
-        empty_cluster=opts['fedlite_empty_cluster'])
+        num_groups=_opt(opts, NUM_GROUPS),
+        num_centroids=_opt(opts, NUM_CENTROIDS),
+        correction_lambda=float(_opt(opts, CORRECTION_LAMBDA)),
+        lambda_scaling=_opt(opts, LAMBDA_SCALING),
+        kmeans_iters=_opt(opts, KMEANS_ITERS),
+        empty_cluster=_opt(opts, EMPTY_CLUSTER))
   except ValueError as e:
     raise ConfigError(f'fedlite: {e}') from None
   # A group has at most B L q / R subvectors (L tokens per example).
@@ -172,7 +191,8 @@ def _spec(**kwargs) -> spec.AlgorithmSpec:
   kwargs['communication_keys'] = split_accounting.BIT_KEYS
   kwargs['communication_summary'] = split_accounting.communication_summary
   return spec.AlgorithmSpec(multi_process=False,
-                            ignored_fields=IGNORED_FIELDS, **kwargs)
+                            ignored_fields=IGNORED_FIELDS,
+                            client_vmap=clients_vmapped, **kwargs)
 
 
 SPECS = (

@@ -20,6 +20,7 @@ from fedlite_jax.training import start as start_lib
 from fedlite_jax.training import state_io
 from fedlite_jax.training import registry
 from fedlite_jax.training import tasks
+from fedlite_jax.rounds import errors as rounds_errors
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 
@@ -177,10 +178,8 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
           config=config, split_model=split_model,
           num_params=fedopt.num_params(params),
           train_client_ids=tuple(train_fd.client_ids()), info=info))
-    except ValueError as e:
-      if 'round engine' in str(e):
-        raise ConfigError(str(e)) from None
-      raise
+    except rounds_errors.EngineConfigError as e:
+      raise ConfigError(config_lib.flag_message(e)) from None
   state = algorithm.init(params)
   ledger = CommLedger(fedopt.num_params(params), extra_bits={
       k: 0.0 for k in spec.communication_keys})

@@ -71,6 +71,14 @@ DOWNLOAD = Option(
     'download', '', 'Download (server model) compression as --upload stages, '
     'e.g. uniform_quantization:16; empty = float32.')
 
+#: igc_*: the projection of the summed deltas on the server (here for
+#: :func:`check_options`).
+IGC_PROJECT_ON_SERVER = Option(
+    'igc_project_on_server', False, 'Faster simulation, same result up to '
+    'float rounding: project the per-subspace weighted sum of client deltas '
+    'once on the server (the projection is linear); bits counted per client. '
+    'Not with --upload.')
+
 #: The compression flags of fedavg, fedprox and mime_lite.
 COMPRESSION_OPTIONS = (UPLOAD, DOWNLOAD, PVT_FRACTION, QUANTIZER_RNG)
 
@@ -197,23 +205,22 @@ def check_options(options) -> None:
   """Builds the compression of ``options`` without data, so that
   ``--validate_only`` rejects what a run would (ConfigError)."""
   names = set(options)
-  if options.get('igc_project_on_server') and \
-      str(options.get(UPLOAD.name, '')).strip():
+  if _opt(options, IGC_PROJECT_ON_SERVER) and \
+      str(_opt(options, UPLOAD)).strip():
     raise ConfigError('--igc_project_on_server needs a linear upload; it '
-                      f'cannot be combined with --upload={options["upload"]}.')
+                      f'cannot be combined with --upload={_opt(options, UPLOAD)}.')
   if {o.name for o in COMPRESSION_OPTIONS} <= names:
     compression_from_options(options)
     return
   for option in (UPLOAD, DOWNLOAD):
     if option.name in names:
       stages_from_option(options, option,
-                         generator=options.get(QUANTIZER_RNG.name,
-                                               QUANTIZER_RNG.default))
+                         generator=_opt(options, QUANTIZER_RNG))
 
 
 def local_steps(options) -> int:
   """``--local_steps`` for the one-step algorithms (0 means 1)."""
-  return int(options['local_steps']) or 1
+  return int(_opt(options, LOCAL_STEPS)) or 1
 
 
 def derived_seed(option_value: int, run_seed: int, salt: bytes) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from fedlite_jax import rounds
@@ -65,7 +66,7 @@ def _field(default: Any, help_text: str, *, kind: type | None = None,
 class RunConfig:
   """All settings of one federated run; each field is a runner flag."""
   task: str = _field('embedded_mnist', 'Federated task.')
-  algorithm: str = _field('fedavg', 'Federated algorithm.')
+  algorithm: str = _field(registry.DEFAULT_ALGORITHM, 'Federated algorithm.')
   num_rounds: int | None = _field(None, 'Training rounds.', kind=int,
                                   lower_bound=1)
   clients_per_round: int | None = _field(None, 'Cohort size.', kind=int,
@@ -367,8 +368,20 @@ def parse_lanes_per_device(value: Any) -> int | str:
                     'the vmap engine and split learning).')
 
 
-def _not_applicable(name: str, config: RunConfig) -> str | None:
-  """Why run-level setting ``name`` has no effect on ``config``, or None."""
+def flag_message(error: BaseException) -> str:
+  """The message of ``error`` from below the runner, with the settings it
+  quotes (its ``settings`` attribute, e.g. ``num_devices``; see
+  ``rounds.SettingError``) named as flags (``--num_devices``)."""
+  text = str(error)
+  for name in getattr(error, 'settings', ()):
+    text = re.sub(rf'(?<![\w-]){re.escape(name)}\b', f'--{name}', text)
+  return text
+
+
+def _not_applicable(name: str, config: RunConfig,
+                    spec: registry.AlgorithmSpec) -> str | None:
+  """Why run-level setting ``name`` has no effect on ``config`` of
+  algorithm ``spec``, or None."""
   tasks = TASK_FIELDS.get(name)
   if tasks is not None and config.task not in tasks:
     return f'applies to --task={", ".join(tasks)}, not {config.task}'
@@ -390,12 +403,11 @@ def _not_applicable(name: str, config: RunConfig) -> str | None:
   if name == 'steps_per_call' and config.round_engine == 'vmap':
     return 'applies to --round_engine=loop (or auto on CPU), not vmap'
   if name == 'lanes_per_device' and config.round_engine == 'loop' and \
-      config.algorithm not in ('splitfed', 'fedlite'):
+      spec.uses_round_engine():
     return ('applies to --round_engine=vmap (or auto on GPU/TPU) and split '
             'learning, not the loop engine')
   if name in ('segment_steps', 'segment_loop') and (
-      config.round_engine == 'loop' or
-      config.algorithm in ('splitfed', 'fedlite')):
+      config.round_engine == 'loop' or not spec.uses_round_engine()):
     return ('applies to --round_engine=vmap (or auto on GPU/TPU), not the '
             'loop engine or split learning')
   if name in ('coordinator_address', 'distributed_timeout') and \
@@ -424,10 +436,11 @@ def check_explicit(config: RunConfig, names: Iterable[str]) -> None:
       continue
     if name not in fields:
       raise ConfigError(f'--{name}: no such setting or algorithm option.')
-    if name in spec.ignored_fields:
+    reason = spec.ignored_reason(name)
+    if reason is not None:
       raise ConfigError(f'--{name} is not used by --algorithm='
-                        f'{config.algorithm}; remove it.')
-    reason = _not_applicable(name, config)
+                        f'{config.algorithm} ({reason}); remove it.')
+    reason = _not_applicable(name, config, spec)
     if reason is not None:
       raise ConfigError(f'--{name} {reason}; remove it.')
 

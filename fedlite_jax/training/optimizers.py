@@ -7,6 +7,7 @@ from typing import Optional
 import fedjax
 import optax
 
+from fedlite_jax.training import compression_options
 from fedlite_jax.training import spec
 
 ConfigError = spec.ConfigError
@@ -50,7 +51,8 @@ def server_optimizer(config) -> optax.GradientTransformation:
 def client_batch_hparams(config) -> fedjax.ShuffleRepeatBatchHParams:
   """Local batching: ``--client_epochs`` passes, or with ``--local_steps=s
   > 0`` exactly ``s`` batches (data repeated as needed)."""
-  steps = int(config.options.get('local_steps') or 0)
+  steps = int(spec.option_value(config.options,
+                                compression_options.LOCAL_STEPS))
   if steps > 0 and config.client_epochs != 1:
     raise ConfigError(f'--local_steps={steps} and --client_epochs='
                       f'{config.client_epochs} both set the local work; '

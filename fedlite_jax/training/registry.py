@@ -24,6 +24,9 @@ AlgorithmSpec = spec_lib.AlgorithmSpec
 BUILTIN_MODULES: tuple[types.ModuleType, ...] = (
     algo_lm, algo_baselines, algo_igc, algo_splitfed)
 
+#: The ``--algorithm`` of a run that names none.
+DEFAULT_ALGORITHM = 'fedavg'
+
 
 def _builtin_specs() -> tuple[AlgorithmSpec, ...]:
   specs = tuple(s for module in BUILTIN_MODULES for s in module.SPECS)

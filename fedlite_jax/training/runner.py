@@ -21,7 +21,6 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from fedlite_jax.algorithms.split_clients import resolve_client_execution
 from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import sharding
 from fedlite_jax.training import build as build_lib
@@ -29,6 +28,7 @@ from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import evaluation
 from fedlite_jax.training import loop
 from fedlite_jax.training import outputs
+from fedlite_jax.training import registry
 from fedlite_jax.training import start as start_lib
 from fedlite_jax.training import tasks
 from fedlite_jax.training.hooks import Hook
@@ -83,13 +83,18 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     config = dataclasses.replace(
         config, output_dir=start_lib.default_output_dir(config))
   if config.num_processes > 1 and not jax.distributed.is_initialized():
-    sharding.initialize_distributed(
-        config.coordinator_address, config.num_processes, config.process_id,
-        timeout_s=config.distributed_timeout)
+    try:
+      sharding.initialize_distributed(
+          config.coordinator_address, config.num_processes, config.process_id,
+          timeout_s=config.distributed_timeout)
+    except ValueError as e:
+      raise ConfigError(config_lib.flag_message(e)) from None
+    except sharding.DistributedInitError as e:
+      raise sharding.DistributedInitError(config_lib.flag_message(e)) from None
   try:
     mesh = sharding.make_client_mesh(config.num_devices)
   except ValueError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError(config_lib.flag_message(e)) from None
   if mesh.num_processes != config.num_processes:
     raise ConfigError(f'--num_processes={config.num_processes}, but JAX runs '
                       f'{mesh.num_processes} processes.')
@@ -132,17 +137,11 @@ def _engine_name(config: RunConfig, mesh: sharding.ClientMesh) -> str:
 
 
 def _model_config(config: RunConfig, engine: str) -> RunConfig:
-  """``config`` with ``--conv_implementation=auto`` resolved: im2col where
-  clients run vmapped (the vmap engine, vmapped split learning)."""
-  if config.conv_implementation != 'auto':
-    return config
-  if config.algorithm in ('splitfed', 'fedlite'):
-    vmapped = resolve_client_execution(
-        config.options.get('split_client_execution', 'auto')) == 'vmap'
-  else:
-    vmapped = engine == 'vmap'
-  return dataclasses.replace(
-      config, conv_implementation='im2col' if vmapped else 'lax')
+  """``config`` with its algorithm's ``AlgorithmSpec.model_overrides``
+  (e.g. ``--conv_implementation=auto`` resolved)."""
+  spec = registry.get(config.algorithm)
+  overrides = spec.model_overrides(config, engine)
+  return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def _summary(run: build_lib.Run) -> dict[str, Any]:

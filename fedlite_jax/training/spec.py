@@ -71,7 +71,11 @@ class AlgorithmSpec:
     communication_summary: ``{key: run total} -> dict`` merged into
       ``summary['communication']``.
     multi_process: runs with ``--num_processes > 1``.
-    ignored_fields: RunConfig fields it does not read (set: an error).
+    ignored_fields: RunConfig fields it does not read, each with the reason
+      (setting one is a ConfigError naming it).
+    client_vmap: ``(config, engine_name) -> bool``: whether its clients run
+      vmapped; None: they do on the ``vmap`` round engine. An algorithm
+      that runs its clients itself ignores ``round_engine`` and sets this.
   """
   name: str
   description: str
@@ -82,11 +86,39 @@ class AlgorithmSpec:
   communication_summary: Optional[
       Callable[[Mapping[str, float]], dict[str, float]]] = None
   multi_process: bool = True
-  ignored_fields: tuple[str, ...] = ()
+  ignored_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  client_vmap: Optional[Callable[[Any, str], bool]] = None
+
+  def ignored_reason(self, name: str) -> Optional[str]:
+    """Why RunConfig field ``name`` is not read, or None if it is."""
+    return self.ignored_fields.get(name)
+
+  def uses_round_engine(self) -> bool:
+    """Whether ``--round_engine`` runs its clients (else it runs them)."""
+    return 'round_engine' not in self.ignored_fields
+
+  def clients_vmapped(self, config: Any, engine_name: str) -> bool:
+    """Whether the clients of ``config`` run vmapped, with round engine
+    ``engine_name`` (``config.round_engine`` with ``auto`` resolved)."""
+    if self.client_vmap is not None:
+      return bool(self.client_vmap(config, engine_name))
+    return engine_name == 'vmap'
+
+  def model_overrides(self, config: Any, engine_name: str) -> dict[str, Any]:
+    """RunConfig fields the model is built with instead of ``config``'s:
+    ``conv_implementation=auto`` resolved, im2col where clients run vmapped
+    (:meth:`clients_vmapped`), else lax."""
+    if config.conv_implementation != 'auto':
+      return {}
+    vmapped = self.clients_vmapped(config, engine_name)
+    return {'conv_implementation': 'im2col' if vmapped else 'lax'}
 
 
 def option_value(options: Mapping[str, Any], option: Option) -> Any:
-  """``options[option.name]``, or the option's default when it is absent."""
+  """``options[option.name]``, or the option's default when it is absent.
+
+  The one way algorithm code reads its options (``config.options``).
+  """
   return options.get(option.name, option.default)
 
 
