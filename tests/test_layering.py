@@ -437,3 +437,17 @@ def test_subpackages_reachable_from_the_top_level_import():
                                  'federated_averaging', 'make_engine',
                                  'create_emnist_cnn', 'run']
   assert "has no attribute 'no_such_thing'" in proc.stderr
+
+
+def test_the_runner_is_short_and_its_functions_are_small():
+  """runner.py is the top of the house (<= 200 lines); no function of
+  training/ is over 80 lines (the loop's duties live in hooks/)."""
+  runner = ROOT / PACKAGE / 'training' / 'runner.py'
+  assert len(runner.read_text().splitlines()) <= 200
+  long = []
+  for path in sorted((ROOT / PACKAGE / 'training').rglob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if node.end_lineno - node.lineno + 1 > 80:
+          long.append(f'{path.name}:{node.name}')
+  assert not long, long

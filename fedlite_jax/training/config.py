@@ -103,7 +103,8 @@ class RunConfig:
       None, 'Data directory, the only one searched when given (else '
       '$FEDLITE_DATA_DIR, ~/.cache/fedjax, ~/.tff).', kind=str)
   output_dir: str | None = _field(
-      None, 'Output directory (default runs/<task>_<algorithm>_seed<seed>).',
+      None, 'Output directory (default runs/<task>_<algorithm>_<hash of the '
+      'result flags>_seed<seed>).',
       kind=str)
   checkpoint_every: int = _field(
       50, 'Checkpoint every N rounds (0 = only at the end).', lower_bound=0)
@@ -309,6 +310,19 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
     raise ConfigError(f'--client_cache_mb={config.client_cache_mb}: must be an '
                       'integer >= 0 (MiB of decoded client data kept across '
                       'rounds; 0 = off).')
+  _check_placement(config)
+  for name in ('server_beta1', 'server_beta2'):
+    value = getattr(config, name)
+    if not (_is_finite(value) and 0 <= value < 1):
+      raise ConfigError(f'--{name}={value}: must be in [0, 1).')
+  _check_text_and_paths(config)
+  check_explicit(config, explicit)
+  compression_options.check_options(config.options)
+  return config
+
+
+def _check_placement(config: RunConfig) -> None:
+  """Devices and processes (ConfigError naming the flag)."""
   if config.num_devices is not None and config.num_devices < 1:
     raise ConfigError(f'--num_devices={config.num_devices}: must be >= 1 (or '
                       'unset for all local devices).')
@@ -320,10 +334,10 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   if config.num_processes > 1 and not config.coordinator_address:
     raise ConfigError(f'--num_processes={config.num_processes} needs '
                       '--coordinator_address=host:port (process 0).')
-  for name in ('server_beta1', 'server_beta2'):
-    value = getattr(config, name)
-    if not (_is_finite(value) and 0 <= value < 1):
-      raise ConfigError(f'--{name}={value}: must be in [0, 1).')
+
+
+def _check_text_and_paths(config: RunConfig) -> None:
+  """Tokenizer, model preset, paths (ConfigError naming the flag)."""
   _check_choice('tokenizer', config.tokenizer, TOKENIZERS)
   if config.model is not None:
     _check_choice('model', config.model, lm.PRESETS)
@@ -342,9 +356,6 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
       not os.path.exists(config.init_checkpoint):
     raise ConfigError(f'--init_checkpoint={config.init_checkpoint}: no such '
                       'file or directory.')
-  check_explicit(config, explicit)
-  compression_options.check_options(config.options)
-  return config
 
 
 def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
