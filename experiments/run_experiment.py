@@ -16,6 +16,7 @@ This is a script, not a package module: FedJAX's wheel installs a top-level
 ``fedlite_jax.training``.
 """
 
+import logging as std_logging
 import re
 import sqlite3
 import sys
@@ -282,5 +283,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.WARNING)  # Libraries: warnings only.
+  # The runner's own lines (data, compiling, resumed, evaluations): INFO.
+  std_logging.getLogger('fedlite_jax.training').setLevel(std_logging.INFO)
   app.run(main, flags_parser=parse_flags)

@@ -5,6 +5,9 @@ output files agree key by key and round by round."""
 import collections
 import csv
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -152,3 +155,26 @@ def test_metrics_tensorboard_and_csv_agree(tmp_path):
   # summary.json: the last row's evaluation and totals.
   assert summary['final_eval'] == round_metrics.eval_metrics(rows[-1])
   assert summary['communication']['total_upload_bytes'] == total
+
+
+def test_the_binary_says_what_it_does(repo_root, tmp_path):
+  """Without a terminal: INFO lines for the data, the first round's
+  compilation, each evaluation and a resume; no progress bar."""
+  binary = [sys.executable, str(repo_root / 'experiments' /
+                                'run_experiment.py'),
+            '--num_clients=6', '--clients_per_round=2', '--eval_every=1',
+            f'--output_dir={tmp_path / "run"}']
+  env = dict(os.environ, PYTHONPATH=str(repo_root))
+  first = subprocess.run(binary + ['--num_rounds=2'], capture_output=True,
+                         text=True, env=env, timeout=600)
+  assert first.returncode == 0, first.stderr[-2000:]
+  for line in ('Data (--task=embedded_mnist): embedded_mnist: 6 train',
+               'Round 1: compiling the client program',
+               'Round 1/2: accuracy', 'Round 2/2: accuracy'):
+    assert line in first.stderr, (line, first.stderr[-2000:])
+  assert 'it/s' not in first.stderr and 'round/s' not in first.stderr
+  more = subprocess.run(binary + ['--num_rounds=3'], capture_output=True,
+                        text=True, env=env, timeout=600)
+  assert more.returncode == 0, more.stderr[-2000:]
+  assert 'Resumed from round 2' in more.stderr, more.stderr[-2000:]
+  assert 'Round 3/3: accuracy' in more.stderr
