@@ -8,7 +8,7 @@ from typing import Any
 
 __all__ = ['PyTree', 'FLOAT_BITS', 'PAD_ID', 'UPLOAD_STREAM',
            'DOWNLOAD_STREAM', 'GRAD_UPLOAD_STREAM', 'COMPRESS_STREAM',
-           'PVT_STREAM']
+           'PVT_STREAM', 'DP_STREAM']
 
 PyTree = Any
 """A JAX pytree (nested dicts/lists/tuples of arrays)."""
@@ -29,3 +29,5 @@ COMPRESS_STREAM = 0x636F6D70  # 'comp'
 # PVT's mask key: the client's training stream stays untouched, so PVT 100%
 # reproduces FedAvg's dropout/shuffle draws.
 PVT_STREAM = 0x70767421  # 'pvt!'
+# DP-FedAvg's server noise: fold_in(fold_in(PRNGKey(seed), DP_STREAM), round).
+DP_STREAM = 0x64702121  # 'dp!!'

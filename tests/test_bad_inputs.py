@@ -217,6 +217,19 @@ ROWS = [
     # Options of another algorithm, fields of another task or setting.
     ('topk_k_with_fedavg', EMB + ['--topk_k=5'],
      '--topk_k is an option of --algorithm=fetchsgd, not of fedavg'),
+    # DP-FedAvg flags: one line naming the flag and the allowed range.
+    ('dp_clip_zero', EMB + ['--dp_clip=0', '--dp_noise_multiplier=1'],
+     '--dp_clip=0.0: must be > 0'),
+    ('dp_negative_noise', EMB + ['--dp_clip=1', '--dp_noise_multiplier=-2'],
+     '--dp_noise_multiplier=-2.0: must be >= 0'),
+    ('dp_delta_one', EMB + ['--dp_clip=1', '--dp_noise_multiplier=1',
+                            '--dp_delta=1'],
+     '--dp_delta=1.0: must be in (0, 1)'),
+    ('dp_unreachable_epsilon', EMB + ['--dp_clip=1',
+                                      '--dp_target_epsilon=1e-9'],
+     '--dp_target_epsilon=1e-09: target_epsilon=1e-09 is unreachable'),
+    ('dp_with_topk', EMB + ['--algorithm=topk', '--dp_clip=1'],
+     '--dp_clip is an option of --algorithm=fedavg, fedprox, not of topk'),
     # Removed compression flags: one line naming the stage-string flags.
     ('removed_upload_bits', EMB + ['--upload_bits=8'],
      '--upload_bits=8 was removed; use --upload=uniform_quantization:8'),

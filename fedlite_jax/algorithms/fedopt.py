@@ -8,6 +8,7 @@ local steps of FedAvg (McMahan et al. 2017, Alg. 1) or FedProx (Li et al.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import fedjax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedlite_jax import privacy
 from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import rounds_common as rc
@@ -24,12 +26,13 @@ from fedlite_jax.algorithms.rounds_common import (  # noqa: F401
     UPLOAD_STREAM)
 from fedlite_jax.rounds import make_engine
 from fedlite_jax.transforms import pvt as pvt_lib
-from fedlite_jax.common import PyTree
+from fedlite_jax.common import DP_STREAM, PyTree
 
 Params = Any
 
 __all__ = [
-    'Compression', 'CompressedRound', 'FedOptState', 'federated_averaging',
+    'Compression', 'CompressedRound', 'DP', 'DPFedOptState', 'FedOptState',
+    'federated_averaging',
     # Re-exported from rounds_common (used by training and tests).
     'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'UPLOAD_STREAM', 'batch_hparams',
     'num_params',
@@ -75,6 +78,62 @@ class FedOptState:
   round: jax.Array
   last_changed: jax.Array
   last_round: jax.Array
+
+
+@fedjax.dataclass
+class DPFedOptState(FedOptState):
+  """:class:`FedOptState` of DP-FedAvg, plus ``clip_norm``: float32[], the
+  clip norm ``C`` of the next round (adaptive clipping moves it)."""
+  clip_norm: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DP:
+  """Central DP-FedAvg settings (McMahan et al. 2018, Alg. 1; adaptive
+  clipping: Andrew et al. 2021, Alg. 1).
+
+  Attributes:
+    clip_norm: the first round's ``C`` > 0 (units of the decoded delta).
+    noise_multiplier: ``z`` >= 0 of the round's Gaussian mechanism (with
+      adaptive clipping: of the delta sum and the count together).
+    denominator: the mean's fixed denominator (the cohort size), > 0.
+    noise_cohort_size: the cohort the noise is calibrated for (None:
+      ``denominator``; :func:`privacy.noise_std_on_sum`).
+    target_quantile: adaptive clipping's ``gamma`` in [0, 1]; None: fixed C.
+    clip_learning_rate: ``eta_C`` of the geometric update.
+    count_noise_std: ``sigma_b`` on the noise cohort's count (clients).
+  """
+  clip_norm: float
+  noise_multiplier: float
+  denominator: float
+  noise_cohort_size: Optional[float] = None
+  target_quantile: Optional[float] = None
+  clip_learning_rate: float = 0.2
+  count_noise_std: float = 0.0
+
+  @property
+  def delta_noise_multiplier(self) -> float:
+    """``z_Delta`` of the delta sum (``z`` without adaptive clipping); a
+    one-line ValueError if ``sigma_b <= z / 2``."""
+    if self.target_quantile is None:
+      return self.noise_multiplier
+    return privacy.effective_delta_noise_multiplier(self.noise_multiplier,
+                                                    self.count_noise_std)
+
+  def noise_std(self, clip_norm: Any) -> Any:
+    """Std of the noise on the clipped sum for clip norm ``clip_norm``."""
+    return privacy.noise_std_on_sum(clip_norm, self.delta_noise_multiplier,
+                                    self.denominator, self.noise_cohort_size)
+
+
+def _clip_decoded(compress: Callable, shared, client_input, delta, mask):
+  """``compress``, then the decoded delta clipped to ``shared['clip_norm']``
+  (diagnostics ``dp_norm`` before clipping, ``dp_clipped`` 0/1)."""
+  out, diag = compress(shared, client_input, delta, mask)
+  c = shared['clip_norm']
+  clipped, norm = privacy.clip_by_global_norm(out['delta'], c)
+  return {**out, 'delta': clipped}, {
+      **diag, 'dp_norm': norm, 'dp_clipped': (norm > c).astype(jnp.float32)}
 
 
 def encode_decode(transform: Optional[tx.CommTransform], state: Any,
@@ -216,7 +275,7 @@ class CompressedRound:
   def apply(self, state: FedOptState, clients: rc.Clients,
             hparams: fedjax.ShuffleRepeatBatchHParams, passes: Callable,
             server_update: Callable, extra_download_bits: float = 0.0,
-            upload_factor: int = 1):
+            upload_factor: int = 1, dp_norms: bool = False):
     """One round: download, client passes, non-finite policy, server update.
 
     Args:
@@ -230,6 +289,8 @@ class CompressedRound:
         (:func:`rounds_common.server_update`).
       extra_download_bits: added to the dense download (bits).
       upload_factor: uploads per client (the delta's bits each).
+      dp_norms: also pass ``server_update`` the clients' ``dp_norm``
+        diagnostics and kept flags (``float32[W]`` each; DP-FedAvg).
 
     Returns:
       ``(new state, diagnostics)`` as :func:`federated_averaging`; a client
@@ -255,9 +316,14 @@ class CompressedRound:
       if any(f for w, f in zip(ws, flags) if w.client_id in skipped):
         sums[i] = eng(shared, [w for w in ws if w.client_id not in skipped]
                       ).weighted_sum
-    new_state, finite = rc.server_update(
-        server_update, state, positions,
-        *[x for total in sums for x in (total['delta'], total['mask'])])
+    args = [x for total in sums for x in (total['delta'], total['mask'])]
+    if dp_norms:
+      args += [np.asarray([d['dp_norm'] for d in results[0].diagnostics],
+                          np.float32),
+               np.asarray([w.client_id not in skipped for w in work],
+                          np.float32)]
+    new_state, finite = rc.server_update(server_update, state, positions,
+                                         *args)
     nonfinite_lib.check_server_state(finite, self.name, skipped, round_num)
     extra = None
     if not s.plan.trains_everything:
@@ -285,7 +351,7 @@ def federated_averaging(
     weighting: str = 'examples', download_accounting: str = 'dense',
     client_ids: Optional[Sequence[bytes]] = None, seed: int = 0,
     name: Optional[str] = None, nonfinite: str = 'raise', engine: str = 'auto',
-    **engine_options) -> fedjax.FederatedAlgorithm:
+    dp: Optional[DP] = None, **engine_options) -> fedjax.FederatedAlgorithm:
   """FedAvg / FedAdam / FedProx, optionally compressed, as one FedOpt round.
 
   The entry point of every delta-based method, named as
@@ -297,6 +363,12 @@ def federated_averaging(
   * FedProx (Li et al. 2020, Alg. 2): ``fedprox_mu > 0``.
   * Quantized / PVT uploads and downloads (Ro et al. 2022, Sec. 4-6):
     ``compression=Compression(upload=..., download=..., pvt_fraction=...)``.
+  * DP-FedAvg (McMahan et al. 2018, Alg. 1; central DP): ``dp=DP(...)``,
+    ``weighting='uniform'``. Each client's decoded upload is clipped to
+    ``C`` in its final step; the server adds Gaussian noise of std
+    :meth:`DP.noise_std` to the sum (key: ``seed``, ``DP_STREAM``, round),
+    divides by ``dp.denominator`` and steps the server optimizer; adaptive
+    clipping (Andrew et al. 2021, Alg. 1) updates ``state.clip_norm``.
   * IGC's baselines (Melas-Kyriazi & Wang 2022, Table 2: SGD, FedAvg with
     s local iterations, local Top-K): ``client_batch_hparams`` of s steps
     (:func:`~fedlite_jax.algorithms.rounds_common.batch_hparams`),
@@ -315,13 +387,15 @@ def federated_averaging(
     name: the algorithm's name in messages (default ``'fedprox'`` if
       ``fedprox_mu > 0``, else ``'fedavg'``).
     engine, engine_options: :func:`fedlite_jax.rounds.make_engine`'s.
+    dp: DP-FedAvg's settings, or None (no DP).
 
   Returns:
     ``FederatedAlgorithm(init, apply)`` over :class:`FedOptState`;
     diagnostics ``upload_bits``, ``download_bits``, ``num_examples`` (local
     steps x batch size under ``'uniform'``), ``delta_l2_norm``, ``finite``,
     ``skipped``; under PVT ``pvt_trained_fraction``, ``pvt_mask`` (bool per
-    variable).
+    variable); with ``dp`` ``dp_norm`` (decoded delta, before clipping) and
+    ``dp_clipped`` (0/1), the state a :class:`DPFedOptState`.
 
   Raises:
     ValueError: an unknown choice, ``fedprox_mu`` < 0, a missing
@@ -333,27 +407,64 @@ def federated_averaging(
     raise ValueError(f'fedprox_mu must be >= 0, got {fedprox_mu!r}.')
   if name is None:
     name = 'fedprox' if fedprox_mu else 'fedavg'
+  if dp is not None:
+    dp.noise_std(dp.clip_norm)  # Validates C, z, sizes and sigma_b.
+    if weighting != 'uniform' or compression.pvt_fraction < 1:
+      raise ValueError('DP-FedAvg needs uniform weighting and no PVT (a '
+                       'fixed denominator); got weighting='
+                       f'{weighting!r}, pvt_fraction='
+                       f'{compression.pvt_fraction}.')
   r = CompressedRound(compression, name, seed, weighting, download_accounting,
                       client_ids, nonfinite)
+  compress = r.compress if dp is None else functools.partial(_clip_decoded,
+                                                             r.compress)
   train = make_engine(engine, rc.delta_client_program(
-      grad_fn, client_optimizer, r.compress, fedprox_mu=float(fedprox_mu),
+      grad_fn, client_optimizer, compress, fedprox_mu=float(fedprox_mu),
       plan=r.plan), **engine_options)
 
   @jax.jit
-  def server_update(state, sums, weights):
-    updates, opt_state = server_optimizer.update(
-        per_leaf_mean(sums, weights), state.opt_state, state.params)
-    new_state = r.with_changes(state, state.replace(
-        params=optax.apply_updates(state.params, updates),
-        opt_state=opt_state))
+  def server_update(state, sums, weights, norms=None, kept=None):
+    if dp is None:
+      mean, c = per_leaf_mean(sums, weights), None
+    else:
+      key = jax.random.fold_in(jax.random.fold_in(
+          jax.random.PRNGKey(seed), DP_STREAM), state.round)
+      k_sum, k_count = jax.random.split(key)
+      c = state.clip_norm
+      noise = privacy.gaussian_noise_like(sums, k_sum, dp.noise_std(c))
+      mean = jax.tree.map(lambda s, n: (s + n) / dp.denominator, sums, noise)
+      if dp.target_quantile is not None:
+        c = privacy.adaptive_clip_update(
+            c, norms, k_count, dp.target_quantile, dp.clip_learning_rate,
+            dp.count_noise_std * dp.denominator / (
+                dp.noise_cohort_size or dp.denominator),
+            dp.denominator, kept).clip_norm
+    updates, opt_state = server_optimizer.update(mean, state.opt_state,
+                                                 state.params)
+    new_state = state.replace(params=optax.apply_updates(state.params,
+                                                         updates),
+                              opt_state=opt_state)
+    if dp is not None:
+      new_state = new_state.replace(clip_norm=c)
+    new_state = r.with_changes(state, new_state)
     return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> FedOptState:
-    return r.init_state(params, server_optimizer.init(params))
+    state = r.init_state(params, server_optimizer.init(params))
+    if dp is None:
+      return state
+    return DPFedOptState(**{f.name: getattr(state, f.name) for f in
+                            dataclasses.fields(state)},
+                         clip_norm=jnp.float32(dp.clip_norm))
+
+  def shared(state, sent):
+    if dp is None:
+      return {'params': sent}
+    return {'params': sent, 'clip_norm': state.clip_norm}
 
   def apply(state: FedOptState, clients: rc.Clients):
     return r.apply(state, clients, client_batch_hparams,
-                   lambda sent, work: [(train, {'params': sent}, work)],
-                   server_update)
+                   lambda sent, work: [(train, shared(state, sent), work)],
+                   server_update, dp_norms=dp is not None)
 
   return fedjax.FederatedAlgorithm(init, apply)

@@ -40,9 +40,13 @@ DOWNLOAD_ACCOUNTING = ('changed', 'dense')
 #: loss and accuracy over the examples of the client's local steps (each
 #: measured at the parameters the step starts from), and their number.
 TRAIN_DIAGNOSTICS = ('train_loss', 'train_accuracy', 'train_examples')
+#: DP-FedAvg's per-client diagnostics: the decoded delta's norm before
+#: clipping, and 1.0 where it was clipped (else 0.0).
+DP_DIAGNOSTICS = ('dp_norm', 'dp_clipped')
 
 __all__ = [
-    'COMPRESS_STREAM', 'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'FLOAT_BITS',
+    'COMPRESS_STREAM', 'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM',
+    'DP_DIAGNOSTICS', 'FLOAT_BITS',
     'GRAD_UPLOAD_STREAM', 'LocalState', 'TRAIN_DIAGNOSTICS', 'TrainGrad',
     'UPLOAD_STREAM', 'WEIGHTINGS', 'batch_hparams', 'changed_counts',
     'changed_counts_at', 'check_choice', 'check_int', 'client_diagnostics',
@@ -377,7 +381,8 @@ def client_diagnostics(work: Sequence[ClientWork], result, *, upload_bits,
                        ) -> dict[bytes, dict[str, Any]]:
   """``{client_id: {'upload_bits', 'download_bits', 'num_examples',
   'delta_l2_norm', 'finite', 'skipped', **extra(diag)}}`` plus the
-  :data:`TRAIN_DIAGNOSTICS` the program reported; ``upload_bits``: a number
+  :data:`TRAIN_DIAGNOSTICS` and :data:`DP_DIAGNOSTICS` the program
+  reported; ``upload_bits``: a number
   or ``diag -> bits`` (0 for ``skipped`` clients)."""
   out = {}
   for i, (w, diag) in enumerate(zip(work, result.diagnostics)):
@@ -387,6 +392,7 @@ def client_diagnostics(work: Sequence[ClientWork], result, *, upload_bits,
         'num_examples': float(num_examples[i]),
         'delta_l2_norm': float(diag['delta_l2_norm']),
         'finite': bool(diag['finite']),
-        **{k: float(diag[k]) for k in TRAIN_DIAGNOSTICS if k in diag},
+        **{k: float(diag[k]) for k in TRAIN_DIAGNOSTICS + DP_DIAGNOSTICS
+           if k in diag},
         **(extra(diag) if extra else {})}
   return nonfinite_lib.mark_skipped(out, skipped)

@@ -16,6 +16,7 @@ from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import mime_lite
 from fedlite_jax.algorithms import rounds_common
 from fedlite_jax.training import compression_options as common
+from fedlite_jax.training import dp_options
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
 
@@ -45,6 +46,9 @@ MIME_GRADS_BATCH_SIZE = Option(
 def _fedopt(ctx: spec.BuildContext, **kwargs) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   compression = compression_from_options(config.options)
+  dp = dp_options.resolve(config, len(ctx.train_client_ids))
+  if dp is not None:  # DP-FedAvg: uniform weights (McMahan et al. 2018).
+    kwargs.update(dp=dp.dp, weighting='uniform')
   return fedopt.federated_averaging(
       rounds_common.train_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),
@@ -101,10 +105,12 @@ SPECS = (
         '--server_optimizer=adam, FedAdam (Reddi et al. 2021). One pass over '
         'the client data per round (--client_epochs) or --local_steps=s local '
         'iterations. 32 bits/param each way unless the compression flags '
-        '(--upload, --download, --pvt_fraction) are set.',
+        '(--upload, --download, --pvt_fraction) are set; DP-FedAvg with '
+        '--dp_clip (docs/runner.md).',
         build=build_fedavg,
         options=COMPRESSION_OPTIONS + (common.LOCAL_STEPS,
-                                       common.NONFINITE_UPDATES)),
+                                       common.NONFINITE_UPDATES)
+        + dp_options.DP_OPTIONS),
     spec.AlgorithmSpec(
         name='fedprox',
         description='FedProx (Li et al. 2020), --fedprox_mu; server optimizer '
@@ -112,7 +118,7 @@ SPECS = (
         'flags (--upload, --download, --pvt_fraction).',
         build=build_fedprox,
         options=(FEDPROX_MU,) + COMPRESSION_OPTIONS
-        + (common.NONFINITE_UPDATES,)),
+        + (common.NONFINITE_UPDATES,) + dp_options.DP_OPTIONS),
     spec.AlgorithmSpec(
         name='mime_lite',
         description='MimeLite (Karimireddy et al. 2020), Adagrad base at '

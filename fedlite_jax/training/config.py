@@ -18,6 +18,7 @@ from fedlite_jax import rounds
 from fedlite_jax.models import layers as models_layers
 from fedlite_jax.models import lm
 from fedlite_jax.training import compression_options
+from fedlite_jax.training import dp_options
 from fedlite_jax.training import registry
 from fedlite_jax.training import spec
 
@@ -209,7 +210,8 @@ class RunConfig:
            if k not in self.NON_RESULT_FIELDS and k != 'options' and
            self.OMITTED_AT_DEFAULT.get(k, object()) != v}
     out['options'] = {k: v for k, v in sorted(self.options.items())
-                      if k not in known or known[k].affects_result}
+                      if (k not in known or known[k].affects_result) and not
+                      (k in dp_options.NAMES and v == known[k].default)}
     return out
 
 
@@ -318,6 +320,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   _check_text_and_paths(config)
   check_explicit(config, explicit)
   compression_options.check_options(config.options)
+  dp_options.check(config, explicit)
   return config
 
 

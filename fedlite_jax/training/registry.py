@@ -1,8 +1,8 @@
 """Algorithm registry: how ``--algorithm=<name>`` becomes a FedJAX algorithm.
 
 The built-in algorithms are the ``SPECS`` of :data:`BUILTIN_MODULES`
-(``algo_*.py``, importing only ``spec``, ``optimizers`` and
-``compression_options`` of this package); call :func:`register` for your
+(``algo_*.py``, importing only ``spec``, ``optimizers``,
+``compression_options`` and ``dp_options`` of this package); call :func:`register` for your
 own before the run is configured. Each :class:`Option` becomes a flag.
 """
 

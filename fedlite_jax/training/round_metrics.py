@@ -14,6 +14,10 @@ evaluation of an ``--init_checkpoint`` before training). A row holds:
 * ``train/delta_norm_mean``, ``train/delta_norm_max``: of the kept clients'
   ``delta_l2_norm`` (algorithms that send model deltas);
 * ``train/clients``, ``train/skipped_clients`` (non-finite updates dropped);
+* with DP-FedAvg (``--dp_clip``): ``privacy/clipped_fraction`` (kept
+  clients whose decoded update was clipped, diagnostic ``dp_clipped``) and,
+  from the privacy hook, ``privacy/epsilon``, ``privacy/clip_norm``,
+  ``privacy/noise_std``;
 * ``comm/upload_bytes``, ``comm/download_bytes`` (this round's; the sum of
   the round's ``communication.csv`` bits / 8) and ``comm/upload_bytes_total``,
   ``comm/download_bytes_total`` (running totals);
@@ -66,8 +70,9 @@ def train_metrics(diagnostics: Mapping[Any, Mapping[str, Any]]
 
   Returns:
     ``train/loss``, ``train/accuracy``, ``train/delta_norm_mean`` and
-    ``train/delta_norm_max``, each only if some kept client reports its
-    diagnostic (``train_loss``, ``train_accuracy``, ``delta_l2_norm``).
+    ``train/delta_norm_max``, ``privacy/clipped_fraction``, each only if
+    some kept client reports its diagnostic (``train_loss``,
+    ``train_accuracy``, ``delta_l2_norm``, ``dp_clipped``).
   """
   kept = [d for d in diagnostics.values() if not d.get('skipped', False)]
   out = {}
@@ -82,6 +87,9 @@ def train_metrics(diagnostics: Mapping[Any, Mapping[str, Any]]
   if norms:
     out['train/delta_norm_mean'] = sum(norms) / len(norms)
     out['train/delta_norm_max'] = max(norms)
+  clipped = [float(d['dp_clipped']) for d in kept if 'dp_clipped' in d]
+  if clipped:
+    out['privacy/clipped_fraction'] = sum(clipped) / len(clipped)
   return out
 
 

@@ -25,6 +25,7 @@ from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import sharding
 from fedlite_jax.training import build as build_lib
 from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import dp_options
 from fedlite_jax.training import evaluation
 from fedlite_jax.training import loop
 from fedlite_jax.training import outputs
@@ -38,6 +39,7 @@ from fedlite_jax.training.hooks.curves import CurvesHook
 from fedlite_jax.training.hooks.engine_stats import EngineStatsHook
 from fedlite_jax.training.hooks.evaluation import EvaluationHook
 from fedlite_jax.training.hooks.metrics_file import MetricsFileHook
+from fedlite_jax.training.hooks.privacy import PrivacyHook
 from fedlite_jax.training.hooks.progress import ProgressHook
 from fedlite_jax.training.hooks.tensorboard import TensorBoardHook
 
@@ -46,13 +48,16 @@ ConfigError = config_lib.ConfigError
 client_rng = loop.client_rng
 
 
-def ordered_hooks(user_hooks: Sequence[Hook] = ()) -> list[Hook]:
+def ordered_hooks(user_hooks: Sequence[Hook] = (),
+                  privacy: bool = False) -> list[Hook]:
   """The runner's hooks with the user's, in the order they are called:
-  those that make a row (evaluation, engine counts), the user's (they see
+  those that make a row (evaluation, engine counts, with ``privacy`` the
+  DP-FedAvg metrics), the user's (they see
   complete rows; keys they add are written), then those that write or
   show it (metrics.jsonl, TensorBoard, communication.csv, checkpoints,
   progress, curves.png)."""
-  return [EvaluationHook(), EngineStatsHook(), *user_hooks,
+  return [EvaluationHook(), EngineStatsHook(),
+          *([PrivacyHook()] if privacy else []), *user_hooks,
           MetricsFileHook(), TensorBoardHook(), CommunicationCsvHook(),
           CheckpointHook(), ProgressHook(), CurvesHook()]
 
@@ -122,7 +127,7 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     the_run = build_lib.build_run(
         config, task, mesh, engine, _model_config(config, engine), out,
         scratch, start.fingerprint, start.code, start.resume_from)
-    all_hooks = ordered_hooks(hooks)
+    all_hooks = ordered_hooks(hooks, dp_options.enabled(config))
     for hook in reversed(all_hooks):
       stack.callback(hook.close)
     loop.run_rounds(the_run, all_hooks)

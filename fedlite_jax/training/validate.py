@@ -14,6 +14,7 @@ from fedlite_jax.common import FLOAT_BITS
 from fedlite_jax.training import build as build_lib
 from fedlite_jax.training import compression_options
 from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import dp_options
 from fedlite_jax.training import registry
 from fedlite_jax.training import start as start_lib
 from fedlite_jax.training import tasks
@@ -50,11 +51,13 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
 
   Returns:
     ``{what: value}`` lines to print: the output folder, the data, the
-    resolved settings, and the bits per client per round.
+    resolved settings, the bits per client per round and, with
+    ``--dp_clip``, z, q and the epsilon after ``--num_rounds``.
 
   Raises:
     ConfigError: the output folder holds results of other flags (without
-      ``--overwrite``), or the cohort exceeds the training clients.
+      ``--overwrite``), the cohort exceeds the training clients, or the
+      ``--dp_*`` accounting cannot be set up (population, target epsilon).
     datasets.DatasetNotFoundError: the data is not on disk (and
       ``--allow_download`` is not set).
   """
@@ -75,6 +78,12 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
     return {**lines, 'flags': _flags(config)}
   build_lib.check_cohort(config, train_fd.num_clients())
   lines['data'] = info.description
+  dp = dp_options.resolve(config, train_fd.num_clients())
+  if dp is not None:
+    lines['privacy'] = (
+        f'z={dp.dp.noise_multiplier:.6g}, q={dp.sampling_probability:.6g}, '
+        f'epsilon={dp.epsilon(config.num_rounds):.6g} at delta={dp.delta} '
+        f'after {config.num_rounds} rounds')
   model = task.build_model(dataclasses.replace(
       config, conv_implementation='lax'), info).model  # Same parameters.
   params = model.init(jax.random.PRNGKey(config.seed))

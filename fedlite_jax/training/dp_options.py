@@ -1,0 +1,232 @@
+"""The ``--dp_*`` flags of the FedAvg family: central DP-FedAvg and its
+accounting (docs/runner.md, "Differential privacy").
+
+DP-FedAvg (McMahan et al. 2018, Alg. 1) as :class:`fedopt.DP`: each
+client's decoded upload (the delta as the server sums it, after the
+``--upload`` chain's decode) is clipped to L2 norm C, so one client changes
+the sum by at most C whatever the chain (``privacy.clip_sensitivity``,
+``'decoded'``); weights are uniform, Gaussian noise goes on the sum and the
+mean has the fixed denominator ``--clients_per_round``. Adaptive clipping:
+Andrew et al. 2021, Alg. 1, with their recommended ``eta_C = 0.2`` and
+count noise ``sigma_b = cohort / 20`` (:data:`CLIP_LEARNING_RATE`,
+:data:`COUNT_NOISE_FRACTION`). Accounting: ``fedlite_jax.privacy`` (RDP of
+Google's ``dp_accounting``) at ``q = cohort / population``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Iterable, NamedTuple, Optional
+
+from fedlite_jax import privacy
+from fedlite_jax.algorithms import fedopt
+from fedlite_jax.training import compression_options
+from fedlite_jax.training import spec
+
+ConfigError = spec.ConfigError
+Option = spec.Option
+_opt = spec.option_value
+
+#: Andrew et al. 2021 (Sec. 4): ``eta_C = 0.2`` and ``sigma_b = m / 20``.
+CLIP_LEARNING_RATE = 0.2
+COUNT_NOISE_FRACTION = 1 / 20
+
+DP_CLIP = Option(
+    'dp_clip', 0.0, 'DP-FedAvg (McMahan et al. 2018): L2 clip norm C > 0 of '
+    "each client's decoded update (units of the parameters); with "
+    '--dp_adaptive_quantile the first round\'s C. 0 = unset = no DP.')
+DP_NOISE_MULTIPLIER = Option(
+    'dp_noise_multiplier', -1.0, 'DP-FedAvg noise multiplier z >= 0: '
+    'Gaussian noise of std z*C on the sum of the clipped updates. -1 = unset '
+    '(then --dp_target_epsilon).')
+DP_TARGET_EPSILON = Option(
+    'dp_target_epsilon', 0.0, 'Epsilon > 0 at --dp_delta after --num_rounds '
+    'rounds; z is calibrated to it (dp_accounting, RDP). 0 = unset.')
+DP_DELTA = Option(
+    'dp_delta', 1e-6, 'delta in (0, 1) of the reported (epsilon, delta); '
+    'keep it below 1/population (1e-6: populations up to ~10^6 clients).')
+DP_ADAPTIVE_QUANTILE = Option(
+    'dp_adaptive_quantile', -1.0, 'Adaptive clipping (Andrew et al. 2021): '
+    'target quantile gamma in [0, 1] of the update norms; C moves by '
+    'exp(-0.2 (b - gamma)) per round, b the noised unclipped fraction (count '
+    'noise std cohort/20, part of z). -1 = fixed C.')
+DP_NOISE_COHORT_SIZE = Option(
+    'dp_noise_cohort_size', 0, 'Production cohort M the noise and accounting '
+    'are for (pfl-research): noise std z*C*clients_per_round/M on the sum, q '
+    '= M/population. 0 = --clients_per_round.')
+DP_POPULATION = Option(
+    'dp_population', 0, 'Population N of the accounting, q = cohort/N. 0 = '
+    "the task's training clients.")
+
+DP_OPTIONS = (DP_CLIP, DP_NOISE_MULTIPLIER, DP_TARGET_EPSILON, DP_DELTA,
+              DP_ADAPTIVE_QUANTILE, DP_NOISE_COHORT_SIZE, DP_POPULATION)
+#: Left out of checkpoint fingerprints at their defaults (runs without DP
+#: keep their identity).
+NAMES = frozenset(o.name for o in DP_OPTIONS)
+
+
+def enabled(config: Any) -> bool:
+  """Whether ``config`` (resolved) runs DP-FedAvg (``--dp_clip`` set)."""
+  return DP_CLIP.name in config.options and _opt(config.options, DP_CLIP) != 0
+
+
+def _cohort(config: Any) -> int:
+  return int(_opt(config.options, DP_NOISE_COHORT_SIZE)) or \
+      config.clients_per_round
+
+
+def check(config: Any, explicit: Iterable[str]) -> None:
+  """ConfigError (one line naming the flag and the allowed range) for a bad
+  ``--dp_*`` value of resolved ``config``; ``explicit``: the names set."""
+  opts = config.options
+  given = [o.name for o in DP_OPTIONS if o.name in set(explicit)]
+  if DP_CLIP.name not in opts or not given:
+    return
+  if DP_CLIP.name not in given:
+    raise ConfigError(f'--{given[0]} needs --dp_clip (C > 0; no DP without '
+                      'it); set it or remove the flag.')
+  o = {name: _opt(opts, option) for name, option in
+       zip(('c', 'z', 'eps', 'delta', 'gamma', 'm', 'n'), DP_OPTIONS)}
+  z_given = DP_NOISE_MULTIPLIER.name in given
+  eps_given = DP_TARGET_EPSILON.name in given
+  for bad, text in (
+      (not o['c'] > 0, f'--dp_clip={o["c"]}: must be > 0 (L2 clip norm C).'),
+      (z_given and not o['z'] >= 0,
+       f'--dp_noise_multiplier={o["z"]}: must be >= 0.'),
+      (eps_given and not o['eps'] > 0,
+       f'--dp_target_epsilon={o["eps"]}: must be > 0.'),
+      (z_given and eps_given, '--dp_noise_multiplier and --dp_target_epsilon '
+       'exclude each other; give one.'),
+      (not (z_given or eps_given), '--dp_clip needs --dp_noise_multiplier (z '
+       '>= 0) or --dp_target_epsilon (> 0).'),
+      (not 0 < o['delta'] < 1, f'--dp_delta={o["delta"]}: must be in (0, 1).'),
+      (DP_ADAPTIVE_QUANTILE.name in given and not 0 <= o['gamma'] <= 1,
+       f'--dp_adaptive_quantile={o["gamma"]}: must be in [0, 1].'),
+      (DP_NOISE_COHORT_SIZE.name in given and not o['m'] >= 1,
+       f'--dp_noise_cohort_size={o["m"]}: must be >= 1.'),
+      (DP_POPULATION.name in given and not o['n'] >= _cohort(config),
+       f'--dp_population={o["n"]}: must be >= the cohort of the accounting '
+       f'({_cohort(config)}).'),
+      (_opt(opts, compression_options.PVT_FRACTION) < 1,
+       '--pvt_fraction < 1 with --dp_clip: DP-FedAvg needs one fixed '
+       'denominator for every variable; remove one.')):
+    if bad:
+      raise ConfigError(text)
+  if z_given:
+    _settings(config, o['z'])
+
+
+class Privacy(NamedTuple):
+  """A run's DP-FedAvg settings and accounting.
+
+  Attributes:
+    dp: the algorithm's settings (``noise_multiplier``: z, calibrated when
+      ``target_epsilon`` is set).
+    delta: ``--dp_delta``.
+    sampling_probability: ``q = cohort / population`` (Poisson sampling).
+    population: N.
+    target_epsilon: ``--dp_target_epsilon``, or None.
+  """
+  dp: fedopt.DP
+  delta: float
+  sampling_probability: float
+  population: int
+  target_epsilon: Optional[float]
+
+  def epsilon(self, rounds: int) -> float:
+    """Epsilon at ``delta`` after ``rounds`` rounds (``inf`` for z = 0)."""
+    dp = self.dp
+    if dp.noise_multiplier == 0:
+      return math.inf
+    if dp.target_quantile is None:
+      return privacy.epsilon(dp.noise_multiplier, self.sampling_probability,
+                             rounds, self.delta)
+    return privacy.event_epsilon(privacy.adaptive_clipping_event(
+        dp.delta_noise_multiplier, dp.count_noise_std,
+        self.sampling_probability, rounds), self.delta)
+
+  def describe(self, rounds: int) -> dict[str, Any]:
+    """summary.json's ``privacy`` section: numbers and assumptions."""
+    dp = self.dp
+    return {
+        'epsilon': self.epsilon(rounds) if rounds else 0.0,
+        'delta': self.delta, 'rounds': rounds,
+        'noise_multiplier': dp.noise_multiplier,
+        'delta_noise_multiplier': dp.delta_noise_multiplier,
+        'target_epsilon': self.target_epsilon,
+        'sampling_probability': self.sampling_probability,
+        'population': self.population,
+        'noise_cohort_size': dp.noise_cohort_size or dp.denominator,
+        'denominator': dp.denominator,
+        'adaptive_clipping': None if dp.target_quantile is None else {
+            'target_quantile': dp.target_quantile,
+            'learning_rate': dp.clip_learning_rate,
+            'count_noise_std': dp.count_noise_std},
+        'assumptions': (
+            'Central DP with a trusted server (McMahan et al. 2018, Alg. 1): '
+            "each client's decoded update is clipped to L2 norm C in the "
+            'space the server sums, so one client changes the sum by at most '
+            'C whatever the upload compression; uniform weights, Gaussian '
+            'noise on the sum, a fixed denominator. Adjacency: adding or '
+            "removing one client's data (user-level). The accountant (RDP, "
+            "Google's dp_accounting) assumes each client joins each round "
+            'independently with probability q = cohort / population '
+            '(Poisson sampling); the simulation samples a fixed-size cohort. '
+            'The noise and q are those of the noise cohort (a production '
+            'cohort of noise_cohort_size clients) while training '
+            'denominator clients. Adaptive clipping spends part of z on the '
+            'noised count (Andrew et al. 2021, Sec. 3.1).')}
+
+
+@functools.lru_cache(maxsize=16)
+def _calibrate(target: float, delta: float, q: float, rounds: int) -> float:
+  try:
+    return privacy.calibrate_noise_multiplier(target, delta, q, rounds)
+  except ValueError as e:
+    raise ConfigError(f'--dp_target_epsilon={target}: {e}') from None
+
+
+def _settings(config: Any, z: float) -> fedopt.DP:
+  opts = config.options
+  gamma = _opt(opts, DP_ADAPTIVE_QUANTILE)
+  m = int(_opt(opts, DP_NOISE_COHORT_SIZE)) or None
+  dp = fedopt.DP(
+      clip_norm=float(_opt(opts, DP_CLIP)), noise_multiplier=float(z),
+      denominator=float(config.clients_per_round),
+      noise_cohort_size=None if m is None else float(m),
+      target_quantile=None if gamma < 0 else float(gamma),
+      clip_learning_rate=CLIP_LEARNING_RATE,
+      count_noise_std=(0.0 if gamma < 0 or z == 0 else
+                       COUNT_NOISE_FRACTION * _cohort(config)))
+  try:
+    dp.noise_std(dp.clip_norm)
+  except ValueError as e:
+    raise ConfigError(f'--dp_adaptive_quantile with z={z}: the count noise '
+                      f'(cohort/20) is too small; {e}') from None
+  return dp
+
+
+def resolve(config: Any, num_train_clients: int) -> Optional[Privacy]:
+  """The :class:`Privacy` of resolved ``config`` (None without DP); the
+  population defaults to ``num_train_clients``.
+
+  Raises:
+    ConfigError: an unreachable ``--dp_target_epsilon``, a population below
+      the cohort, or adaptive clipping whose count noise is too small.
+  """
+  if not enabled(config):
+    return None
+  opts = config.options
+  population = int(_opt(opts, DP_POPULATION)) or num_train_clients
+  try:
+    q = privacy.sampling_probability(_cohort(config), population)
+  except ValueError as e:
+    raise ConfigError(f'--dp_population / --dp_noise_cohort_size: {e}'
+                      ) from None
+  delta = float(_opt(opts, DP_DELTA))
+  target = float(_opt(opts, DP_TARGET_EPSILON)) or None
+  z = float(_opt(opts, DP_NOISE_MULTIPLIER))
+  if target is not None:
+    z = _calibrate(target, delta, q, int(config.num_rounds))
+  return Privacy(_settings(config, z), delta, q, population, target)

@@ -1,0 +1,243 @@
+"""DP-FedAvg through the runner's ``--dp_*`` flags, on tiny embedded_mnist.
+
+Checks the acceptance of issue 32 at the runner: epsilon in metrics.jsonl
+is dp_accounting's own (called here directly), calibration lands on the
+target, clipped contributions have norm <= C, the loop and vmap engines
+agree, a killed run resumes to the same epsilon / clip norm / loss, bad
+values give one line each, and compressed uploads run end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import dp_accounting
+import jax
+import numpy as np
+import pytest
+
+from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import dp_options
+from fedlite_jax.training import outputs
+from fedlite_jax.training import RunConfig
+from fedlite_jax.training import run
+from fedlite_jax.training import tasks
+from fedlite_jax.training.hooks import Hook
+
+SMALL = dict(task='embedded_mnist', num_clients=12, clients_per_round=3,
+             client_batch_size=32, progress=False, seed=3, num_rounds=3,
+             eval_every=3, checkpoint_every=0)
+
+
+def _rows(path):
+  return outputs.read_metrics(path / 'metrics.jsonl')
+
+
+def _dp_epsilon(z, q, rounds, delta):
+  """dp_accounting's own RDP epsilon of ``rounds`` Poisson-sampled
+  Gaussian rounds (not through fedlite_jax.privacy)."""
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(z)), rounds)
+  return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
+
+
+def test_epsilon_is_dp_accountings_and_summary_states_it(tmp_path):
+  out = tmp_path / 'run'
+  summary = run(RunConfig(output_dir=str(out), **SMALL, options=dict(
+      dp_clip=0.5, dp_noise_multiplier=1.1, dp_noise_cohort_size=1000,
+      dp_population=20000, dp_delta=1e-5)))
+  rows = _rows(out)
+  assert [r['round'] for r in rows] == [1, 2, 3]
+  for r in rows:
+    want = _dp_epsilon(1.1, 1000 / 20000, r['round'], 1e-5)
+    assert r['privacy/epsilon'] == pytest.approx(want, rel=1e-6)
+    assert r['privacy/clip_norm'] == 0.5
+    # The production cohort's noise on the trained cohort's sum.
+    assert r['privacy/noise_std'] == pytest.approx(1.1 * 0.5 * 3 / 1000)
+    assert 0 <= r['privacy/clipped_fraction'] <= 1
+  p = summary['privacy']
+  assert p['epsilon'] == rows[-1]['privacy/epsilon']
+  assert p['sampling_probability'] == 0.05 and p['population'] == 20000
+  assert p['noise_cohort_size'] == 1000 and p['denominator'] == 3
+  assert 'trusted server' in p['assumptions']
+  assert 'Poisson' in p['assumptions']
+  # TensorBoard got the same tags.
+  tb = list(out.rglob('events.out.tfevents*'))
+  assert tb
+
+
+def test_target_epsilon_calibration_and_8bit_uploads(tmp_path):
+  out = tmp_path / 'run'
+  summary = run(RunConfig(output_dir=str(out), **SMALL, options=dict(
+      dp_clip=1.0, dp_target_epsilon=8.0, dp_noise_cohort_size=1000,
+      dp_population=100000, upload='uniform_quantization:8')))
+  z = summary['privacy']['noise_multiplier']
+  got = _dp_epsilon(z, 0.01, 3, 1e-6)
+  assert got == pytest.approx(8.0, rel=0.01)
+  assert _rows(out)[-1]['privacy/epsilon'] == pytest.approx(got, rel=1e-6)
+  assert math.isfinite(summary['final_eval']['loss'])
+  # 8-bit uploads: a quarter of float32 (plus scale words).
+  comm = summary['communication']
+  assert comm['total_upload_bytes'] < 0.3 * comm['total_download_bytes']
+
+
+class ParamsDelta(Hook):
+  """Records the L2 norm of each round's change of the server model."""
+
+  def __init__(self):
+    self.norms, self.before = [], None
+
+  def round_start(self, run, round_num):
+    self.before = jax.device_get(run.state.params)
+
+  def round_end(self, run, row):
+    after = jax.device_get(run.state.params)
+    diff = jax.tree.leaves(jax.tree.map(
+        lambda a, b: a.astype(np.float64) - b.astype(np.float64), after,
+        self.before))
+    self.norms.append(float(np.sqrt(sum(np.sum(np.square(d))
+                                        for d in diff))))
+
+
+def test_clipped_contribution_has_norm_at_most_c(tmp_path):
+  """z = 0, one client per round, server SGD at rate 1: the server's step is
+  the clipped contribution itself."""
+  hook = ParamsDelta()
+  c = 0.05
+  run(RunConfig(output_dir=str(tmp_path / 'run'),
+                **{**SMALL, 'clients_per_round': 1},
+                server_optimizer='sgd', server_lr=1.0,
+                options=dict(dp_clip=c, dp_noise_multiplier=0.0)),
+      hooks=[hook])
+  assert len(hook.norms) == 3
+  for n in hook.norms:
+    assert 0 < n <= c * (1 + 1e-6)
+  rows = _rows(tmp_path / 'run')
+  clipped = [r['privacy/clipped_fraction'] for r in rows]
+  assert set(clipped) <= {0.0, 1.0} and 1.0 in clipped
+  for n, was in zip(hook.norms, clipped):
+    if was:  # Clipped: the step is C, up to float32 rounding of w + step.
+      assert n == pytest.approx(c, rel=1e-5)
+  assert all(r['privacy/epsilon'] == 'inf' or r['privacy/epsilon'] ==
+             math.inf for r in rows)
+
+
+class KillAt(Hook):
+
+  def __init__(self, at):
+    self.at = at
+
+  def round_end(self, run, row):
+    if row['round'] == self.at:
+      raise RuntimeError('killed')
+
+
+ADAPTIVE = dict(dp_clip=0.05, dp_noise_multiplier=0.5,
+                dp_adaptive_quantile=0.5, dp_noise_cohort_size=20,
+                dp_population=200)
+KEYS = ('privacy/epsilon', 'privacy/clip_norm', 'privacy/noise_std',
+        'train/loss')
+
+
+def test_adaptive_clipping_engines_agree_and_resume_is_identical(tmp_path):
+  # One convolution for both engines (auto: im2col where vmapped).
+  cfg = dict(SMALL, num_rounds=4, eval_every=2, checkpoint_every=1,
+             conv_implementation='lax', options=ADAPTIVE)
+  full = run(RunConfig(output_dir=str(tmp_path / 'loop'),
+                       round_engine='loop', **cfg))
+  rows = _rows(tmp_path / 'loop')
+  clips = [r['privacy/clip_norm'] for r in rows]
+  assert clips[0] == pytest.approx(0.05)
+  assert len(set(clips)) == 4  # adaptive: C moves every round
+  assert full['privacy']['adaptive_clipping']['learning_rate'] == 0.2
+  # Noise of a production cohort of 20 on a cohort of 3: z_Delta*C*3/20.
+  z_delta = full['privacy']['delta_noise_multiplier']
+  assert z_delta > 0.5
+  assert rows[0]['privacy/noise_std'] == pytest.approx(
+      z_delta * 0.05 * 3 / 20, rel=1e-6)
+
+  vmap = run(RunConfig(output_dir=str(tmp_path / 'vmap'),
+                       round_engine='vmap', lanes_per_device=2,
+                       segment_steps=1, **cfg))
+  for a, b in zip(rows, _rows(tmp_path / 'vmap')):
+    for k in KEYS:
+      assert b[k] == pytest.approx(a[k], rel=1e-4), (a['round'], k)
+  assert vmap['final_eval']['loss'] == pytest.approx(
+      full['final_eval']['loss'], rel=1e-4)
+
+  out = tmp_path / 'resumed'
+  with pytest.raises(RuntimeError, match='killed'):
+    run(RunConfig(output_dir=str(out), round_engine='loop', **cfg),
+        hooks=[KillAt(3)])
+  assert [r['round'] for r in _rows(out)] == [1, 2]
+  resumed = run(RunConfig(output_dir=str(out), round_engine='loop', **cfg))
+  again = _rows(out)
+  assert [r['round'] for r in again] == [1, 2, 3, 4]
+  for a, b in zip(rows, again):
+    assert {k: b[k] for k in KEYS} == {k: a[k] for k in KEYS}
+  assert resumed['final_eval'] == full['final_eval']
+  assert resumed['privacy'] == full['privacy']
+
+
+def _resolve(algorithm='fedavg', **options):
+  task = tasks.get_task('embedded_mnist')
+  return config_lib.resolve(RunConfig(
+      task='embedded_mnist', num_clients=12, clients_per_round=3,
+      num_rounds=3, algorithm=algorithm, options=options), task.defaults)
+
+
+@pytest.mark.parametrize('options,expected', [
+    (dict(dp_clip=0.0, dp_noise_multiplier=1.0), '--dp_clip=0.0: must be > 0'),
+    (dict(dp_clip=-1.0, dp_noise_multiplier=1.0),
+     '--dp_clip=-1.0: must be > 0'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=-0.5),
+     '--dp_noise_multiplier=-0.5: must be >= 0'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_delta=0.0),
+     '--dp_delta=0.0: must be in (0, 1)'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_delta=1.0),
+     '--dp_delta=1.0: must be in (0, 1)'),
+    (dict(dp_clip=1.0, dp_target_epsilon=-2.0),
+     '--dp_target_epsilon=-2.0: must be > 0'),
+    (dict(dp_clip=1.0), '--dp_clip needs --dp_noise_multiplier'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_target_epsilon=2.0),
+     'exclude each other'),
+    (dict(dp_noise_multiplier=1.0), '--dp_noise_multiplier needs --dp_clip'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_adaptive_quantile=1.5),
+     '--dp_adaptive_quantile=1.5: must be in [0, 1]'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_adaptive_quantile=0.5),
+     'count noise (cohort/20) is too small'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_population=2),
+     '--dp_population=2: must be >= the cohort of the accounting (3)'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_noise_cohort_size=-1),
+     '--dp_noise_cohort_size=-1: must be >= 1'),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, pvt_fraction=0.5),
+     '--pvt_fraction < 1 with --dp_clip'),
+])
+def test_bad_values_one_config_error_line(options, expected):
+  with pytest.raises(config_lib.ConfigError) as e:
+    _resolve(**options)
+  assert expected in str(e.value) and '\n' not in str(e.value)
+
+
+def test_dp_flags_refused_by_algorithms_without_dp():
+  with pytest.raises(config_lib.ConfigError) as e:
+    _resolve('topk', dp_clip=1.0)
+  assert str(e.value) == ('--dp_clip is an option of --algorithm=fedavg, '
+                          'fedprox, not of topk; remove it or change '
+                          '--algorithm.')
+
+
+def test_unreachable_target_epsilon_and_fingerprint_without_dp():
+  config = _resolve(dp_clip=1.0, dp_target_epsilon=1e-9)
+  with pytest.raises(config_lib.ConfigError) as e:
+    dp_options.resolve(config, 12)
+  assert str(e.value).startswith('--dp_target_epsilon=1e-09: ')
+  assert 'unreachable' in str(e.value) and '\n' not in str(e.value)
+  # Without DP flags the fingerprint names none of them (old checkpoints
+  # keep their identity); with them it does.
+  assert not set(_resolve().fingerprint()['options']) & dp_options.NAMES
+  fp = config.fingerprint()['options']
+  assert fp['dp_clip'] == 1.0 and fp['dp_target_epsilon'] == 1e-9
+  assert json.dumps(fp)
