@@ -1,11 +1,9 @@
 """The experiment runner: set up a run, loop over rounds, hand rows to hooks.
 
-:func:`run` is the top of the house: ``start`` decides where the run begins
-(resume or round 0), ``build`` loads data, model and algorithm, ``loop``
-trains round by round, and the hooks (``hooks/``, one file each) evaluate,
-write metrics.jsonl, TensorBoard, communication.csv and curves.png, save
-checkpoints and report progress. The same flags give the same result, also
-across kills and restarts (``docs/notes/training.md``).
+:func:`run` is the top of the house: ``start`` decides where the run begins,
+``build`` loads data, model and algorithm, ``loop`` trains round by round,
+and the hooks (``hooks/``, one file each) do the rest. The same flags give
+the same result, also across kills and restarts (``docs/notes/training.md``).
 """
 
 from __future__ import annotations
@@ -50,12 +48,10 @@ client_rng = loop.client_rng
 
 def ordered_hooks(user_hooks: Sequence[Hook] = (),
                   privacy: bool = False) -> list[Hook]:
-  """The runner's hooks with the user's, in the order they are called:
-  those that make a row (evaluation, engine counts, with ``privacy`` the
-  DP-FedAvg metrics), the user's (they see
-  complete rows; keys they add are written), then those that write or
-  show it (metrics.jsonl, TensorBoard, communication.csv, checkpoints,
-  progress, curves.png)."""
+  """The runner's hooks and the user's in call order: those that make a
+  row (evaluation, engine counts, DP metrics with ``privacy``), the user's
+  (keys they add are written), then the writers (metrics.jsonl,
+  TensorBoard, communication.csv, checkpoints, progress, curves.png)."""
   return [EvaluationHook(), EngineStatsHook(),
           *([PrivacyHook()] if privacy else []), *user_hooks,
           MetricsFileHook(), TensorBoardHook(), CommunicationCsvHook(),
