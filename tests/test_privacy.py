@@ -320,3 +320,20 @@ def test_a_jitted_adaptive_dp_round_takes_a_traced_clip_norm():
   mean, c1 = round_(jnp.float32(0.1), jax.random.PRNGKey(9), deltas)
   assert mean['w'].shape == (6,)
   assert float(c1) > 0.1  # every norm ~ sqrt(6) > 0.1: C grows
+
+
+def test_epsilon_keeps_dp_accountings_order_warnings_out_of_the_log(caplog):
+  """At small z the RDP accountant drops orders that do not converge, with
+  a warning each; the epsilon is the same, the log quiet."""
+  import logging  # pylint: disable=g-import-not-at-top
+  event = accounting.dp_fedavg_event(0.3, 0.95, 2)
+  with caplog.at_level(logging.WARNING):
+    direct = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(
+        1e-6)
+  assert any('failed to converge' in r.getMessage() for r in caplog.records)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    ours = accounting.epsilon(0.3, 0.95, 2, 1e-6)
+  assert ours == direct
+  assert not any('failed to converge' in r.getMessage()
+                 for r in caplog.records)

@@ -19,8 +19,10 @@ scale the noise as in :func:`fedlite_jax.privacy.aggregation.noise_std_on_sum`.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import dp_accounting
 
@@ -36,6 +38,25 @@ __all__ = [
 ]
 
 ACCOUNTANTS = ('rdp', 'pld')
+
+
+class _DropUnconverged(logging.Filter):
+  """Drops dp_accounting's 'failed to converge' warnings: the RDP
+  accountant then excludes that order, and epsilon (a minimum over the
+  other orders) is still a valid bound; at small z they flood a run's log."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return 'failed to converge' not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _quiet_orders() -> Iterator[None]:
+  logger, drop = logging.getLogger('absl'), _DropUnconverged()
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
 
 
 def _check_delta(delta: float) -> None:
@@ -142,7 +163,8 @@ def epsilon(noise_multiplier: float, sampling_probability: float,
   acc = make_accountant(accountant)
   if noise_multiplier == 0:
     return math.inf
-  return float(acc.compose(event).get_epsilon(delta))
+  with _quiet_orders():
+    return float(acc.compose(event).get_epsilon(delta))
 
 
 def event_epsilon(event: dp_accounting.DpEvent, delta: float,
@@ -155,7 +177,9 @@ def event_epsilon(event: dp_accounting.DpEvent, delta: float,
       accountant.
   """
   _check_delta(delta)
-  return float(make_accountant(accountant).compose(event).get_epsilon(delta))
+  with _quiet_orders():
+    return float(make_accountant(accountant).compose(event).get_epsilon(
+        delta))
 
 
 def calibrate_noise_multiplier(target_epsilon: float, delta: float,
@@ -185,10 +209,11 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float,
         f'target_epsilon={target_epsilon} is unreachable: even '
         f'noise_multiplier={max_noise_multiplier} gives epsilon={best:.4g} '
         f'at delta={delta}, q={sampling_probability}, rounds={rounds}.')
-  z = dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant(accountant),
-      lambda z: dp_fedavg_event(z, sampling_probability, rounds),
-      target_epsilon, delta,
-      dp_accounting.ExplicitBracketInterval(0.0, max_noise_multiplier),
-      tol=tol if tol is not None else 1e-5)
+  with _quiet_orders():
+    z = dp_accounting.calibrate_dp_mechanism(
+        lambda: make_accountant(accountant),
+        lambda z: dp_fedavg_event(z, sampling_probability, rounds),
+        target_epsilon, delta,
+        dp_accounting.ExplicitBracketInterval(0.0, max_noise_multiplier),
+        tol=tol if tol is not None else 1e-5)
   return float(z)
