@@ -199,7 +199,7 @@ def intrinsic_gradient_compression(
       :meth:`fedopt.DP.noise_std` goes on the d-dimensional sum (key:
       ``dp_seed``, ``DP_STREAM``, round), divided by ``dp.denominator``,
       before the server optimizer and the map back to D. None: no DP.
-    dp_seed: the noise's seed (the run's ``--seed``).
+    dp_seed: the noise's seed (the run seed).
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; diagnostics ``upload_bits``,
