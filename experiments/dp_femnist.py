@@ -16,6 +16,8 @@ sum is the cohort's, std z C 10 / 100 (``--dp_noise_cohort_size``,
 ``--dp_population``). The training setting is that of
 ``igc_femnist_static.flags`` (10 clients per round, batch 20, client SGD 0.3,
 server SGD 1); same seed = same initialisation, cohorts, subspace and noise.
+Without DP, ``fedavg`` weights clients by their examples (its default); with
+DP uniformly (a fixed denominator); IGC weights uniformly in both.
 
 Writes ``dp_femnist.json`` (rows under ``results`` with ``seeds``;
 per-seed accuracy = mean of the last 3 evaluations; upload / download bits
@@ -110,7 +112,9 @@ def _report(data: dict, out: pathlib.Path) -> None:
       f'rounds, assuming a production cohort of {m["cohort"]} clients from '
       f'a population of {m["population"]:,} (q = '
       f'{m["cohort"] / m["population"]}); the noise on the 10 simulated '
-      'clients\' sum is the cohort\'s. Accuracy: test accuracy on all test '
+      'clients\' sum is the cohort\'s. FedAvg weights clients by examples '
+      'without DP and uniformly with it; IGC uniformly. Accuracy: test '
+      'accuracy on all test '
       'examples, mean of the last 3 evaluations of each run, then mean ± std '
       'over seeds.', '',
       '| compression | epsilon | z | accuracy (%) | upload bits / round | '

@@ -24,7 +24,7 @@ from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
-from fedlite_jax.common import DP_STREAM, FLOAT_BITS
+from fedlite_jax.common import FLOAT_BITS
 
 Params = Any
 
@@ -324,18 +324,8 @@ def intrinsic_gradient_compression(
     spec = tx.TreeSpec.of(state.params)
     mean = weighted_sum / total_weight
     if dp is not None:  # d numbers of noise on the sum, fixed denominator.
-      key = jax.random.fold_in(jax.random.fold_in(
-          jax.random.PRNGKey(dp_seed), DP_STREAM), state.round)
-      k_sum, k_count = jax.random.split(key)
-      c = state.clip_norm
-      mean = (weighted_sum + privacy.gaussian_noise_like(
-          weighted_sum, k_sum, dp.noise_std(c))) / dp.denominator
-      if dp.target_quantile is not None:
-        c = privacy.adaptive_clip_update(
-            c, norms, k_count, dp.target_quantile, dp.clip_learning_rate,
-            dp.count_noise_std * dp.denominator / (
-                dp.noise_cohort_size or dp.denominator),
-            dp.denominator, kept).clip_norm
+      mean, c = fedopt.dp_mean(dp, dp_seed, state.round, state.clip_norm,
+                               weighted_sum, norms, kept)
       state = state.replace(clip_norm=c)
     updates, opt_state = server_optimizer.update(mean, state.opt_state,
                                                  state.sigma)
