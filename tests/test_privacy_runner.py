@@ -4,7 +4,8 @@ Checks the acceptance of issue 32 at the runner: epsilon in metrics.jsonl
 is dp_accounting's own (called here directly), calibration lands on the
 target, clipped contributions have norm <= C, the loop and vmap engines
 agree, a killed run resumes to the same epsilon / clip norm / loss, bad
-values give one line each, and compressed uploads run end to end.
+values give one line each, and compressed uploads run end to end; and the
+same inside the IGC static subspace (clip and noise on d coordinates).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from fedlite_jax.training import dp_options
 from fedlite_jax.training import outputs
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import run
+from fedlite_jax import transforms as tx
+from fedlite_jax.training import compression_options
 from fedlite_jax.training import tasks
 from fedlite_jax.training.hooks import Hook
 
@@ -225,8 +228,8 @@ def test_dp_flags_refused_by_algorithms_without_dp():
   with pytest.raises(config_lib.ConfigError) as e:
     _resolve('topk', dp_clip=1.0)
   assert str(e.value) == ('--dp_clip is an option of --algorithm=fedavg, '
-                          'fedprox, not of topk; remove it or change '
-                          '--algorithm.')
+                          'fedprox, igc_static, not of topk; remove it or '
+                          'change --algorithm.')
 
 
 def test_unreachable_target_epsilon_and_fingerprint_without_dp():
@@ -241,3 +244,111 @@ def test_unreachable_target_epsilon_and_fingerprint_without_dp():
   fp = config.fingerprint()['options']
   assert fp['dp_clip'] == 1.0 and fp['dp_target_epsilon'] == 1e-9
   assert json.dumps(fp)
+
+
+# DP inside the IGC static subspace: d = 256 intrinsic coordinates.
+IGC = dict(SMALL, algorithm='igc_static', server_optimizer='sgd',
+           server_lr=1.0)
+
+
+class SigmaSteps(Hook):
+  """Records each round's step of the intrinsic coordinates (``sigma``,
+  ``[1, d]``) and of the model (``float64[D]``)."""
+
+  def __init__(self):
+    self.sigma, self.params, self.before = [], [], None
+
+  def _get(self, run):
+    return (np.asarray(run.state.sigma, np.float64),
+            np.asarray(tx.TreeSpec.of(run.state.params).ravel(
+                run.state.params), np.float64))
+
+  def round_start(self, run, round_num):
+    self.before = self._get(run)
+
+  def round_end(self, run, row):
+    (s1, p1), (s0, p0) = self._get(run), self.before
+    self.sigma.append(s1 - s0)
+    self.params.append(p1 - p0)
+
+
+def test_igc_subspace_step_is_the_clipped_d_vector(tmp_path):
+  """z = 0, one client per round, server SGD at rate 1: the subspace step is
+  the clipped d-vector (norm <= C) and the model moves by A times it, A the
+  run's Fastfood matrix rebuilt here from the seed."""
+  hook, c, d = SigmaSteps(), 0.05, 256
+  run(RunConfig(output_dir=str(tmp_path / 'run'),
+                **{**IGC, 'clients_per_round': 1}, options=dict(
+                    intrinsic_dim=d, dp_clip=c, dp_noise_multiplier=0.0)),
+      hooks=[hook])
+  rows = _rows(tmp_path / 'run')
+  assert 1.0 in [r['privacy/clipped_fraction'] for r in rows]
+  D = hook.params[0].size
+  A = tx.make_subspaces(D, d, 1, compression_options.derived_seed(
+      -1, SMALL['seed'], b'igc'))
+  for step, moved, r in zip(hook.sigma, hook.params, rows):
+    assert step.shape == (1, d)
+    n = np.linalg.norm(step)
+    assert 0 < n <= c * (1 + 1e-6)
+    if r['privacy/clipped_fraction']:
+      assert n == pytest.approx(c, rel=1e-5)
+    lifted = np.asarray(tx.lift_subspaces(A, step.astype(np.float32)))
+    np.testing.assert_allclose(moved, lifted, atol=1e-6 + 1e-4 * np.abs(
+        lifted).max())
+
+
+def test_igc_noise_is_d_numbers_of_std_zc_over_denominator(tmp_path):
+  """Two one-round runs differing only in z: the subspace steps differ by
+  the noise over the denominator, d = 256 numbers of std z*C*W/M / W (a
+  sample std of 256 normals is within 25% of its std with probability
+  > 1 - 1e-6: relative sd 1/sqrt(512) = 4.4%, 5.6 sigma)."""
+  c, z, w, m, d = 0.05, 2.0, 3, 6, 256
+  steps = []
+  for noise in (0.0, z):
+    hook = SigmaSteps()
+    run(RunConfig(output_dir=str(tmp_path / f'z{noise}'),
+                  **{**IGC, 'num_rounds': 1, 'eval_every': 1},
+                  options=dict(intrinsic_dim=d, dp_clip=c,
+                               dp_noise_multiplier=noise,
+                               dp_noise_cohort_size=m)), hooks=[hook])
+    steps.append(hook.sigma[0])
+  noise = (steps[1] - steps[0]).ravel()
+  assert noise.size == d
+  want = z * c * w / m / w
+  assert _rows(tmp_path / f'z{z}')[0]['privacy/noise_std'] == pytest.approx(
+      z * c * w / m)
+  assert abs(noise.mean()) < 5 * want / np.sqrt(d)
+  assert np.std(noise) == pytest.approx(want, rel=0.25)
+
+
+def test_igc_dp_killed_run_resumes_identically(tmp_path):
+  cfg = dict(IGC, num_rounds=3, eval_every=3, checkpoint_every=1,
+             options=dict(ADAPTIVE, intrinsic_dim=256))
+  full = run(RunConfig(output_dir=str(tmp_path / 'full'), **cfg))
+  rows = _rows(tmp_path / 'full')
+  assert len({r['privacy/clip_norm'] for r in rows}) == 3  # adaptive
+  out = tmp_path / 'resumed'
+  with pytest.raises(RuntimeError, match='killed'):
+    run(RunConfig(output_dir=str(out), **cfg), hooks=[KillAt(2)])
+  resumed = run(RunConfig(output_dir=str(out), **cfg))
+  again = _rows(out)
+  assert [r['round'] for r in again] == [1, 2, 3]
+  for a, b in zip(rows, again):
+    assert {k: b[k] for k in KEYS} == {k: a[k] for k in KEYS}
+  assert resumed['final_eval'] == full['final_eval']
+  assert resumed['privacy'] == full['privacy']
+
+
+@pytest.mark.parametrize('algorithm,options,expected', [
+    ('igc_k_subspace', {}, '--dp_clip is an option of --algorithm=fedavg, '
+     'fedprox, igc_static, not of igc_k_subspace; remove it or change '
+     '--algorithm.'),
+    ('igc_time_varying', {}, 'not of igc_time_varying'),
+    ('igc_static', dict(igc_project_on_server=True),
+     '--igc_project_on_server with --dp_clip'),
+])
+def test_igc_unsupported_variants_refused_in_one_line(algorithm, options,
+                                                      expected):
+  with pytest.raises(config_lib.ConfigError) as e:
+    _resolve(algorithm, dp_clip=1.0, dp_noise_multiplier=1.0, **options)
+  assert expected in str(e.value) and '\n' not in str(e.value)

@@ -32,7 +32,7 @@ Params = Any
 
 __all__ = [
     'Compression', 'CompressedRound', 'DP', 'DPFedOptState', 'FedOptState',
-    'federated_averaging',
+    'dp_mean', 'federated_averaging',
     # Re-exported from rounds_common (used by training and tests).
     'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'UPLOAD_STREAM', 'batch_hparams',
     'num_params',
@@ -124,6 +124,27 @@ class DP:
     """Std of the noise on the clipped sum for clip norm ``clip_norm``."""
     return privacy.noise_std_on_sum(clip_norm, self.delta_noise_multiplier,
                                     self.denominator, self.noise_cohort_size)
+
+
+def dp_mean(dp: DP, seed: int, round_num: jax.Array, clip_norm: jax.Array,
+            sums: PyTree, norms: Optional[jax.Array] = None,
+            kept: Optional[jax.Array] = None) -> tuple[PyTree, jax.Array]:
+  """``(noised mean, next C)``: Gaussian noise of std ``dp.noise_std(C)`` on
+  the clipped ``sums`` (key: ``seed``, ``DP_STREAM``, ``round_num``) over
+  ``dp.denominator``; with adaptive clipping the next C from the clients'
+  ``norms`` (``float32[W]``) and ``kept`` flags (jittable)."""
+  key = jax.random.fold_in(jax.random.fold_in(
+      jax.random.PRNGKey(seed), DP_STREAM), round_num)
+  k_sum, k_count = jax.random.split(key)
+  noise = privacy.gaussian_noise_like(sums, k_sum, dp.noise_std(clip_norm))
+  mean = jax.tree.map(lambda s, n: (s + n) / dp.denominator, sums, noise)
+  if dp.target_quantile is not None:
+    clip_norm = privacy.adaptive_clip_update(
+        clip_norm, norms, k_count, dp.target_quantile, dp.clip_learning_rate,
+        dp.count_noise_std * dp.denominator / (
+            dp.noise_cohort_size or dp.denominator),
+        dp.denominator, kept).clip_norm
+  return mean, clip_norm
 
 
 def _clip_decoded(compress: Callable, shared, client_input, delta, mask):
@@ -427,18 +448,8 @@ def federated_averaging(
     if dp is None:
       mean, c = per_leaf_mean(sums, weights), None
     else:
-      key = jax.random.fold_in(jax.random.fold_in(
-          jax.random.PRNGKey(seed), DP_STREAM), state.round)
-      k_sum, k_count = jax.random.split(key)
-      c = state.clip_norm
-      noise = privacy.gaussian_noise_like(sums, k_sum, dp.noise_std(c))
-      mean = jax.tree.map(lambda s, n: (s + n) / dp.denominator, sums, noise)
-      if dp.target_quantile is not None:
-        c = privacy.adaptive_clip_update(
-            c, norms, k_count, dp.target_quantile, dp.clip_learning_rate,
-            dp.count_noise_std * dp.denominator / (
-                dp.noise_cohort_size or dp.denominator),
-            dp.denominator, kept).clip_norm
+      mean, c = dp_mean(dp, seed, state.round, state.clip_norm, sums, norms,
+                        kept)
     updates, opt_state = server_optimizer.update(mean, state.opt_state,
                                                  state.params)
     new_state = state.replace(params=optax.apply_updates(state.params,

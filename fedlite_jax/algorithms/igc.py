@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedlite_jax import privacy
+from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import rounds_common as rc
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.transforms import fastfood as ff
@@ -29,7 +31,8 @@ Params = Any
 IGC_DOWNLOAD_ACCOUNTING = ('table1', 'exact')
 
 __all__ = [
-    'IGC_DOWNLOAD_ACCOUNTING', 'IGCState', 'default_rounds_per_epoch',
+    'DPIGCState', 'IGC_DOWNLOAD_ACCOUNTING', 'IGCState',
+    'default_rounds_per_epoch',
     'igc_client_bits', 'igc_download_bits', 'igc_upload_bits',
     'igc_vectors_needed', 'intrinsic_gradient_compression',
 ]
@@ -55,6 +58,14 @@ class IGCState:
   epoch: jax.Array
   round: jax.Array
   last_epoch: jax.Array
+
+
+@fedjax.dataclass
+class DPIGCState(IGCState):
+  """:class:`IGCState` of DP in the subspace, plus ``clip_norm``:
+  float32[], the clip norm ``C`` of the next round (as
+  :class:`fedopt.DPFedOptState`)."""
+  clip_norm: jax.Array
 
 
 def default_rounds_per_epoch(num_train_clients: int,
@@ -155,6 +166,7 @@ def intrinsic_gradient_compression(
     download_accounting: str = 'table1',
     client_ids: Optional[Sequence[bytes]] = None, nonfinite: str = 'raise',
     project_on_server: bool = False, engine: str = 'auto',
+    dp: Optional[fedopt.DP] = None, dp_seed: int = 0,
     **engine_options) -> fedjax.FederatedAlgorithm:
   """Builds static / K-subspace / time-varying IGC as a FederatedAlgorithm.
 
@@ -181,11 +193,20 @@ def intrinsic_gradient_compression(
       delta`` and the server projects the K sums (linearity; equal to float
       rounding, same bits). Needs ``upload_transform=None``.
     engine, engine_options: :func:`fedlite_jax.rounds.make_engine`'s.
+    dp: DP-FedAvg in the subspace (static IGC only, no
+      ``project_on_server``): each client's d coordinates as the server
+      decodes them are clipped to ``C``; Gaussian noise of std
+      :meth:`fedopt.DP.noise_std` goes on the d-dimensional sum (key:
+      ``dp_seed``, ``DP_STREAM``, round), divided by ``dp.denominator``,
+      before the server optimizer and the map back to D. None: no DP.
+    dp_seed: the noise's seed (the run seed).
 
   Returns:
     ``FederatedAlgorithm(init, apply)``; diagnostics ``upload_bits``,
     ``download_bits``, ``subspace``, ``epoch``, ``delta_l2_norm``,
-    ``num_examples``, ``finite``, ``skipped``.
+    ``num_examples``, ``finite``, ``skipped``; with ``dp`` ``dp_norm`` and
+    ``dp_clipped`` (as :func:`fedopt.federated_averaging`), the state a
+    :class:`DPIGCState`.
 
   Raises:
     ValueError / TypeError: bad sizes or choices (also ``project_on_server``
@@ -224,6 +245,12 @@ def intrinsic_gradient_compression(
   name = {(False, False): 'igc_static', (True, False): 'igc_k_subspace',
           (False, True): 'igc_time_varying',
           (True, True): 'igc_k_subspace_time_varying'}[(K > 1, time_varying)]
+  if dp is not None:
+    dp.noise_std(dp.clip_norm)  # Validates C, z, sizes and sigma_b.
+    if name != 'igc_static' or project_on_server:
+      raise ValueError(f'DP in the subspace needs static IGC without '
+                       f'project_on_server; got {name}, project_on_server='
+                       f'{project_on_server}.')
 
   def compress(shared, client_input, delta, mask):
     del mask  # no PVT
@@ -235,8 +262,13 @@ def intrinsic_gradient_compression(
       tail_msg, _ = upload_transform.encode(coords, tail_state, k_tail)
       coords, _ = upload_transform.decode(tail_msg, tail_state)
     k = msg.side['subspace']
+    diag = {'subspace': k}
+    if dp is not None:  # Clip the decoded d coordinates (the summed ones).
+      coords, norm = privacy.clip_by_global_norm(coords, shared['clip_norm'])
+      diag.update(dp_norm=norm, dp_clipped=(norm > shared['clip_norm']
+                                            ).astype(jnp.float32))
     out = jax.nn.one_hot(k, K, dtype=coords.dtype)[:, None] * coords[None, :]
-    return out, {'subspace': k}
+    return out, diag
 
   def defer_projection(shared, client_input, delta, mask):
     del mask  # no PVT
@@ -281,7 +313,7 @@ def intrinsic_gradient_compression(
 
   @jax.jit
   def server_update(state, fastfood, weighted_sum, total_weight, positions,
-                    epoch):
+                    epoch, norms=None, kept=None):
     # The round's epoch start (if ``epoch``, int32[], is a new one), server
     # step and bookkeeping (round + 1, the participants' last epoch;
     # positions: int32[W]) as one compiled program, the same every round.
@@ -291,6 +323,10 @@ def intrinsic_gradient_compression(
         new_epoch(state, epoch), state)
     spec = tx.TreeSpec.of(state.params)
     mean = weighted_sum / total_weight
+    if dp is not None:  # d numbers of noise on the sum, fixed denominator.
+      mean, c = fedopt.dp_mean(dp, dp_seed, state.round, state.clip_norm,
+                               weighted_sum, norms, kept)
+      state = state.replace(clip_norm=c)
     updates, opt_state = server_optimizer.update(mean, state.opt_state,
                                                  state.sigma)
     sigma = optax.apply_updates(state.sigma, updates)
@@ -305,11 +341,14 @@ def intrinsic_gradient_compression(
   def init(params: Params) -> IGCState:
     spec_of(params)
     sigma = jnp.zeros((K, d), jnp.float32)
-    return IGCState(params=params, base=params, sigma=sigma,
-                    opt_state=server_optimizer.init(sigma),
-                    epoch=jnp.zeros((), jnp.int32),
-                    round=jnp.zeros((), jnp.int32),
-                    last_epoch=jnp.full((len(index),), -1, jnp.int32))
+    fields = dict(params=params, base=params, sigma=sigma,
+                  opt_state=server_optimizer.init(sigma),
+                  epoch=jnp.zeros((), jnp.int32),
+                  round=jnp.zeros((), jnp.int32),
+                  last_epoch=jnp.full((len(index),), -1, jnp.int32))
+    if dp is None:
+      return IGCState(**fields)
+    return DPIGCState(**fields, clip_norm=jnp.float32(dp.clip_norm))
 
   def apply(state: IGCState, clients):
     D = spec_of(state.params).size
@@ -317,7 +356,10 @@ def intrinsic_gradient_compression(
     epoch = round_num // rounds_per_epoch if time_varying else 0
     fastfood = subspaces(D, epoch)
     work = rc.make_work(clients, hparams)
-    result = round_engine({'params': state.params, 'fastfood': fastfood}, work)
+    shared = {'params': state.params, 'fastfood': fastfood}
+    if dp is not None:
+      shared['clip_norm'] = state.clip_norm
+    result = round_engine(shared, work)
     total, skipped = rc.skip_nonfinite(result, work, nonfinite, name,
                                        round_num)
     weighted_sum = result.weighted_sum
@@ -327,9 +369,12 @@ def intrinsic_gradient_compression(
     last_epoch = np.asarray(state.last_epoch)
     prev = ([int(last_epoch[p]) for p in positions] if index else
             [-1] * len(work))
+    dp_args = () if dp is None else (
+        np.asarray([x['dp_norm'] for x in result.diagnostics], np.float32),
+        np.asarray([w.client_id not in skipped for w in work], np.float32))
     state, finite = server_update(state, fastfood, weighted_sum,
                                   np.float32(total), positions,
-                                  np.asarray(epoch, np.int32))
+                                  np.asarray(epoch, np.int32), *dp_args)
     nonfinite_lib.check_server_state(finite, name, skipped, round_num)
     bits = [igc_client_bits(
         D, d, K, time_varying, accounting=download_accounting, epoch=epoch,

@@ -12,6 +12,7 @@ import fedjax
 from fedlite_jax.algorithms import igc
 from fedlite_jax.algorithms import rounds_common
 from fedlite_jax.training import compression_options as common
+from fedlite_jax.training import dp_options
 from fedlite_jax.training import optimizers
 from fedlite_jax.training import spec
 from fedlite_jax.transforms import fastfood
@@ -70,6 +71,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
     if upload is not None and _opt(opts, PROJECT_ON_SERVER):
       raise ConfigError('--igc_project_on_server needs a linear upload; it '
                         f'cannot be combined with --upload={_opt(opts, common.UPLOAD)}.')
+    dp = dp_options.resolve(config, len(ctx.train_client_ids))
     rpe = None
     if time_varying:
       rpe = _opt(opts, ROUNDS_PER_EPOCH) or igc.default_rounds_per_epoch(
@@ -92,7 +94,8 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         client_ids=ctx.train_client_ids,
         nonfinite=_opt(opts, common.NONFINITE_UPDATES),
         **common.engine_options(config),
-        project_on_server=_opt(opts, PROJECT_ON_SERVER))
+        project_on_server=_opt(opts, PROJECT_ON_SERVER),
+        dp=None if dp is None else dp.dp, dp_seed=config.seed)
 
   return build
 
@@ -101,8 +104,9 @@ SPECS = (
     spec.AlgorithmSpec(
         name='igc_static',
         description='Static intrinsic gradient compression (Melas-Kyriazi & '
-        'Wang 2022, Alg. 1): upload/download d floats.',
-        build=_builder(False, False), options=_COMMON),
+        'Wang 2022, Alg. 1): upload/download d floats; DP-FedAvg in the '
+        'subspace with --dp_clip (docs/runner.md).',
+        build=_builder(False, False), options=_COMMON + dp_options.DP_OPTIONS),
     spec.AlgorithmSpec(
         name='igc_k_subspace',
         description='K-subspace intrinsic gradient compression (Alg. 2): '

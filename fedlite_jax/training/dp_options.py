@@ -1,12 +1,14 @@
-"""The ``--dp_*`` flags of the FedAvg family: central DP-FedAvg and its
-accounting (docs/runner.md, "Differential privacy").
+"""The ``--dp_*`` flags of the FedAvg family and ``igc_static``: central
+DP-FedAvg and its accounting (docs/runner.md, "Differential privacy").
 
 DP-FedAvg (McMahan et al. 2018, Alg. 1) as :class:`fedopt.DP`: each
 client's decoded upload (the delta as the server sums it, after the
 ``--upload`` chain's decode) is clipped to L2 norm C, so one client changes
 the sum by at most C whatever the chain (``privacy.clip_sensitivity``,
 ``'decoded'``); weights are uniform, Gaussian noise goes on the sum and the
-mean has the fixed denominator ``--clients_per_round``. Adaptive clipping:
+mean has the fixed denominator ``--clients_per_round``. Under
+``igc_static`` the same happens to the d intrinsic coordinates (noise on the
+d-dimensional sum, then the map back to D). Adaptive clipping:
 Andrew et al. 2021, Alg. 1, with their recommended ``eta_C = 0.2`` and
 count noise ``sigma_b = cohort / 20`` (:data:`CLIP_LEARNING_RATE`,
 :data:`COUNT_NOISE_FRACTION`). Accounting: ``fedlite_jax.privacy`` (RDP of
@@ -110,7 +112,10 @@ def check(config: Any, explicit: Iterable[str]) -> None:
        f'({_cohort(config)}).'),
       (_opt(opts, compression_options.PVT_FRACTION) < 1,
        '--pvt_fraction < 1 with --dp_clip: DP-FedAvg needs one fixed '
-       'denominator for every variable; remove one.')):
+       'denominator for every variable; remove one.'),
+      (_opt(opts, compression_options.IGC_PROJECT_ON_SERVER),
+       '--igc_project_on_server with --dp_clip: DP clips each client in the '
+       'subspace; remove one.')):
     if bad:
       raise ConfigError(text)
   if z_given:
