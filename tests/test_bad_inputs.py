@@ -229,7 +229,8 @@ ROWS = [
                                       '--dp_target_epsilon=1e-9'],
      '--dp_target_epsilon=1e-09: target_epsilon=1e-09 is unreachable'),
     ('dp_with_topk', EMB + ['--algorithm=topk', '--dp_clip=1'],
-     '--dp_clip is an option of --algorithm=fedavg, fedprox, not of topk'),
+     '--dp_clip is an option of --algorithm=fedavg, fedprox, igc_static, not '
+     'of topk'),
     # Removed compression flags: one line naming the stage-string flags.
     ('removed_upload_bits', EMB + ['--upload_bits=8'],
      '--upload_bits=8 was removed; use --upload=uniform_quantization:8'),
