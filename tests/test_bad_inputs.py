@@ -427,6 +427,16 @@ def test_validate_only_bits_are_what_a_round_sends(repo_root, tmp_path):
                       for r in rows), (printed, rows[0])
 
 
+def _load_binary(repo_root) -> str:
+  """One line of Python that imports experiments/run_experiment.py as
+  ``binary`` (for the scripts the tests run in a subprocess)."""
+  path = str(repo_root / 'experiments' / 'run_experiment.py')
+  return (f"import importlib.util; spec = importlib.util."
+          f"spec_from_file_location('run_experiment', {path!r}); "
+          "binary = importlib.util.module_from_spec(spec); "
+          "spec.loader.exec_module(binary)")
+
+
 def test_flagfiles_resolve_for_their_algorithm_and_task(repo_root, tmp_path):
   """Every experiments/configs/*.flags parses and validates (no training).
 
@@ -438,11 +448,7 @@ def test_flagfiles_resolve_for_their_algorithm_and_task(repo_root, tmp_path):
   assert len(files) >= 10
   script = textwrap.dedent(f'''
       import importlib.util, sys
-      spec = importlib.util.spec_from_file_location(
-          'run_experiment', {str(repo_root / 'experiments' /
-                                  'run_experiment.py')!r})
-      binary = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(binary)
+      {_load_binary(repo_root)}
       for path in sys.argv[1:]:
         binary.FLAGS.unparse_flags()
         binary.FLAGS(['run_experiment.py', '--flagfile=' + path])
@@ -537,11 +543,7 @@ def test_validate_only_gives_the_real_runs_stage_errors(repo_root, tmp_path):
   without --validate_only, and compares the one-line errors."""
   script = textwrap.dedent(f'''
       import contextlib, importlib.util, io, json, sys
-      spec = importlib.util.spec_from_file_location(
-          'run_experiment', {str(repo_root / 'experiments' /
-                                  'run_experiment.py')!r})
-      binary = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(binary)
+      {_load_binary(repo_root)}
       out = []
       for i, row in enumerate(json.loads(sys.argv[1])):
         errors = []
@@ -579,11 +581,7 @@ def test_removed_flags_are_answered_but_not_listed(repo_root, tmp_path):
   docs/runner.md's removed-flags table lists every one."""
   script = textwrap.dedent(f'''
       import importlib.util, sys
-      spec = importlib.util.spec_from_file_location(
-          'run_experiment', {str(repo_root / 'experiments' /
-                                  'run_experiment.py')!r})
-      binary = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(binary)
+      {_load_binary(repo_root)}
       print('REMOVED', *binary.REMOVED_FLAGS)
       print('DEFINED', *[n for n in binary.REMOVED_FLAGS if n in binary.FLAGS])
       rest = binary.parse_flags(['x', '--upload_bits', '8', '--seed=3',
@@ -617,11 +615,7 @@ def test_flags_come_from_run_config_metadata(repo_root, tmp_path):
   ValueErrors naming a parameter map to that flag."""
   script = textwrap.dedent(f'''
       import dataclasses, importlib.util
-      spec = importlib.util.spec_from_file_location(
-          'run_experiment', {str(repo_root / 'experiments' /
-                                  'run_experiment.py')!r})
-      binary = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(binary)
+      {_load_binary(repo_root)}
       from fedlite_jax import rounds
       from fedlite_jax.training import config
       binary.FLAGS(['run_experiment.py'])
