@@ -37,13 +37,15 @@ def _rows(path):
   return outputs.read_metrics(path / 'metrics.jsonl')
 
 
-def _dp_epsilon(z, q, rounds, delta):
-  """dp_accounting's own RDP epsilon of ``rounds`` Poisson-sampled
+def _dp_epsilon(z, q, rounds, delta, accountant='rdp'):
+  """dp_accounting's own RDP (or PLD) epsilon of ``rounds`` Poisson-sampled
   Gaussian rounds (not through fedlite_jax.privacy)."""
   event = dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(
           q, dp_accounting.GaussianDpEvent(z)), rounds)
-  return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
+  acc = (dp_accounting.rdp.RdpAccountant() if accountant == 'rdp' else
+         dp_accounting.pld.PLDAccountant())
+  return acc.compose(event).get_epsilon(delta)
 
 
 def test_epsilon_is_dp_accountings_and_summary_states_it(tmp_path):
@@ -84,6 +86,23 @@ def test_target_epsilon_calibration_and_8bit_uploads(tmp_path):
   # 8-bit uploads: a quarter of float32 (plus scale words).
   comm = summary['communication']
   assert comm['total_upload_bytes'] < 0.3 * comm['total_download_bytes']
+
+
+def test_pld_accountant_reports_and_calibrates_with_pld(tmp_path):
+  out = tmp_path / 'run'
+  summary = run(RunConfig(output_dir=str(out), **SMALL, options=dict(
+      dp_clip=1.0, dp_target_epsilon=4.0, dp_noise_cohort_size=1000,
+      dp_population=100000, dp_accountant='pld')))
+  p = summary['privacy']
+  assert p['accountant'] == 'pld' and 'PLD' in p['assumptions']
+  z = p['noise_multiplier']
+  got = _dp_epsilon(z, 0.01, 3, 1e-6, 'pld')
+  assert got == pytest.approx(4.0, rel=0.01)
+  for r in _rows(out):
+    assert r['privacy/epsilon'] == pytest.approx(
+        _dp_epsilon(z, 0.01, r['round'], 1e-6, 'pld'), rel=1e-6)
+  # PLD is the tighter bound: RDP charges the same z more.
+  assert _dp_epsilon(z, 0.01, 3, 1e-6) > got
 
 
 class ParamsDelta(Hook):

@@ -12,6 +12,7 @@ Modules: :mod:`~fedlite_jax.privacy.aggregation`,
 :mod:`~fedlite_jax.privacy.sensitivity`.
 """
 
+from fedlite_jax.privacy.accounting import ACCOUNTANTS
 from fedlite_jax.privacy.accounting import adaptive_clipping_event
 from fedlite_jax.privacy.accounting import calibrate_noise_multiplier
 from fedlite_jax.privacy.accounting import dp_fedavg_event
@@ -35,6 +36,7 @@ from fedlite_jax.privacy.sensitivity import Sensitivity
 from fedlite_jax.privacy.sensitivity import stage_names
 
 __all__ = [
+    'ACCOUNTANTS',
     'AdaptiveClipResult',
     'DPAggregate',
     'Sensitivity',

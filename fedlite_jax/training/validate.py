@@ -82,7 +82,8 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
   if dp is not None:
     lines['privacy'] = (
         f'z={dp.dp.noise_multiplier:.6g}, q={dp.sampling_probability:.6g}, '
-        f'epsilon={dp.epsilon(config.num_rounds):.6g} at delta={dp.delta} '
+        f'epsilon={dp.epsilon(config.num_rounds):.6g} ({dp.accountant}) at '
+        f'delta={dp.delta} '
         f'after {config.num_rounds} rounds')
   model = task.build_model(dataclasses.replace(
       config, conv_implementation='lax'), info).model  # Same parameters.
