@@ -818,7 +818,7 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument('--segment_loop', default='auto',
                       choices=streaming.LOOPS,
                       help='vmap engine: unroll, scan (an on-device loop) or '
-                      'auto (unroll on CPU, scan on GPU/TPU)')
+                      'auto (scan; unroll on CPU for a lax convolution)')
   parser.add_argument('--compute_dtype', default='float32',
                       choices=('float32', 'bfloat16'),
                       help='our engines\' and VmapBackend\'s model '

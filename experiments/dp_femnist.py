@@ -97,7 +97,10 @@ def _report(data: dict, out: pathlib.Path) -> None:
             _name(c, 'inf')) for c in comps for e in epss if e != 'inf'] + [
                 (f'epsilon {e}: {COMPRESSIONS[c][0]} - no compression',
                  _name(c, e), _name('none', e))
-                for e in epss for c in comps if c != 'none']
+                for e in epss for c in comps if c != 'none'] + [
+                    (f'{COMPRESSIONS[c][0]}: epsilon {e} - epsilon {epss[1]}',
+                     _name(c, e), _name(c, epss[1]))
+                    for c in comps for e in epss[2:] if epss[0] == 'inf']
   data['comparisons'] = [{'label': label, 'a': a, 'b': b,
                           **stats.paired(acc[a], acc[b])}
                          for label, a, b in pairs if a in acc and b in acc]

@@ -207,6 +207,28 @@ def _cohort(n, seed=0, max_steps=12):
   return work
 
 
+def test_auto_loop_is_scan_unless_a_cpu_step_convolves():
+  """On CPU: a dense step and the im2col CNN get scan, a lax convolution
+  unroll (XLA:CPU's slow convolutions in loops); a bad value one line."""
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  assert jax.default_backend() == 'cpu'
+  eng = E.VmapEngine(_program(), lanes_per_device=2)
+  assert eng.segment_loop is None
+  eng({'w': np.ones(3, np.float32)}, _cohort(3))
+  assert eng.segment_loop == 'scan'
+  batch = {'x': np.zeros((2, 28, 28, 1), np.float32),
+           'y': np.zeros(2, np.int32)}
+  key = jax.random.PRNGKey(1)
+  for impl, want in (('lax', 'unroll'), ('im2col', 'scan')):
+    model = emnist.create_emnist_cnn(conv_implementation=impl).model
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    step = fedjax.model_grad(model)
+    assert streaming.resolve_loop('auto', step, params, batch, key) == want
+    assert streaming.resolve_loop('scan', step, params, batch, key) == 'scan'
+  with pytest.raises(ValueError, match="segment loop must be one of"):
+    E.VmapEngine(_program(), segment_loop='while')
+
+
 @pytest.mark.parametrize('lanes,slots,loop', [
     (1, 'auto', 'unroll'), (3, 1, 'unroll'), (3, 2, 'unroll'),
     (5, 'auto', 'unroll'), (13, 3, 'unroll'), ('auto', 'auto', 'unroll'),

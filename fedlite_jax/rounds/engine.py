@@ -226,7 +226,8 @@ class VmapEngine:
       (:func:`~fedlite_jax.rounds.lanes.choose_slots` of the first round).
     segment_loop: ``streaming.LOOPS``: 'unroll' (every segment runs
       ``segment_steps`` steps), 'scan' (an on-device loop that runs only the
-      planned steps) or 'auto' (unroll on CPU, scan on GPU/TPU).
+      planned steps) or 'auto' (scan; on CPU unroll for a client step with
+      a convolution, :func:`streaming.resolve_loop`, at the first round).
 
   Raises:
     ValueError: a bad option.
@@ -243,7 +244,10 @@ class VmapEngine:
     self._segment_steps = check_int(segment_steps, 'segment_steps')
     if slots != 'auto':
       check_int(slots, 'slots')
-    self._loop = streaming.resolve_loop(segment_loop)
+    streaming.resolve_loop(segment_loop)  # Validates it.
+    self._loop_setting = segment_loop
+    self._loop: Optional[str] = None
+    self._program = program
     self._mesh = mesh
     self._lanes_setting = lanes_per_device
     self._lanes: Optional[int] = None
@@ -262,8 +266,8 @@ class VmapEngine:
     return self._lanes
 
   @property
-  def segment_loop(self) -> str:
-    """The resolved segment loop, 'unroll' or 'scan'."""
+  def segment_loop(self) -> Optional[str]:
+    """The resolved segment loop, 'unroll' or 'scan' (None: not yet)."""
     return self._loop
 
   def __call__(self, shared_input: PyTree,
@@ -275,6 +279,14 @@ class VmapEngine:
     if mesh.multi_process:
       groups = [range(*mesh.local_clients(len(work), p))
                 for p in range(mesh.num_processes)]
+    first = next(w for w in work
+                 if not isinstance(w.batches, remote.RemoteBatches))
+    if self._loop is None:  # Fixed from the first round on.
+      p = self._program
+      self._loop = streaming.resolve_loop(
+          self._loop_setting, p.step,
+          jax.eval_shape(p.init, shared_input, first.client_input),
+          first.batches[0])
     dynamic = self._loop == 'scan'
     if self._lanes is None:  # Fixed from the first round on.
       most = min(resolve_lanes(self._lanes_setting, tree_bytes(shared_input)),
@@ -290,8 +302,6 @@ class VmapEngine:
     plan = lanes_lib.plan_lanes(steps, self._lanes, self._segment_steps,
                                 self._slots, mesh.num_devices, groups,
                                 dynamic)
-    first = next(w for w in work
-                 if not isinstance(w.batches, remote.RemoteBatches))
     # Client inputs (keys) to the host in one transfer: a segment stacks
     # them there with its batches.
     inputs = jax.device_get([w.client_input for w in work])

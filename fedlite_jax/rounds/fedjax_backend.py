@@ -87,8 +87,8 @@ class VmapBackend(fedjax.ForEachClientBackend):
     segment_steps: local steps per compiled segment (>= 1).
     window: clients run (and held) at once, as a multiple of the lanes
       (>= 1).
-    segment_loop: ``streaming.LOOPS`` ('auto': unroll on CPU, scan on
-      GPU/TPU).
+    segment_loop: ``streaming.LOOPS`` ('auto': scan; on CPU unroll for a
+      client step with a convolution, :func:`streaming.resolve_loop`).
 
   Raises:
     ValueError: a bad option; when run, several processes, or a step changing
@@ -105,7 +105,9 @@ class VmapBackend(fedjax.ForEachClientBackend):
     self._lanes: Optional[int] = None
     self._segment_steps = check_int(segment_steps, 'segment_steps')
     self._window = check_int(window, 'window')
-    self._loop = streaming.resolve_loop(segment_loop)
+    streaming.resolve_loop(segment_loop)  # Validates it.
+    self._loop_setting = segment_loop
+    self._loop: Optional[str] = None
 
   @property
   def lanes_per_device(self) -> Optional[int]:
@@ -157,6 +159,11 @@ class VmapBackend(fedjax.ForEachClientBackend):
       first, last = key[0], key[1]
       prog = program(first, last)
       counts = [len(r) for r in runs]
+      if self._loop is None:  # Fixed from the first phase on.
+        state = (jax.eval_shape(client_init, shared_input, inputs[0])
+                 if first else inputs[0])
+        self._loop = streaming.resolve_loop(self._loop_setting, client_step,
+                                            state, runs[0][0])
       lanes = lanes_for(len(members))
       if (key, lanes) not in slots:
         slots[key, lanes] = lanes_lib.choose_slots(

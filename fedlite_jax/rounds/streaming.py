@@ -4,11 +4,11 @@ Three programs of fixed shape per (client update, lanes, segment steps,
 slots, loop): ``lanes_begin`` starts each lane's first client,
 ``lanes_segment`` runs up to ``S`` steps of every lane, ``lanes_finish``
 finalizes the lanes' last clients. A lane-step (:func:`lane_step`) first
-finalizes the lanes whose client ended (``slots`` gathered rows), starts
-their next clients with a per-lane ``where`` (no scatter), then takes one
-masked vmapped step. The segment's steps are unrolled (``loop='unroll'``,
-XLA:CPU) or an on-device loop with a run-time step count (``'scan'``,
-GPU/TPU), which runs only the steps the plan holds. The programs run per
+finalizes the lanes whose client ended (``slots`` rows), starts their
+next clients with a per-lane ``where`` (no scatter), then takes one masked
+vmapped step. The segment's steps are an on-device loop with a run-time
+step count (``loop='scan'``), which runs only the steps the plan holds, or
+unrolled (``'unroll'``: XLA:CPU with ``lax`` convolutions). The programs run per
 device under ``shard_map``; state and sums stay on the devices between
 calls. Notes: docs/notes/rounds.md.
 """
@@ -35,35 +35,50 @@ Batch = dict
 PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 
 #: How a segment runs its steps: ``'unroll'`` (a Python loop traced into one
-#: program: XLA:CPU runs convolutions in a ``while`` loop ~13x slower,
-#: jax-ml/jax#12868), ``'scan'`` (an on-device loop whose trip count is given
-#: at run time: one traced step, so compiling costs one step's compile, and
-#: the round's last segment runs only its planned steps), or ``'auto'``
-#: (unroll on CPU, scan on GPU/TPU).
+#: program), ``'scan'`` (an on-device loop whose trip count is given at run
+#: time: one traced step, so compiling costs one step's compile, and the
+#: round's last segment runs only its planned steps), or ``'auto'``: scan,
+#: except unroll on CPU for a client step with a convolution (XLA:CPU runs
+#: convolutions in a ``while`` loop ~13x slower, jax-ml/jax#12868; im2col
+#: convolutions are matmuls and scan there).
 LOOPS = ('auto', 'unroll', 'scan')
 
 
-def resolve_loop(loop: str) -> str:
-  """``'unroll'`` or ``'scan'`` for ``loop`` (:data:`LOOPS`).
+def has_convolution(fn: Callable, *args) -> bool:
+  """Whether ``fn(*args)`` (traced, not run) holds a
+  ``conv_general_dilated``, nested jaxprs included."""
+  return 'conv_general_dilated' in str(jax.make_jaxpr(fn)(*args))
+
+
+def resolve_loop(loop: str, step: Optional[Callable] = None,
+                 *example: Any) -> str:
+  """``'unroll'`` or ``'scan'`` for ``loop`` (:data:`LOOPS`); ``'auto'``
+  on CPU traces ``step(*example)`` (unroll if it convolves; without a
+  ``step``, unroll).
 
   Raises:
     ValueError: ``loop`` not in :data:`LOOPS`.
   """
   if loop not in LOOPS:
     raise ValueError(f'segment loop must be one of {LOOPS}; got {loop!r}.')
-  if loop == 'auto':
-    return 'unroll' if jax.default_backend() == 'cpu' else 'scan'
-  return loop
+  if loop != 'auto':
+    return loop
+  if jax.default_backend() != 'cpu':
+    return 'scan'
+  return 'unroll' if step is None or has_convolution(step, *example) \
+      else 'scan'
 
 
 def _rows(x, idx):
-  """Rows ``idx`` (``int32[k]``, in range) of each leaf, one dynamic slice
+  """Rows ``idx`` (``int32[k]``, >= 0) of each leaf, one dynamic slice
   per row: XLA's cost model charges a gather its whole operand (all lanes),
   a dynamic slice only its row (bytes of a Transformer transition step
   1.21x -> 1.18x of a plain step, XLA:CPU)."""
   return jax.tree.map(
-      lambda a: jnp.stack([lax.dynamic_index_in_dim(a, idx[i], 0, False)
-                           for i in range(idx.shape[0])]), x)
+      lambda a: jnp.stack([
+          lax.dynamic_index_in_dim(a, idx[i], 0, False,
+                                   allow_negative_indices=False)
+          for i in range(idx.shape[0])]), x)
 
 
 def _where_rows(mask, new, old):

@@ -128,8 +128,9 @@ class RunConfig:
   segment_loop: str = _field(
       'auto', 'vmap engine: a segment\'s steps unrolled (XLA:CPU runs '
       'convolutions in loops slowly) or in an on-device loop that runs only '
-      'the planned steps and compiles one step (scan); auto = unroll on '
-      'CPU, scan on GPU/TPU. Equal to float rounding.',
+      'the planned steps and compiles one step (scan); auto = scan, but '
+      'unroll on CPU for a client step with a lax convolution. Equal to '
+      'float rounding.',
       choices=SEGMENT_LOOPS)
   conv_implementation: str = _field(
       'auto', 'CNN convolutions: lax, im2col (a matmul: no grouped '
