@@ -371,3 +371,24 @@ def test_igc_unsupported_variants_refused_in_one_line(algorithm, options,
   with pytest.raises(config_lib.ConfigError) as e:
     _resolve(algorithm, dp_clip=1.0, dp_noise_multiplier=1.0, **options)
   assert expected in str(e.value) and '\n' not in str(e.value)
+
+
+def test_dp_with_a_fastfood_upload_on_real_femnist(data_dir, tmp_path):
+  """``--upload=intrinsic_projection:4096`` with DP on FEMNIST-105: the
+  clip acts on the decoded D-vector; epsilon is dp_accounting's, the
+  upload is 4,096 float32 per client and round."""
+  out = tmp_path / 'run'
+  summary = run(RunConfig(
+      task='emnist', data_dir=str(data_dir), num_rounds=2,
+      clients_per_round=10, client_batch_size=20, eval_every=2,
+      eval_num_clients=5, checkpoint_every=0, progress=False,
+      output_dir=str(out), options=dict(
+          upload='intrinsic_projection:4096', dp_clip=0.5,
+          dp_target_epsilon=8.0, dp_noise_cohort_size=100,
+          dp_population=100000)))
+  p, comm = summary['privacy'], summary['communication']
+  assert p['epsilon'] == pytest.approx(
+      _dp_epsilon(p['noise_multiplier'], 0.001, 2, 1e-6), rel=1e-6)
+  assert p['epsilon'] == pytest.approx(8.0, rel=0.01)
+  assert comm['total_upload_bytes'] == 2 * 10 * 4096 * 4
+  assert math.isfinite(summary['final_eval']['loss'])
