@@ -5,8 +5,11 @@
 
 Rows: {no compression (``fedavg``, one local step), 8-bit uploads
 (``--upload=uniform_quantization:8``), IGC static (d = 4,096)} x epsilon
-{inf (no ``--dp_*`` flags), 8, 4, 2} at delta = 1e-6 after ``--rounds``
-rounds (``--dp_target_epsilon``: z calibrated by dp_accounting's RDP).
+{inf (no ``--dp_*`` flags), clip (DP-FedAvg's clipping and uniform weights
+with z = 0: no noise, epsilon inf), 8, 4, 2} at delta = 1e-6 after
+``--rounds`` rounds (``--dp_target_epsilon``: z calibrated by
+dp_accounting's RDP). The clip rows separate what the noise costs from what
+clipping and the fixed denominator cost.
 Clip norm C = 0.5 of each client's decoded upload (one-step updates have
 norm ~0.75 in rounds 1-2, so most are clipped); under IGC the clip and the
 noise are in the d-dimensional subspace (docs/runner.md). Accounting
@@ -44,7 +47,8 @@ flags.DEFINE_integer('check_rounds', 3, 'Rounds of the check run.',
                      lower_bound=1)
 flags.DEFINE_list('compressions', ['none', 'upload8', 'igc4096'],
                   'Compressions (rows).')
-flags.DEFINE_list('epsilons', ['inf', '8', '4', '2'], 'Epsilons (inf: no DP).')
+flags.DEFINE_list('epsilons', ['inf', 'clip', '8', '4', '2'],
+                  'Epsilons (inf: no DP; clip: clipping without noise).')
 FLAGS = flags.FLAGS
 
 DELTA, CLIP, COHORT, POPULATION = 1e-6, 0.5, 100, 100_000
@@ -64,8 +68,10 @@ CHECK = ('igc4096', '8')
 
 
 def _flags(comp: str, eps: str, seed: int, rounds: int, out: str) -> list[str]:
+  noise = ('--dp_noise_multiplier=0' if eps == 'clip' else
+           f'--dp_target_epsilon={eps}')
   dp = [] if eps == 'inf' else [
-      f'--dp_clip={CLIP}', f'--dp_target_epsilon={eps}', f'--dp_delta={DELTA}',
+      f'--dp_clip={CLIP}', noise, f'--dp_delta={DELTA}',
       f'--dp_noise_cohort_size={COHORT}', f'--dp_population={POPULATION}']
   return [*COMPRESSIONS[comp][1], *_TRAIN, *dp, f'--num_rounds={rounds}',
           f'--seed={seed}', f'--eval_every={max(1, rounds // 4)}',
@@ -93,14 +99,18 @@ def _report(data: dict, out: pathlib.Path) -> None:
          for n, r in rows.items()}
   comps = list(dict.fromkeys(r['compression'] for r in data['results']))
   epss = list(dict.fromkeys(r['epsilon'] for r in data['results']))
-  pairs = [(f'{COMPRESSIONS[c][0]}: epsilon {e} - no DP', _name(c, e),
-            _name(c, 'inf')) for c in comps for e in epss if e != 'inf'] + [
-                (f'epsilon {e}: {COMPRESSIONS[c][0]} - no compression',
+  label = lambda e: {'inf': 'no DP', 'clip': 'clip only'}.get(
+      e, f'epsilon {e}')
+  nums = [e for e in epss if e not in ('inf', 'clip')]
+  # Each DP row against no DP and against clipping alone (the noise's
+  # cost); each compression against none; each epsilon against the largest.
+  refs = [(e, r) for r in ('inf', 'clip') for e in epss
+          if e != r and e != 'inf'] + [(e, nums[0]) for e in nums[1:]]
+  pairs = [(f'{COMPRESSIONS[c][0]}: {label(e)} - {label(r)}', _name(c, e),
+            _name(c, r)) for c in comps for e, r in refs] + [
+                (f'{label(e)}: {COMPRESSIONS[c][0]} - no compression',
                  _name(c, e), _name('none', e))
-                for e in epss for c in comps if c != 'none'] + [
-                    (f'{COMPRESSIONS[c][0]}: epsilon {e} - epsilon {epss[1]}',
-                     _name(c, e), _name(c, epss[1]))
-                    for c in comps for e in epss[2:] if epss[0] == 'inf']
+                for e in epss for c in comps if c != 'none']
   data['comparisons'] = [{'label': label, 'a': a, 'b': b,
                           **stats.paired(acc[a], acc[b])}
                          for label, a, b in pairs if a in acc and b in acc]
@@ -109,7 +119,9 @@ def _report(data: dict, out: pathlib.Path) -> None:
       '# DP-FedAvg with compression on FEMNIST-105, over seeds', '',
       provenance.markdown_header(data['provenance']),
       f'{m["rounds"]} one-step rounds (10 clients per round, batch 20, '
-      'client SGD 0.3, server SGD 1). DP: each decoded upload clipped to '
+      'client SGD 0.3, server SGD 1). Epsilon "clip": DP-FedAvg\'s clipping '
+      'and uniform weights without noise (z = 0). DP: each decoded upload '
+      'clipped to '
       f'C = {m["clip"]} (under IGC: its d coordinates), Gaussian noise on the '
       f'sum, z calibrated to epsilon at delta = {m["delta"]} after the '
       f'rounds, assuming a production cohort of {m["cohort"]} clients from '
