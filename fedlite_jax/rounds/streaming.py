@@ -45,8 +45,16 @@ LOOPS = ('auto', 'unroll', 'scan')
 
 
 def has_convolution(fn: Callable, *args) -> bool:
-  """Whether ``fn(*args)`` (traced, not run) holds a
-  ``conv_general_dilated``, nested jaxprs included."""
+  """Whether ``fn(*args)`` (traced with ``jax.make_jaxpr``, not run) holds
+  a ``conv_general_dilated``, nested jaxprs included: the case in which
+  XLA:CPU runs a ``while`` loop ~13x slower (jax-ml/jax#12868).
+
+  Args:
+    fn: any traceable function; ``args``: arrays or ``ShapeDtypeStruct``s.
+
+  Raises:
+    Whatever tracing ``fn`` raises (e.g. TypeError for bad shapes).
+  """
   return 'conv_general_dilated' in str(jax.make_jaxpr(fn)(*args))
 
 
