@@ -50,7 +50,8 @@ def has_convolution(fn: Callable, *args) -> bool:
   XLA:CPU runs a ``while`` loop ~13x slower (jax-ml/jax#12868).
 
   Args:
-    fn: any traceable function; ``args``: arrays or ``ShapeDtypeStruct``s.
+    fn: any traceable function.
+    *args: its arguments (arrays or ``jax.ShapeDtypeStruct`` values).
 
   Raises:
     Whatever tracing ``fn`` raises (e.g. TypeError for bad shapes).
