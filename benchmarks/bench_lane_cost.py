@@ -127,6 +127,17 @@ def _compile(fn: Callable, *args) -> tuple[Any, float]:
   return compiled, time.perf_counter() - t
 
 
+def client_program(model: fedjax.Model, params) -> tuple[Any, dict]:
+  """The runner's FedAvg client update (``delta_client_program``) and its
+  shared input ``{'params': params}`` (arrays or abstract shapes)."""
+  r = fedopt.CompressedRound(fedopt.Compression(), 'fedavg', 0, 'examples',
+                             'dense', None, 'raise')
+  r.setup(params)
+  program = rc.delta_client_program(rc.train_grad(model), optax.sgd(0.1),
+                                    r.compress, plan=r.plan)
+  return program, {'params': params}
+
+
 def measure(name: str, lanes: int, slots: int, segment_steps: int,
             loop: str, dtype: str = 'float32') -> dict:
   """One model's lane segment against its plain steps (see module doc)."""
@@ -156,15 +167,9 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   one, one_s = _compile(plain_step, lane_params, one_batch, lane_keys)
   plain, plain_s = _compile(plain_steps, lane_params, seg_batch, lane_keys)
 
-  # The runner's FedAvg client update on lanes.
-  r = fedopt.CompressedRound(fedopt.Compression(), 'fedavg', 0, 'examples',
-                             'dense', None, 'raise')
-  r.setup(params)
-  program = rc.delta_client_program(rc.train_grad(model), optax.sgd(0.1),
-                                    r.compress, plan=r.plan)
+  program, shared = client_program(model, params)
   streams = streaming.LaneStreams(
       program.init, lambda st, b: (program.step(st, b), None), program.final)
-  shared = {'params': params}
   client_input = {'rng': key}
   states = jax.eval_shape(
       jax.vmap(program.init, in_axes=(None, 0)), shared,
@@ -248,7 +253,7 @@ def transition_share(name: str, lanes: int, slots: int, segment_steps: int,
   pick = rng.choice(len(clients), cohort, replace=False)
   counts = [-(-len(clients[i][1]) // batch) for i in pick]
   plan = lanes_lib.plan_lanes(counts, min(lanes, cohort), segment_steps,
-                              min(slots, lanes), dynamic_steps=loop == 'scan')
+                              min(slots, lanes), dynamic_steps=streaming.runs_planned_steps(loop))
   steps = plan.sequential_steps
   busy = np.any(plan.finalize[:steps] >= 0, axis=(1, 2))
   return float(busy.mean())

@@ -817,8 +817,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                       help='vmap engine: local steps per compiled segment')
   parser.add_argument('--segment_loop', default='auto',
                       choices=streaming.LOOPS,
-                      help='vmap engine: unroll, scan (an on-device loop) or '
-                      'auto (scan; unroll on CPU for a lax convolution)')
+                      help='vmap engine: unroll, scan (an on-device loop of '
+                      'segment_steps steps), while (a loop of the planned '
+                      'steps) or auto (scan; unroll on CPU for a lax '
+                      'convolution)')
   parser.add_argument('--compute_dtype', default='float32',
                       choices=('float32', 'bfloat16'),
                       help='our engines\' and VmapBackend\'s model '

@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rounds  # noqa: E402  (imports fedlite_jax first)
 import jax  # noqa: E402
 from fedlite_jax.rounds import stats as stats_lib  # noqa: E402
+from fedlite_jax.rounds import streaming  # noqa: E402
 
 #: Kernel classes, in the order the output lists them.
 CLASSES = ('matmul', 'convolution', 'elementwise fusion', 'copy/transpose',
@@ -483,7 +484,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--segment_steps', type=int, default=4,
                  help='vmap engine: local steps per compiled segment')
   p.add_argument('--segment_loop', default='auto',
-                 choices=('auto', 'unroll', 'scan'),
+                 choices=streaming.LOOPS,
                  help='vmap engine: unroll, scan or auto')
   p.add_argument('--compute_dtype', default='float32',
                  choices=('float32', 'bfloat16'))

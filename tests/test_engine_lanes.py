@@ -10,6 +10,7 @@ the lowered HLO for the absence of convolutions under im2col.
 from __future__ import annotations
 
 import math
+import re
 
 import fedlite_jax  # noqa: F401
 import fedjax
@@ -226,7 +227,7 @@ def test_auto_loop_is_scan_unless_a_cpu_step_convolves():
     assert streaming.resolve_loop('auto', step, params, batch, key) == want
     assert streaming.resolve_loop('scan', step, params, batch, key) == 'scan'
   with pytest.raises(ValueError, match="segment loop must be one of"):
-    E.VmapEngine(_program(), segment_loop='while')
+    E.VmapEngine(_program(), segment_loop='fori')
 
 
 @pytest.mark.parametrize('lanes,slots,loop', [
@@ -260,7 +261,7 @@ def test_vmap_engine_equals_the_loop_engine(lanes, slots, loop):
         -(-useful // lanes), max(len(w.batches) for w in work)) + 4
 
 
-@pytest.mark.parametrize('loop', ['unroll', 'scan'])
+@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while'])
 def test_one_program_for_every_cohort(loop):
   """Cohorts of other sizes and step counts reuse the first round's programs
   (counted by JAX's compile events): the first round compiles each lane
@@ -324,7 +325,7 @@ def _scatters(hlo_text):
   return len(found), sum('unique_indices=true' not in s for s in found)
 
 
-@pytest.mark.parametrize('loop', ['unroll', 'scan'])
+@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while'])
 def test_lane_programs_have_no_scatter(loop):
   """Starting and finalizing clients adds no scatter (XLA:GPU writes a
   scatter with duplicate indices atomically): the lane programs of a client
@@ -355,3 +356,11 @@ def test_lane_programs_have_no_scatter(loop):
   for lowered in texts:
     text = lowered.compile().as_text()
     assert 'ENTRY' in text and _scatters(text) == (0, 0), text
+  # A scan segment's loop has a trip count XLA knows (XLA:GPU then reads no
+  # loop predicate on the host, so the call does not block); a while
+  # segment's is given at run time; an unrolled one has no loop.
+  seg = texts[1].compile().as_text()
+  trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', seg)
+  loops = len(re.findall(r'\swhile\(', seg))
+  want = {'scan': (['4'], 1), 'while': ([], 1), 'unroll': ([], 0)}[loop]
+  assert (trips, loops) == want, (loop, trips, loops)

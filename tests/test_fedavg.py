@@ -147,3 +147,32 @@ def test_nan_update_is_a_clear_error(femnist):
                             hp, engine='loop')
   with pytest.raises(FloatingPointError, match='non-finite'):
     alg.apply(alg.init(params), femnist[:2])
+
+
+@pytest.mark.parametrize('engine', ['loop', 'vmap'])
+def test_python_api_later_rounds_compile_nothing(engine):
+  """FedJAX-style use (``init``, then ``apply`` per round, no runner):
+  round 1 compiles (the counter counts), rounds 2 and 3 on other cohorts
+  compile nothing: ``init``'s state sits where the server update puts its
+  output, so neither the server update nor the download compiles again."""
+  from fedlite_jax.rounds import stats  # pylint: disable=g-import-not-at-top
+  model = _mlp_model()
+  rng = np.random.RandomState(0)
+
+  def cohort(r):
+    return [(b'c%d' % i, fedjax.ClientDataset({
+        'x': rng.rand(n, 28, 28, 1).astype(np.float32),
+        'y': rng.randint(0, 62, n).astype(np.int32)}),
+             jax.random.PRNGKey(10 * r + i))
+            for i, n in enumerate(rng.randint(5, 60, 4))]
+  hp = fedjax.ShuffleRepeatBatchHParams(batch_size=20, seed=None)
+  alg = federated_averaging(fedjax.model_grad(model), optax.sgd(0.1),
+                            optax.adam(1e-2), hp, engine=engine)
+  state = alg.init(model.init(jax.random.PRNGKey(1)))
+  counts = []
+  for r in range(3):
+    with stats.counting_compilations() as c:
+      state, _ = alg.apply(state, cohort(r))
+      jax.block_until_ready(state.params)
+    counts.append(c.total)
+  assert counts[0] > 0 and counts[1:] == [0, 0], counts

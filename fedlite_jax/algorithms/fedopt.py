@@ -462,11 +462,11 @@ def federated_averaging(
 
   def init(params: Params) -> FedOptState:
     state = r.init_state(params, server_optimizer.init(params))
-    if dp is None:
-      return state
-    return DPFedOptState(**{f.name: getattr(state, f.name) for f in
-                            dataclasses.fields(state)},
-                         clip_norm=jnp.float32(dp.clip_norm))
+    if dp is not None:
+      state = DPFedOptState(**{f.name: getattr(state, f.name) for f in
+                               dataclasses.fields(state)},
+                            clip_norm=jnp.float32(dp.clip_norm))
+    return rc.on_first_device(state)
 
   def shared(state, sent):
     if dp is None:

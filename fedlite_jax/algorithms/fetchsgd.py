@@ -159,11 +159,11 @@ def fetchsgd(
   def init(params: Params) -> FetchSGDState:
     spec = spec_of(params)
     zeros = jnp.zeros((rows, cols), jnp.float32)
-    return FetchSGDState(
+    return rc.on_first_device(FetchSGDState(
         params=params, momentum=zeros, error=zeros,
         round=jnp.zeros((), jnp.int32),
         last_changed=jnp.full((spec.size,), -1, jnp.int32),
-        last_round=jnp.full((len(index),), -1, jnp.int32))
+        last_round=jnp.full((len(index),), -1, jnp.int32)))
 
   def apply(state: FetchSGDState, clients):
     D = spec_of(state.params).size

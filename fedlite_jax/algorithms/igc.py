@@ -347,8 +347,9 @@ def intrinsic_gradient_compression(
                   round=jnp.zeros((), jnp.int32),
                   last_epoch=jnp.full((len(index),), -1, jnp.int32))
     if dp is None:
-      return IGCState(**fields)
-    return DPIGCState(**fields, clip_norm=jnp.float32(dp.clip_norm))
+      return rc.on_first_device(IGCState(**fields))
+    return rc.on_first_device(
+        DPIGCState(**fields, clip_norm=jnp.float32(dp.clip_norm)))
 
   def apply(state: IGCState, clients):
     D = spec_of(state.params).size

@@ -155,7 +155,8 @@ def efficient_mime_lite(
     return new_state, nonfinite_lib.all_finite(new_state)
 
   def init(params: Params) -> FedOptState:
-    return r.init_state(params, base_optimizer.init(params))
+    return rc.on_first_device(
+        r.init_state(params, base_optimizer.init(params)))
 
   def apply(state: FedOptState, clients: rc.Clients):
     def passes(sent, work):

@@ -271,15 +271,25 @@ def delta_client_program(grad_fn: GradFn,
   return nonfinite_lib.guarded(ClientProgram(init, step, final))
 
 
+def on_first_device(state: PyTree) -> PyTree:
+  """``state`` committed to this process's first local device, where the
+  round engines' sums land: a server state made by ``init`` then has the
+  placement of the states the server update returns, so the server update
+  and the download compile once, not again at the second round."""
+  return jax.device_put(state, jax.local_devices()[0])
+
+
 def make_work(clients: Clients, hparams: fedjax.ShuffleRepeatBatchHParams,
               weighting: str = 'uniform') -> list[ClientWork]:
   """One ClientWork per client (weight: examples or 1); ValueError if none."""
   if not clients:
     raise ValueError('A round needs at least one client; got none.')
-  return [ClientWork(cid, batching.client_batches(cds, hparams, rng),
+  seeds = (batching.shuffle_seeds([rng for _, _, rng in clients])
+           if hparams.seed is None else [None] * len(clients))
+  return [ClientWork(cid, batching.client_batches(cds, hparams, rng, seed),
                      {'rng': rng},
                      float(len(cds)) if weighting == 'examples' else 1.0)
-          for cid, cds, rng in clients]
+          for (cid, cds, rng), seed in zip(clients, seeds)]
 
 
 def skip_nonfinite(result, work: Sequence[ClientWork], nonfinite: str,

@@ -287,7 +287,7 @@ class VmapEngine:
           self._loop_setting, p.step,
           jax.eval_shape(p.init, shared_input, first.client_input),
           first.batches[0])
-    dynamic = self._loop == 'scan'
+    dynamic = streaming.runs_planned_steps(self._loop)
     if self._lanes is None:  # Fixed from the first round on.
       most = min(resolve_lanes(self._lanes_setting, tree_bytes(shared_input)),
                  -(-len(work) // mesh.num_devices))

@@ -170,7 +170,7 @@ class VmapBackend(fedjax.ForEachClientBackend):
             counts, lanes, self._segment_steps, devices)
       plan = lanes_lib.plan_lanes(counts, lanes, self._segment_steps,
                                   slots[key, lanes], devices,
-                                  dynamic_steps=self._loop == 'scan')
+                                  dynamic_steps=streaming.runs_planned_steps(self._loop))
       run = prog.run(shared_input, plan, runs, inputs, np.ones(len(members)),
                      (runs[0][0], inputs[0]), loop=self._loop)
       counter['executed_steps'] += plan.executed_steps

@@ -6,9 +6,10 @@ slots, loop): ``lanes_begin`` starts each lane's first client,
 finalizes the lanes' last clients. A lane-step (:func:`lane_step`) first
 finalizes the lanes whose client ended (``slots`` rows), starts their
 next clients with a per-lane ``where`` (no scatter), then takes one masked
-vmapped step. The segment's steps are an on-device loop with a run-time
-step count (``loop='scan'``), which runs only the steps the plan holds, or
-unrolled (``'unroll'``: XLA:CPU with ``lax`` convolutions). The programs run per
+vmapped step. The segment's steps are an on-device loop of ``S`` steps
+that skips the steps past the plan (``loop='scan'``), a loop with a run-time
+trip count (``'while'``), or unrolled (``'unroll'``: XLA:CPU with ``lax``
+convolutions). The programs run per
 device under ``shard_map``; state and sums stay on the devices between
 calls. Notes: docs/notes/rounds.md.
 """
@@ -35,13 +36,25 @@ Batch = dict
 PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 
 #: How a segment runs its steps: ``'unroll'`` (a Python loop traced into one
-#: program), ``'scan'`` (an on-device loop whose trip count is given at run
-#: time: one traced step, so compiling costs one step's compile, and the
-#: round's last segment runs only its planned steps), or ``'auto'``: scan,
+#: program); ``'scan'`` (an on-device loop of ``S`` steps, each step past the
+#: planned count skipped by a ``lax.cond``: one traced step, so compiling
+#: costs one step's compile, and the round's last segment computes only its
+#: planned steps; XLA knows the trip count, so on a GPU the host reads no
+#: loop predicate and the call returns before the steps run); ``'while'``
+#: (an on-device loop whose trip count is given at run time: XLA:GPU copies
+#: each iteration's predicate to the host, so the call blocks until the
+#: segment ends, ~15 ms per FEMNIST segment on an H200, and the next
+#: segment's inputs cannot be prepared meanwhile); or ``'auto'``: scan,
 #: except unroll on CPU for a client step with a convolution (XLA:CPU runs
 #: convolutions in a ``while`` loop ~13x slower, jax-ml/jax#12868; im2col
 #: convolutions are matmuls and scan there).
-LOOPS = ('auto', 'unroll', 'scan')
+LOOPS = ('auto', 'unroll', 'scan', 'while')
+
+
+def runs_planned_steps(loop: str) -> bool:
+  """Whether a resolved ``loop`` computes only the plan's steps in the
+  round's last segment (:attr:`LanePlan.dynamic_steps`)."""
+  return loop in ('scan', 'while')
 
 
 def has_convolution(fn: Callable, *args) -> bool:
@@ -61,7 +74,7 @@ def has_convolution(fn: Callable, *args) -> bool:
 
 def resolve_loop(loop: str, step: Optional[Callable] = None,
                  *example: Any) -> str:
-  """``'unroll'`` or ``'scan'`` for ``loop`` (:data:`LOOPS`); ``'auto'``
+  """``loop`` resolved (:data:`LOOPS` but ``'auto'``); ``'auto'``
   on CPU traces ``step(*example)`` (unroll if it convolves; without a
   ``step``, unroll).
 
@@ -296,7 +309,7 @@ class LaneStreams:
       bufs = jax.tree.map(
           lambda s: jnp.zeros((s.shape[0], S) + s.shape[1:], s.dtype), shapes)
 
-      def loop_body(i, carry):
+      def one_step(i, carry):
         states, acc, bufs = carry
         states, acc, *outs = body(shared, states, acc, at(inputs, i))
         if not collect:
@@ -306,8 +319,14 @@ class LaneStreams:
             bufs, tuple(outs))
         return states, acc, bufs
 
-      states, acc, bufs = lax.fori_loop(0, num_steps, loop_body,
-                                        (states, acc, bufs))
+      carry = (states, acc, bufs)
+      if loop == 'while':
+        carry = lax.fori_loop(0, num_steps, one_step, carry)
+      else:  # A static trip count; steps past num_steps pass through.
+        carry = lax.fori_loop(
+            0, S, lambda i, c: lax.cond(i < num_steps, one_step,
+                                        lambda i, c: c, i, c), carry)
+      states, acc, bufs = carry
       return (states, acc) + tuple(bufs)
 
     def lanes_finish(shared, states, acc, weights):
@@ -361,10 +380,11 @@ class LaneStreams:
     if plan.devices != mesh.num_devices:
       raise ValueError(f'The plan is for {plan.devices} devices, the mesh has '
                        f'{mesh.num_devices}.')
-    if plan.dynamic_steps != (loop == 'scan'):
+    if plan.dynamic_steps != runs_planned_steps(loop):
       raise ValueError(
           f"A plan with dynamic_steps={plan.dynamic_steps} cannot run with "
-          f"loop {loop!r}; plan scan loops with dynamic_steps=True.")
+          f"loop {loop!r}; plan scan and while loops with "
+          "dynamic_steps=True.")
     key = (plan.segment_steps, loop)
     if key not in self._programs:
       self._programs[key] = self._build(plan.segment_steps, loop)

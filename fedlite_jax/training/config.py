@@ -127,10 +127,11 @@ class RunConfig:
       lower_bound=1)
   segment_loop: str = _field(
       'auto', 'vmap engine: a segment\'s steps unrolled (XLA:CPU runs '
-      'convolutions in loops slowly) or in an on-device loop that runs only '
-      'the planned steps and compiles one step (scan); auto = scan, but '
-      'unroll on CPU for a client step with a lax convolution. Equal to '
-      'float rounding.',
+      'convolutions in loops slowly), or in an on-device loop that computes '
+      'only the planned steps and compiles one step: of segment_steps steps '
+      '(scan; a GPU call returns at once) or of the planned count (while; '
+      'a GPU call waits for its end); auto = scan, but unroll on CPU for a '
+      'client step with a lax convolution. Equal to float rounding.',
       choices=SEGMENT_LOOPS)
   conv_implementation: str = _field(
       'auto', 'CNN convolutions: lax, im2col (a matmul: no grouped '

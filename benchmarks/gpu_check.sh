@@ -1,0 +1,67 @@
+#!/bin/bash
+# The lane engine's GPU check, one call on a lent GPU, results under $OUT as
+# they come (one log, one JSON per profile, the step timings, the rounds
+# table). Stages run in order of importance, each under its own time cap.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh [stage ...]
+#
+# Stages: profile_lm profile_cnn steps phases rounds rounds_while
+# rounds_bf16 (default: the first three). Wheels of missing packages may travel in .dev/whl, FEMNIST
+# in .dev/data (else $FEDLITE_DATA_DIR, else synthetic FEMNIST).
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+LOG=$OUT/log.txt
+if [ -d .dev/whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .dev/whl/*.whl >>"$LOG" 2>&1
+  export PYTHONPATH=$PWD:/tmp/site
+fi
+[ -d .dev/data/femnist105 ] && export FEDLITE_DATA_DIR=$PWD/.dev/data
+nvidia-smi >>"$LOG" 2>&1
+python3 -c 'import jax, fedjax; print(jax.__version__, jax.devices())' \
+  >>"$LOG" 2>&1
+
+stage() {  # name cap command...
+  local name=$1 cap=$2; shift 2
+  echo "== $name ($(date +%T), cap ${cap}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$cap" "$@" >>"$LOG" 2>&1
+  echo "== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+P=benchmarks/profile_rounds.py
+B=benchmarks/bench_rounds.py
+run_stage() {
+  case $1 in
+    profile_lm) stage profile_lm 150 python3 $P --model=transformer_large \
+      --engine=vmap --cohort=100 --warmup_rounds=1 --rounds=2 --top=30 \
+      --no-hlo_dump --output="$OUT/profile_transformer_large.json" ;;
+    profile_cnn) stage profile_cnn 80 python3 $P --model=femnist \
+      --engine=vmap --cohort=100 --warmup_rounds=1 --rounds=3 --top=30 \
+      --no-hlo_dump --output="$OUT/profile_femnist.json"
+      python3 -c 'import json,shutil,sys; shutil.copy(json.load(open(sys.argv[1]))["trace_file"], sys.argv[2])' \
+        "$OUT/profile_femnist.json" "$OUT/trace_femnist.json.gz" >>"$LOG" 2>&1 ;;
+    steps) stage steps 120 python3 benchmarks/bench_lane_step.py \
+      --models=transformer_large,femnist --output="$OUT/lane_step.jsonl" ;;
+    phases) stage phases 40 python3 benchmarks/round_phases.py \
+      --model=femnist --engine=vmap --cohort=100 --warmup_rounds=2 \
+      --rounds=3 --output="$OUT/phases_femnist.json" ;;
+    rounds) stage rounds 170 python3 $B --models=femnist,transformer_large \
+      --engines=vmap,fedjax_jit --cohorts=100 --rounds=5 --extra= \
+      --no-fixed_cost --output="$OUT/rounds.md" ;;
+    rounds_while) stage rounds_while 50 python3 $B --models=femnist \
+      --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
+      --segment_loop=while --output="$OUT/rounds_while.md" ;;
+    rounds_bf16) stage rounds_bf16 130 python3 $B \
+      --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
+      --compute_dtype=bfloat16 --extra=transformer_large:vmap:800 \
+      --no-fixed_cost \
+      --output="$OUT/rounds_bf16.md" ;;
+    *) echo "unknown stage $1" | tee -a "$LOG" ;;
+  esac
+}
+for s in "${@:-profile_lm profile_cnn steps}"; do
+  for t in $s; do run_stage "$t"; done
+done
+grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40

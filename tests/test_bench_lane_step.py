@@ -1,0 +1,63 @@
+"""benchmarks/bench_lane_step.py and benchmarks/round_phases.py on CPU.
+
+References: XLA's cost analysis of the one-client step (a vmapped step over
+``L`` lanes does ``L`` clients' FLOPs, to 2%); the round's own wall clock
+(the phases nested in a round cannot take longer than the round).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'
+
+
+@pytest.fixture(scope='module')
+def benches():
+  sys.path.insert(0, str(BENCH))
+  try:
+    import bench_lane_step  # pylint: disable=g-import-not-at-top
+    import round_phases  # pylint: disable=g-import-not-at-top
+    yield bench_lane_step, round_phases
+  finally:
+    sys.path.remove(str(BENCH))
+
+
+def test_lane_step_rows(benches, tmp_path):
+  bench, _ = benches
+  out = tmp_path / 'steps.jsonl'
+  bench.main(['--models=transformer_tiny', '--dtypes=float32',
+              '--lanes=2,3', '--slots=2', '--segment_steps=2',
+              '--repeats=2', f'--output={out}'])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  kinds = [(r['kind'], r['lanes']) for r in rows]
+  assert kinds == [('client', 1), ('shared', 3), ('vmap', 2), ('vmap', 3),
+                   ('idle', 3), ('transition', 3), ('segment', 3)], kinds
+  client = rows[0]['flops']
+  for r in rows:
+    assert r['ms'] > 0 and r['compile_s'] > 0, r
+  for r in rows[1:4]:  # shared, vmap: L clients' arithmetic
+    assert r['flops'] == pytest.approx(r['lanes'] * client, rel=0.02), r
+  with pytest.raises(SystemExit):
+    bench.main(['--kinds=client,nope'])
+
+
+def test_round_phases(benches, tmp_path):
+  _, phases = benches
+  out = tmp_path / 'phases.json'
+  res = phases.main(['--model=transformer_tiny', '--engine=vmap',
+                     '--cohort=4', '--max_examples=40', '--warmup_rounds=1',
+                     '--rounds=1', '--lanes_per_device=2',
+                     f'--output={out}'])
+  del res
+  rounds = json.loads(out.read_text())['rounds']
+  assert [r['warmup'] for r in rounds] == [True, False]
+  for r in rounds:
+    p = r['phases_s']
+    assert r['calls']['make_work'] == 1 and r['calls']['engine'] == 1, r
+    assert p['make_work'] + p['engine'] + p['server_update'] <= r['wall_s']
+    assert p['call lanes_segment'] <= p['engine'], r
