@@ -104,6 +104,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from fedlite_jax import datasets
 from fedlite_jax import models
+from fedlite_jax.algorithms import batching as batching_lib
 from fedlite_jax.algorithms import federated_averaging
 from fedlite_jax.models import lm
 from fedlite_jax.rounds import VmapBackend
@@ -277,28 +278,34 @@ def timing_host(clock: HostClock):
   """Installs the host-time wrappers; restores the originals on exit."""
   cds_cls = fedjax.ClientDataset
   saved = (cds_cls.shuffle_repeat_batch, cds_cls.padded_batch,
-           streaming._stack)  # pylint: disable=protected-access
+           streaming._stack,  # pylint: disable=protected-access
+           batching_lib.ClientBatches.__getitem__)
 
   def batching(original):
     def wrapped(self, *args, **kwargs):
       return _TimedBatches(original(self, *args, **kwargs), clock)
     return wrapped
 
-  def stack(*args, **kwargs):
-    t = time.perf_counter()
-    try:
-      return saved[2](*args, **kwargs)
-    finally:
-      clock.seconds += time.perf_counter() - t
+  def timed(original):
+    def wrapped(*args, **kwargs):
+      t = time.perf_counter()
+      try:
+        return original(*args, **kwargs)
+      finally:
+        clock.seconds += time.perf_counter() - t
+    return wrapped
 
   cds_cls.shuffle_repeat_batch = batching(saved[0])
   cds_cls.padded_batch = batching(saved[1])
-  streaming._stack = stack  # pylint: disable=protected-access
+  streaming._stack = timed(saved[2])  # pylint: disable=protected-access
+  # Our batching (made on first access, inside the round engines).
+  batching_lib.ClientBatches.__getitem__ = timed(saved[3])
   try:
     yield clock
   finally:
     cds_cls.shuffle_repeat_batch, cds_cls.padded_batch = saved[:2]
     streaming._stack = saved[2]  # pylint: disable=protected-access
+    batching_lib.ClientBatches.__getitem__ = saved[3]
 
 
 # --------------------------------------------------------------------------

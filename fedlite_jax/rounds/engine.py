@@ -168,7 +168,12 @@ class LoopEngine:
           stacked = jax.tree.map(lambda *xs: np.stack(xs), *block)
           state = self._step(state, stacked, mask)
       if acc is None:
-        acc = self._zeros(self._output_shape(shared_input, state))
+        # Committed where the state is, as the sums loop_final returns: an
+        # uncommitted first sum compiles loop_final again for the second
+        # client.
+        acc = jax.device_put(
+            self._zeros(self._output_shape(shared_input, state)),
+            next(iter(jax.tree.leaves(state)[0].devices())))
       acc, diag = self._final(shared_input, state, acc,
                               np.float32(w.weight))
       total += float(w.weight)
