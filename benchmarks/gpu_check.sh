@@ -6,7 +6,8 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh [stage ...]
 #
 # Stages: profile_lm profile_cnn steps phases rounds rounds_while
-# rounds_bf16 (default: the first three). Wheels of missing packages may travel in .dev/whl, FEMNIST
+# rounds_bf16 (default: profile_cnn phases rounds; profile_cnn also copies
+# its trace, whose host_calls show which program calls block the host). Wheels of missing packages may travel in .dev/whl, FEMNIST
 # in .dev/data (else $FEDLITE_DATA_DIR, else synthetic FEMNIST).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
@@ -61,7 +62,7 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_lm profile_cnn steps}"; do
+for s in "${@:-profile_cnn phases rounds}"; do
   for t in $s; do run_stage "$t"; done
 done
 grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40

@@ -252,6 +252,37 @@ def _program(e: dict) -> str:
   return '?'
 
 
+def host_calls(events: list[dict], windows: list[tuple[float, float]]
+               ) -> dict[str, dict]:
+  """``{program: {'calls', 'host_s', 'mean_ms'}}``: how long the host spent
+  inside each jitted program's call (``PjitFunction(<program>)`` events,
+  nested repeats of one call counted once) within ``windows``. A call that
+  returns once its work is queued takes well under a millisecond; one
+  whose host time is about its program's device span blocked until the
+  program ended (on XLA:GPU: a loop or conditional whose predicate the
+  host reads back)."""
+  calls = sorted(
+      (e for e in events if e.get('ph') == 'X'
+       and str(e.get('name', '')).startswith('PjitFunction(')
+       and any(a <= e['ts'] < b for a, b in windows)),
+      key=lambda e: (e['pid'], e.get('tid'), e['ts'], -e.get('dur', 0.0)))
+  ends: dict[tuple, float] = {}  # (pid, tid, name) -> end of the outer call
+  out: dict[str, dict] = {}
+  for e in calls:
+    name, end = e['name'], e['ts'] + e.get('dur', 0.0)
+    key = (e['pid'], e.get('tid'), name)
+    if e['ts'] < ends.get(key, -1.0):
+      continue  # Nested in a call of the same program.
+    ends[key] = end
+    c = out.setdefault(name[len('PjitFunction('):-1],
+                       {'calls': 0, 'host_s': 0.0})
+    c['calls'] += 1
+    c['host_s'] += e.get('dur', 0.0) / 1e6
+  for c in out.values():
+    c['mean_ms'] = 1e3 * c['host_s'] / c['calls']
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]['host_s']))
+
+
 def summarize(events: list[dict], windows: Optional[list] = None,
               top: int = 20,
               fusions: Optional[dict[tuple[str, str], str]] = None
@@ -272,7 +303,8 @@ def summarize(events: list[dict], windows: Optional[list] = None,
     times, = the sum over ``classes``), ``classes`` (class -> ``{'s',
     'share', 'count'}``, share of ``total_op_s``), ``top_kernels``,
     ``busy_s`` and ``busy_share`` (of ``wall_s``), ``programs`` (module ->
-    executions and span seconds), ``segment_s``, ``outside_segment_s``
+    executions and span seconds), ``host_calls`` (:func:`host_calls`),
+    ``segment_s``, ``outside_segment_s``
     and ``outside_segment_per_round_s`` (None when the ops name no
     program), ``sources``. Seconds throughout.
   """
@@ -333,6 +365,7 @@ def summarize(events: list[dict], windows: Optional[list] = None,
       'busy_share': busy / wall_us if wall_us else 0.0,
       'programs': dict(sorted(programs.items(),
                               key=lambda kv: -kv[1]['span_s'])),
+      'host_calls': host_calls(events, windows),
       'segment_s': segment if known else None,
       'outside_segment_s': wall_us / 1e6 - segment if known else None,
       'outside_segment_per_round_s': ((wall_us / 1e6 - segment) /
@@ -408,6 +441,10 @@ def _print_summary(s: dict) -> None:
   print('| program | executions | span s |\n|---|---:|---:|')
   for m, p in s['programs'].items():
     print(f'| {m} | {p["executions"]} | {p["span_s"]:.4g} |')
+  print('| program called | calls | host s in the calls | mean ms |\n'
+        '|---|---:|---:|---:|')
+  for m, c in s.get('host_calls', {}).items():
+    print(f'| {m} | {c["calls"]} | {c["host_s"]:.4g} | {c["mean_ms"]:.3g} |')
 
 
 def run(args) -> dict:

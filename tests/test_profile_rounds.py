@@ -106,6 +106,31 @@ def test_summary_of_a_gpu_trace(repo_root):
   assert s['outside_segment_per_round_s'] == pytest.approx(650e-6)
 
 
+def test_host_time_in_program_calls(repo_root):
+  """A blocking call (the host inside it as long as its program runs) and a
+  queued one; the nested repeat of a call (JAX's trace shows two
+  PjitFunction events per call) counts once; calls outside rounds not."""
+  prof = _load(repo_root)
+  events = [
+      _x(1, 1, 0, 1000, 'profile_rounds:round 0'),
+      _x(1, 1, 100, 600, 'PjitFunction(lanes_segment)'),
+      _x(1, 1, 100.4, 599, 'PjitFunction(lanes_segment)'),  # nested repeat
+      _x(1, 1, 800, 20, 'PjitFunction(server_update)'),
+      _x(1, 1, 850, 30, 'PjitFunction(lanes_segment)'),
+      _x(1, 2, 120, 10, 'PjitFunction(lanes_segment)'),  # another thread
+      _x(1, 1, 5000, 900, 'PjitFunction(lanes_segment)'),  # outside
+  ]
+  calls = prof.host_calls(events, [(0, 1000)])
+  assert list(calls) == ['lanes_segment', 'server_update']
+  seg = calls['lanes_segment']
+  assert seg['calls'] == 3
+  assert seg['host_s'] == pytest.approx(640e-6)
+  assert seg['mean_ms'] == pytest.approx(640e-3 / 3)
+  assert calls['server_update'] == {'calls': 1, 'host_s': pytest.approx(
+      20e-6), 'mean_ms': pytest.approx(0.02)}
+  assert prof.summarize(events)['host_calls'] == calls
+
+
 def test_summary_of_nested_cpu_thunks(repo_root):
   """XLA:CPU: a thunk nested in another counts once; two threads overlap."""
   prof = _load(repo_root)
