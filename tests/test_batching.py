@@ -63,3 +63,39 @@ def test_shuffle_seeds_in_one_transfer_equal_one_by_one():
       jax.random.key(7), jax.random.fold_in(jax.random.PRNGKey(3), 2)]
   assert batching.shuffle_seeds(keys) == [
       batching.shuffle_seed_from_rng(k) for k in keys]
+
+
+def test_a_preprocessor_that_changes_rows_runs_per_batch():
+  """FedJAX preprocesses each batch; a preprocessor that drops rows gives
+  the same batches here as there."""
+  rng = np.random.RandomState(1)
+  pre = fedjax.BatchPreprocessor([lambda b: {k: v[::2] for k, v in b.items()}])
+  ds = fedjax.ClientDataset({'x': rng.rand(11, 2)}, pre)
+  hp = fedjax.ShuffleRepeatBatchHParams(batch_size=4, num_epochs=2, seed=3)
+  want = list(ds.shuffle_repeat_batch(hp))
+  got = batching.client_batches(ds, hp, jax.random.PRNGKey(0))
+  assert [g['x'].tolist() for g in got] == [w['x'].tolist() for w in want]
+
+
+@pytest.mark.parametrize('task', ['emnist', 'shakespeare'])
+def test_real_clients_batch_as_fedjax(task, data_dir):
+  """The real tasks' preprocessors (pixels; character tokens) on 5 clients
+  each: the same batches as FedJAX's own iteration."""
+  from fedlite_jax import datasets  # pylint: disable=g-import-not-at-top
+  folder = {'emnist': 'femnist105', 'shakespeare': 'shakespeare'}[task]
+  if not (data_dir / folder).is_dir():
+    pytest.skip(f'needs {folder}/ under FEDLITE_DATA_DIR')
+  train = datasets.load_federated_data(task, str(data_dir))[0]
+  ids = list(train.client_ids())[:5]
+  hp = fedjax.ShuffleRepeatBatchHParams(batch_size=8, num_epochs=2, seed=None)
+  for i, (cid, cds) in enumerate(train.get_clients(ids)):
+    key = jax.random.PRNGKey(i)
+    seeded = hp.replace(seed=batching.shuffle_seed_from_rng(key))
+    want = list(cds.shuffle_repeat_batch(seeded))
+    got = batching.client_batches(cds, hp, key)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+      assert g.keys() == w.keys()
+      for k in w:
+        np.testing.assert_array_equal(g[k], w[k])
+        assert g[k].dtype == w[k].dtype

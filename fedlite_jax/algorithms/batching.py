@@ -88,16 +88,25 @@ class ClientBatches(Sequence[dict]):
 
   def __getitem__(self, index):
     if self._batches is None:
-      idx = batch_indices(len(self._dataset), self._hparams)
-      rows = {k: v[idx.ravel()]
-              for k, v in self._dataset.raw_examples.items()}
-      b = self._hparams.batch_size
-      self._batches = [
-          self._dataset.preprocessor({k: v[s * b:(s + 1) * b]
-                                      for k, v in rows.items()})
-          for s in range(self._len)]
+      self._batches = self._make()
       self._dataset = None  # Only the batches are needed from now on.
     return self._batches[index]
+
+  def _make(self) -> list[dict]:
+    """The batches: the client's rows in batch order, preprocessed in one
+    call (FedJAX's ``all_examples`` too preprocesses any rows at once: a
+    ``BatchPreprocessor`` maps rows to rows) and cut into views; per batch
+    when the preprocessor changes the number of rows."""
+    idx = batch_indices(len(self._dataset), self._hparams)
+    steps, b = idx.shape
+    rows = {k: v[idx.ravel()] for k, v in self._dataset.raw_examples.items()}
+    out = self._dataset.preprocessor(rows) if steps else {}
+    if all(len(v) == steps * b for v in out.values()):
+      out = {k: v.reshape((steps, b) + v.shape[1:]) for k, v in out.items()}
+      return [{k: v[s] for k, v in out.items()} for s in range(steps)]
+    return [self._dataset.preprocessor({k: v[s * b:(s + 1) * b]
+                                        for k, v in rows.items()})
+            for s in range(steps)]
 
 
 def batch_indices(num_examples: int,
