@@ -115,7 +115,8 @@ def batch_indices(num_examples: int,
   FedJAX 0.0.17's ``ClientDataset.shuffle_repeat_batch(hparams)``, in its
   order (a ``RandomState(seed)`` shuffles one buffer in place per epoch,
   batches run across epoch ends), computed per epoch instead of per batch
-  (FedJAX's per-batch Python loop was ~40% of a GPU round's host time).
+  (FedJAX's per-batch Python loop took ~45 ms of a 200 ms FEMNIST round
+  on an H200's host).
 
   Raises:
     ValueError: both ``num_epochs`` and ``num_steps`` are None (infinite).

@@ -39,8 +39,10 @@ PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 #: program); ``'scan'`` (an on-device loop of ``S`` steps, each step past the
 #: planned count skipped by a ``lax.cond``: one traced step, so compiling
 #: costs one step's compile, and the round's last segment computes only its
-#: planned steps; XLA knows the trip count, so on a GPU the host reads no
-#: loop predicate and the call returns before the steps run); ``'while'``
+#: planned steps; XLA knows the trip count, so XLA:GPU need not read a
+#: loop predicate back: on an H200, FEMNIST rounds of 0.127 s against
+#: 0.155 s with ``'while'``, though its calls still held the host ~11 ms
+#: each, cause not yet traced); ``'while'``
 #: (an on-device loop whose trip count is given at run time: XLA:GPU copies
 #: each iteration's predicate to the host, so the call blocks until the
 #: segment ends, ~15 ms per FEMNIST segment on an H200, and the next

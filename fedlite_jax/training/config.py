@@ -129,8 +129,8 @@ class RunConfig:
       'auto', 'vmap engine: a segment\'s steps unrolled (XLA:CPU runs '
       'convolutions in loops slowly), or in an on-device loop that computes '
       'only the planned steps and compiles one step: of segment_steps steps '
-      '(scan; a GPU call returns at once) or of the planned count (while; '
-      'a GPU call waits for its end); auto = scan, but unroll on CPU for a '
+      '(scan) or of the planned count (while; a GPU call waits for its '
+      'end); auto = scan, but unroll on CPU for a '
       'client step with a lax convolution. Equal to float rounding.',
       choices=SEGMENT_LOOPS)
   conv_implementation: str = _field(
