@@ -25,6 +25,7 @@ device time; the rest is host time the device may idle through.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -64,33 +65,45 @@ class Phases:
         self.calls[name] += 1
     return wrapper
 
-  def wrap(self, owner, attr: str, name: str) -> None:
-    setattr(owner, attr, self.timed(name, getattr(owner, attr)))
 
+@contextlib.contextmanager
+def instrument(phases: Phases):
+  """Wraps the phases (module doc) while open; restores the originals."""
+  saved = []
 
-def instrument(phases: Phases) -> None:
-  """Wraps the phases (module doc) for the life of the process."""
+  def wrap(owner, attr: str, name: str, fn=None) -> None:
+    saved.append((owner, attr, getattr(owner, attr)))
+    setattr(owner, attr, fn or phases.timed(name, getattr(owner, attr)))
+
   for attr in ('make_work', 'server_update', 'client_diagnostics',
                'download_bits'):
-    phases.wrap(rc, attr, attr)
-  phases.wrap(streaming, '_stack', 'stack')
-  phases.wrap(streaming.LaneStreams, '_per_client', 'per_client')
-  phases.wrap(engine_lib.VmapEngine, '__call__', 'engine')
-  phases.wrap(engine_lib.LoopEngine, '__call__', 'engine')
-  phases.wrap(jax, 'device_put', 'device_put')
+    wrap(rc, attr, attr)
+  wrap(streaming, '_stack', 'stack')
+  wrap(streaming.LaneStreams, '_per_client', 'per_client')
+  wrap(engine_lib.VmapEngine, '__call__', 'engine')
+  wrap(engine_lib.LoopEngine, '__call__', 'engine')
+  wrap(jax, 'device_put', 'device_put')
   build = streaming.LaneStreams._build  # pylint: disable=protected-access
 
   def timed_build(self, segment_steps, loop):
     programs = build(self, segment_steps, loop)
     return tuple(phases.timed(f'call {name}', p) for name, p in
                  zip(streaming.PROGRAM_NAMES, programs))
-  streaming.LaneStreams._build = timed_build  # pylint: disable=protected-access
+  wrap(streaming.LaneStreams, '_build', '', timed_build)
+  try:
+    yield phases
+  finally:
+    for owner, attr, original in reversed(saved):
+      setattr(owner, attr, original)
 
 
 def run(args) -> dict:
   """The rounds (module doc); the result dict."""
-  phases = Phases()
-  instrument(phases)
+  with instrument(Phases()) as phases:
+    return _run(args, phases)
+
+
+def _run(args, phases: Phases) -> dict:
   batch_size = (bench_rounds.FEMNIST_BATCH if args.model == 'femnist' else
                 bench_rounds.LM_BATCH)
   dtype = 'float32' if args.engine == 'fedjax_jit' else args.compute_dtype

@@ -48,12 +48,16 @@ def test_lane_step_rows(benches, tmp_path):
 
 def test_round_phases(benches, tmp_path):
   _, phases = benches
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  build = streaming.LaneStreams._build  # pylint: disable=protected-access
   out = tmp_path / 'phases.json'
   res = phases.main(['--model=transformer_tiny', '--engine=vmap',
                      '--cohort=4', '--max_examples=40', '--warmup_rounds=1',
                      '--rounds=1', '--lanes_per_device=2',
                      f'--output={out}'])
   del res
+  # The wrappers are gone: later tests in this process see the engine.
+  assert streaming.LaneStreams._build is build  # pylint: disable=protected-access
   rounds = json.loads(out.read_text())['rounds']
   assert [r['warmup'] for r in rounds] == [True, False]
   for r in rounds:
