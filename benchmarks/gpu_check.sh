@@ -5,6 +5,15 @@
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh [stage ...]
 #
+# .dev/ (git-ignored, e.g. via .git/info/exclude; carried to the device):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .dev/whl fedjax==0.0.17 \
+#     dm-haiku==0.0.17 jmp==0.0.4 dp-accounting==0.6.0 dm-tree mlxtend \
+#     tensorboardX==2.6.5
+#   cp -r "$FEDLITE_DATA_DIR/femnist105" .dev/data/
+#
 # Stages: profile_lm profile_cnn steps phases rounds rounds_while
 # rounds_bf16 (default: profile_cnn phases rounds; profile_cnn also copies
 # its trace, whose host_calls show which program calls block the host). Wheels of missing packages may travel in .dev/whl, FEMNIST
