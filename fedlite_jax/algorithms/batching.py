@@ -26,8 +26,15 @@ def shuffle_seed_from_rng(rng: jax.Array) -> int:
 
 def shuffle_seeds(rngs: list[jax.Array]) -> list[int]:
   """:func:`shuffle_seed_from_rng` of every key, with the keys brought to
-  the host in one transfer (a transfer per key cost ~0.5 ms each on a GPU,
-  half of a 100-client FEMNIST round)."""
+  the host in one transfer (a transfer per key cost ~0.5 ms each on an
+  H200, ~55 ms of a 200 ms 100-client FEMNIST round).
+
+  Args:
+    rngs: the clients' PRNG keys (``uint32[2]`` or typed keys).
+
+  Returns:
+    One 31-bit NumPy shuffle seed (``int`` in ``[0, 2**31)``) per key.
+  """
   data = jax.device_get([
       jax.random.key_data(r) if jax.dtypes.issubdtype(
           r.dtype, jax.dtypes.prng_key) else r for r in rngs])
@@ -75,7 +82,13 @@ class ClientBatches(Sequence[dict]):
   order, :func:`batch_indices`), made on first access: the length is
   known at once (it plans the round), and a round engine that reads its
   clients' batches as it goes makes them while the device runs earlier
-  clients."""
+  clients.
+
+  ``len()`` is FedJAX's batch count (``remote.num_shuffle_repeat_batches``);
+  item ``i`` is a dict of NumPy arrays of ``batch_size`` rows (views into
+  the client's preprocessed rows), as FedJAX's ``i``-th batch; slices give
+  lists. Raises ``IndexError`` past the end, like a list.
+  """
 
   def __init__(self, dataset: fedjax.ClientDataset,
                hparams: fedjax.ShuffleRepeatBatchHParams):

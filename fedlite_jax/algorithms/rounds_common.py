@@ -275,7 +275,9 @@ def on_first_device(state: PyTree) -> PyTree:
   """``state`` committed to this process's first local device, where the
   round engines' sums land: a server state made by ``init`` then has the
   placement of the states the server update returns, so the server update
-  and the download compile once, not again at the second round."""
+  and the download compile once, not again at the second round. The
+  same pytree (same shapes and dtypes); raises nothing beyond
+  ``jax.device_put``'s errors."""
   return jax.device_put(state, jax.local_devices()[0])
 
 
