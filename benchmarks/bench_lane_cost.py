@@ -10,10 +10,12 @@ statistics, SGD, finalization into the weighted sum) and, as the reference,
 XLA:CPU's ``cost_analysis()`` of the optimized programs:
 
 * FLOPs and bytes accessed of the segment / those of the plain steps
-  (unrolled segments: the whole segment over ``S`` plain steps; ``scan``
-  segments: cost analysis counts a loop body once, so the segment against
-  ONE plain step). A lane-step finalizes and starts clients only at steps
-  where some client ends (a ``lax.cond``), so it also prints the two kinds
+  (unrolled segments: the whole segment over ``S`` plain steps; ``scan``,
+  ``while`` and ``fixed`` segments: cost analysis counts a loop body once,
+  so the segment against ONE plain step). A lane-step finalizes and starts
+  clients only at steps where some client ends (a ``lax.cond``; a
+  ``fixed`` segment at every step: its transition share is 1), so it also
+  prints the two kinds
   of step compiled alone, a transition step (``streaming.lane_step`` with
   finalization and starts) and an idle step (the masked vmapped step), the
   share of a planned round's steps that are transitions (100 clients of
@@ -203,7 +205,9 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
             x.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
         stepped, states)
   idle, _ = _compile(idle_step, states, step_inputs)
-  share = transition_share(name, lanes, slots, S, loop)
+  # A fixed segment transitions at every step (it holds no lax.cond).
+  share = 1.0 if loop == 'fixed' else transition_share(name, lanes, slots,
+                                                        S, loop)
 
   per = {'seg': _cost(seg), 'one': _cost(one), 'plain': _cost(plain),
          'body': _cost(lone), 'idle': _cost(idle)}

@@ -404,6 +404,8 @@ def _model(name: str, engine: str = 'loop', dtype: str = 'float32',
 
 def _algorithm(engine: str, model: fedjax.Model, batch_size: int, args):
   grad_fn = fedjax.model_grad(model)
+  # Process-wide (each configuration runs in its own process).
+  streaming.LaneStreams.prefetch = bool(getattr(args, 'prefetch', True))
   if engine in ('loop', 'vmap'):
     hp = fedjax.ShuffleRepeatBatchHParams(batch_size=batch_size)
     lanes = (args.lanes_per_device if args.lanes_per_device == 'auto' else
@@ -620,6 +622,7 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
   if args.data_dir:
     cmd.append(f'--data_dir={args.data_dir}')
   cmd.append('--fixed_cost' if args.fixed_cost else '--no-fixed_cost')
+  cmd.append('--prefetch' if args.prefetch else '--no-prefetch')
   return cmd
 
 
@@ -826,8 +829,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                       choices=streaming.LOOPS,
                       help='vmap engine: unroll, scan (an on-device loop of '
                       'segment_steps steps), while (a loop of the planned '
-                      'steps) or auto (scan; unroll on CPU for a lax '
-                      'convolution)')
+                      'steps), fixed (segment_steps steps, no conditional) '
+                      'or auto (scan; unroll on CPU for a lax convolution)')
+  parser.add_argument('--prefetch', default=True,
+                      action=argparse.BooleanOptionalAction,
+                      help='vmap engine: make the next segment\'s inputs on '
+                      'a worker thread while a segment runs (--no-prefetch: '
+                      'between calls, the reference)')
   parser.add_argument('--compute_dtype', default='float32',
                       choices=('float32', 'bfloat16'),
                       help='our engines\' and VmapBackend\'s model '
@@ -903,6 +911,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'--lanes_per_device={args.lanes_per_device}, '
             f'--segment_steps={args.segment_steps}, '
             f'--segment_loop={args.segment_loop}, '
+            f'--{"" if args.prefetch else "no-"}prefetch, '
             f'--compute_dtype={args.compute_dtype}, '
             f'--total_seconds={args.total_seconds:g}']
   print('\n'.join(header), flush=True)
@@ -966,7 +975,8 @@ def _profile(args, row: dict, output: str, budget: float) -> str:
          f'--segment_loop={args.segment_loop}',
          f'--compute_dtype={args.compute_dtype}',
          f'--max_examples={args.max_examples}', f'--seed={args.seed}',
-         f'--rounds={args.profile_rounds}', f'--output={path}']
+         f'--rounds={args.profile_rounds}', f'--output={path}',
+         '--prefetch' if args.prefetch else '--no-prefetch']
   if args.data_dir:
     cmd.append(f'--data_dir={args.data_dir}')
   try:

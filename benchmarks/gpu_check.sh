@@ -14,10 +14,14 @@
 #     tensorboardX==2.6.5
 #   cp -r "$FEDLITE_DATA_DIR/femnist105" .dev/data/
 #
-# Stages: profile_lm profile_cnn steps phases rounds rounds_while
-# rounds_bf16 (default: profile_cnn phases rounds; profile_cnn also copies
-# its trace, whose host_calls show which program calls block the host). Wheels of missing packages may travel in .dev/whl, FEMNIST
-# in .dev/data (else $FEDLITE_DATA_DIR, else synthetic FEMNIST).
+# Stages: profile_lm profile_cnn steps phases phases_fixed
+# phases_noprefetch rounds rounds_fixed rounds_noprefetch rounds_while
+# rounds_bf16 (default: profile_cnn phases phases_fixed rounds
+# rounds_fixed; profile_cnn also copies its trace, whose host_calls show
+# which program calls block the host; the phases' "wait inputs" is the
+# caller waiting for the prefetch thread). Wheels of missing packages may
+# travel in .dev/whl, FEMNIST in .dev/data (else $FEDLITE_DATA_DIR, else
+# synthetic FEMNIST).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -57,9 +61,24 @@ run_stage() {
     phases) stage phases 40 python3 benchmarks/round_phases.py \
       --model=femnist --engine=vmap --cohort=100 --warmup_rounds=2 \
       --rounds=3 --output="$OUT/phases_femnist.json" ;;
+    phases_fixed) stage phases_fixed 40 python3 benchmarks/round_phases.py \
+      --model=femnist --engine=vmap --cohort=100 --warmup_rounds=2 \
+      --rounds=3 --segment_loop=fixed \
+      --output="$OUT/phases_femnist_fixed.json" ;;
+    phases_noprefetch) stage phases_noprefetch 40 python3 \
+      benchmarks/round_phases.py --model=femnist --engine=vmap --cohort=100 \
+      --warmup_rounds=2 --rounds=3 --no-prefetch \
+      --output="$OUT/phases_femnist_noprefetch.json" ;;
     rounds) stage rounds 170 python3 $B --models=femnist,transformer_large \
       --engines=vmap,fedjax_jit --cohorts=100 --rounds=5 --extra= \
       --no-fixed_cost --output="$OUT/rounds.md" ;;
+    rounds_fixed) stage rounds_fixed 120 python3 $B \
+      --models=femnist,transformer_large --engines=vmap --cohorts=100 \
+      --rounds=5 --extra= --no-fixed_cost --segment_loop=fixed \
+      --output="$OUT/rounds_fixed.md" ;;
+    rounds_noprefetch) stage rounds_noprefetch 50 python3 $B \
+      --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
+      --no-fixed_cost --no-prefetch --output="$OUT/rounds_noprefetch.md" ;;
     rounds_while) stage rounds_while 50 python3 $B --models=femnist \
       --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
       --segment_loop=while --output="$OUT/rounds_while.md" ;;
@@ -71,7 +90,7 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_cnn phases rounds}"; do
+for s in "${@:-profile_cnn phases phases_fixed rounds rounds_fixed}"; do
   for t in $s; do run_stage "$t"; done
 done
 grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40

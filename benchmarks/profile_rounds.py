@@ -455,7 +455,7 @@ def run(args) -> dict:
           k: getattr(args, k) for k in (
               'model', 'engine', 'cohort', 'warmup_rounds', 'rounds',
               'lanes_per_device', 'segment_steps', 'segment_loop',
-              'compute_dtype',
+              'prefetch', 'compute_dtype',
               'max_examples', 'seed')},
       'device': bench_rounds._machine()}  # pylint: disable=protected-access
   _write(args.output, result)
@@ -522,7 +522,11 @@ def parser() -> argparse.ArgumentParser:
                  help='vmap engine: local steps per compiled segment')
   p.add_argument('--segment_loop', default='auto',
                  choices=streaming.LOOPS,
-                 help='vmap engine: unroll, scan or auto')
+                 help='vmap engine: unroll, scan, while, fixed or auto')
+  p.add_argument('--prefetch', default=True,
+                 action=argparse.BooleanOptionalAction,
+                 help="vmap engine: make the next segment's inputs on a "
+                 'worker thread (--no-prefetch: between calls)')
   p.add_argument('--compute_dtype', default='float32',
                  choices=('float32', 'bfloat16'))
   p.add_argument('--max_examples', type=int, default=0,

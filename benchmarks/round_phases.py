@@ -9,7 +9,9 @@ seconds spent (inclusive, so nested phases overlap their parents):
 
 * ``make_work``: local batching of the cohort (``rc.make_work``);
 * ``engine``: the round engine's call, and in it, for the vmap engine,
-  ``stack`` (a segment's batches stacked on the host), ``device_put``, the
+  ``stack`` (a segment's batches stacked on the host; on the prefetch
+  thread, which also cuts the batches), ``wait inputs`` (the caller waiting
+  for the prefetch thread: host-bound segments), ``device_put``, the
   host side of each lane program's call (``call lanes_*``: dispatch, or the
   wait where a call blocks) and ``per_client`` (the wait for the round's
   diagnostics and their split per client);
@@ -72,7 +74,7 @@ def instrument(phases: Phases):
   saved = []
 
   def wrap(owner, attr: str, name: str, fn=None) -> None:
-    saved.append((owner, attr, getattr(owner, attr)))
+    saved.append((owner, attr, vars(owner).get(attr, getattr(owner, attr))))
     setattr(owner, attr, fn or phases.timed(name, getattr(owner, attr)))
 
   for attr in ('make_work', 'server_update', 'client_diagnostics',
@@ -80,6 +82,9 @@ def instrument(phases: Phases):
     wrap(rc, attr, attr)
   wrap(streaming, '_stack', 'stack')
   wrap(streaming.LaneStreams, '_per_client', 'per_client')
+  wrap(streaming.LaneStreams, '_ready', '',
+       staticmethod(phases.timed('wait inputs',
+                                 streaming.LaneStreams._ready)))  # pylint: disable=protected-access
   wrap(engine_lib.VmapEngine, '__call__', 'engine')
   wrap(engine_lib.LoopEngine, '__call__', 'engine')
   wrap(jax, 'device_put', 'device_put')

@@ -50,6 +50,7 @@ def test_round_phases(benches, tmp_path):
   _, phases = benches
   from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
   build = streaming.LaneStreams._build  # pylint: disable=protected-access
+  ready = vars(streaming.LaneStreams)['_ready']
   out = tmp_path / 'phases.json'
   res = phases.main(['--model=transformer_tiny', '--engine=vmap',
                      '--cohort=4', '--max_examples=40', '--warmup_rounds=1',
@@ -58,6 +59,7 @@ def test_round_phases(benches, tmp_path):
   del res
   # The wrappers are gone: later tests in this process see the engine.
   assert streaming.LaneStreams._build is build  # pylint: disable=protected-access
+  assert vars(streaming.LaneStreams)['_ready'] is ready
   rounds = json.loads(out.read_text())['rounds']
   assert [r['warmup'] for r in rounds] == [True, False]
   for r in rounds:

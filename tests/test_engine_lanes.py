@@ -233,7 +233,8 @@ def test_auto_loop_is_scan_unless_a_cpu_step_convolves():
 @pytest.mark.parametrize('lanes,slots,loop', [
     (1, 'auto', 'unroll'), (3, 1, 'unroll'), (3, 2, 'unroll'),
     (5, 'auto', 'unroll'), (13, 3, 'unroll'), ('auto', 'auto', 'unroll'),
-    (1, 'auto', 'scan'), (3, 1, 'scan'), (5, 2, 'scan'), (13, 3, 'scan')])
+    (1, 'auto', 'scan'), (3, 1, 'scan'), (5, 2, 'scan'), (13, 3, 'scan'),
+    (1, 'auto', 'fixed'), (3, 2, 'fixed'), (13, 3, 'fixed')])
 def test_vmap_engine_equals_the_loop_engine(lanes, slots, loop):
   work = _cohort(13)
   shared = {'w': np.ones(3, np.float32)}
@@ -251,7 +252,7 @@ def test_vmap_engine_equals_the_loop_engine(lanes, slots, loop):
   useful = sum(len(w.batches) for w in work)
   assert counts['useful_steps'] == useful and counts['clients'] == 13
   assert counts['executed_steps'] == counts['sequential_steps'] * counts['lanes']
-  if loop == 'unroll':  # Every segment runs 4 steps.
+  if loop in ('unroll', 'fixed'):  # Every segment runs 4 steps.
     assert counts['segments'] * 4 == counts['sequential_steps']
   else:  # The last segment runs only the planned steps.
     assert counts['segments'] == -(-counts['sequential_steps'] // 4)
@@ -261,7 +262,7 @@ def test_vmap_engine_equals_the_loop_engine(lanes, slots, loop):
         -(-useful // lanes), max(len(w.batches) for w in work)) + 4
 
 
-@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while'])
+@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed'])
 def test_one_program_for_every_cohort(loop):
   """Cohorts of other sizes and step counts reuse the first round's programs
   (counted by JAX's compile events): the first round compiles each lane
@@ -325,7 +326,7 @@ def _scatters(hlo_text):
   return len(found), sum('unique_indices=true' not in s for s in found)
 
 
-@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while'])
+@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed'])
 def test_lane_programs_have_no_scatter(loop):
   """Starting and finalizing clients adds no scatter (XLA:GPU writes a
   scatter with duplicate indices atomically): the lane programs of a client
@@ -357,10 +358,116 @@ def test_lane_programs_have_no_scatter(loop):
     text = lowered.compile().as_text()
     assert 'ENTRY' in text and _scatters(text) == (0, 0), text
   # A scan segment's loop has a trip count XLA knows (XLA:GPU then reads no
-  # loop predicate on the host, so the call does not block); a while
-  # segment's is given at run time; an unrolled one has no loop.
+  # loop predicate on the host); a while segment's is given at run time; an
+  # unrolled one has no loop. Scan skips idle transitions and steps past the
+  # plan by conditionals (XLA:GPU reads each predicate on the host); a fixed
+  # segment has none, so nothing in it waits for the device.
   seg = texts[1].compile().as_text()
   trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', seg)
   loops = len(re.findall(r'\swhile\(', seg))
-  want = {'scan': (['4'], 1), 'while': ([], 1), 'unroll': ([], 0)}[loop]
+  conds = len(re.findall(r'\sconditional\(', seg))
+  want = {'scan': (['4'], 1), 'while': ([], 1), 'unroll': ([], 0),
+          'fixed': (['4'], 1)}[loop]
   assert (trips, loops) == want, (loop, trips, loops)
+  assert (conds == 0) == (loop == 'fixed'), (loop, conds)
+
+
+class _Recorded(list):
+  """A client's batches that record the thread reading each one, and raise
+  ``RuntimeError`` at batch ``fail_at``."""
+
+  def __init__(self, batches, threads, fail_at=None):
+    super().__init__(batches)
+    self.threads, self.fail_at = threads, fail_at
+
+  def __getitem__(self, i):
+    import threading  # pylint: disable=g-import-not-at-top
+    if i == self.fail_at:
+      raise RuntimeError(f'batch {i} unreadable')
+    self.threads.append(threading.current_thread().name)
+    return super().__getitem__(i)
+
+
+@pytest.mark.parametrize('loop', ['scan', 'fixed'])
+def test_prefetch_reads_batches_on_its_thread_with_equal_results(loop):
+  """Segment inputs made ahead on the worker thread (each batch read there,
+  never on the caller's) give the bits of inputs made between calls."""
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  shared = {'w': np.ones(3, np.float32)}
+  outs = {}
+  for prefetch in (False, True):
+    threads = []
+    work = [E.ClientWork(w.client_id, _Recorded(w.batches, threads),
+                         w.client_input, w.weight)
+            for w in _cohort(11, seed=5, max_steps=20)]
+    engine = E.VmapEngine(_program(), lanes_per_device=3, segment_steps=2,
+                          segment_loop=loop)
+    engine._streams.prefetch = prefetch  # pylint: disable=protected-access
+    outs[prefetch] = engine(shared, work)
+    # The caller reads one batch for the padding template (two in the first
+    # round, which resolves the loop from it); the worker every other one.
+    main = threads.count('MainThread')
+    worker = [n for n in threads if n.startswith('lanes_prefetch')]
+    useful = sum(len(w.batches) for w in work)
+    if prefetch:
+      assert main == 2 and len(worker) == useful, (main, len(worker))
+    else:
+      assert main == useful + 2 and not worker, (main, len(worker))
+  assert streaming.LaneStreams.prefetch is True
+  np.testing.assert_array_equal(outs[True].weighted_sum['delta'],
+                                outs[False].weighted_sum['delta'])
+  for a, b in zip(outs[True].diagnostics, outs[False].diagnostics):
+    np.testing.assert_array_equal(a['norm'], b['norm'])
+
+
+def test_prefetch_raises_what_batching_raises():
+  """A batch that cannot be read fails the round with its own error."""
+  work = _cohort(7, seed=2, max_steps=20)
+  longest = max(range(7), key=lambda i: len(work[i].batches))
+  w = work[longest]
+  work[longest] = E.ClientWork(w.client_id, _Recorded(
+      w.batches, [], fail_at=len(w.batches) - 1), w.client_input, w.weight)
+  engine = E.VmapEngine(_program(), lanes_per_device=2, segment_steps=2)
+  with pytest.raises(RuntimeError, match='unreadable'):
+    engine({'w': np.ones(3, np.float32)}, work)
+
+
+def test_client_batches_are_made_on_warm_up_threads():
+  """Clients' ``ClientBatches`` are made (rows gathered, preprocessed) on the
+  warm-up threads, each once, and the round equals one made on the caller's
+  thread alone."""
+  import threading  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.algorithms import batching  # pylint: disable=g-import-not-at-top
+  made = []
+
+  def record(batch):
+    made.append(threading.current_thread().name)
+    return batch
+
+  rng = np.random.RandomState(4)
+  sizes = rng.randint(3, 60, size=12)
+  datasets = [fedjax.ClientDataset(
+      {'x': rng.randn(m, 3).astype(np.float32),
+       'y': rng.randn(m).astype(np.float32)},
+      fedjax.BatchPreprocessor([record])) for m in sizes]
+  shared = {'w': np.ones(3, np.float32)}
+  outs = {}
+  for prefetch in (False, True):
+    made.clear()
+    work = [E.ClientWork(bytes([c]), batching.ClientBatches(
+        ds, fedjax.ShuffleRepeatBatchHParams(batch_size=4, seed=c)),
+                         {'scale': np.float32(1 + 0.1 * c)}, 1.0 + c)
+            for c, ds in enumerate(datasets)]
+    engine = E.VmapEngine(_program(), lanes_per_device=3, segment_steps=2)
+    engine._streams.prefetch = prefetch  # pylint: disable=protected-access
+    outs[prefetch] = engine(shared, work)
+    # Each client's rows are preprocessed once (one call).
+    assert len(made) == len(datasets), made
+    warm = [n for n in made if n.startswith('lanes_warm')]
+    # The caller makes the first client's (the padding template) itself;
+    # the others are made by the warm-up threads, or by the prefetch thread
+    # where it needs one first.
+    assert made.count('MainThread') == (1 if prefetch else len(datasets))
+    assert (len(warm) >= 1) == prefetch, made
+  np.testing.assert_array_equal(outs[True].weighted_sum['delta'],
+                                outs[False].weighted_sum['delta'])

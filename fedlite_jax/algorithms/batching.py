@@ -7,6 +7,7 @@ clients' batches share one shape.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Optional, Sequence
 import zlib
 
@@ -95,15 +96,24 @@ class ClientBatches(Sequence[dict]):
     self._dataset, self._hparams = dataset, hparams
     self._len = remote.num_shuffle_repeat_batches(len(dataset), hparams)
     self._batches: Optional[list[dict]] = None
+    self._lock = threading.Lock()
 
   def __len__(self) -> int:
     return self._len
 
   def __getitem__(self, index):
     if self._batches is None:
-      self._batches = self._make()
-      self._dataset = None  # Only the batches are needed from now on.
+      self.make()
     return self._batches[index]
+
+  def make(self) -> None:
+    """Makes the batches now, once (thread-safe: a round engine makes its
+    clients' batches on worker threads while the device runs). An error
+    leaves them unmade, to be raised again by the next access."""
+    with self._lock:
+      if self._batches is None:
+        self._batches = self._make()
+        self._dataset = None  # Only the batches are needed from now on.
 
   def _make(self) -> list[dict]:
     """The batches: the client's rows in batch order, preprocessed in one

@@ -231,8 +231,10 @@ class VmapEngine:
       (:func:`~fedlite_jax.rounds.lanes.choose_slots` of the first round).
     segment_loop: ``streaming.LOOPS``: 'unroll' (every segment runs
       ``segment_steps`` steps), 'scan' (an on-device loop that runs only the
-      planned steps) or 'auto' (scan; on CPU unroll for a client step with
-      a convolution, :func:`streaming.resolve_loop`, at the first round).
+      planned steps), 'while' (a loop of the planned count), 'fixed' (an
+      on-device loop of ``segment_steps`` steps without conditionals) or
+      'auto' (scan; on CPU unroll for a client step with a convolution,
+      :func:`streaming.resolve_loop`, at the first round).
 
   Raises:
     ValueError: a bad option.
@@ -272,7 +274,8 @@ class VmapEngine:
 
   @property
   def segment_loop(self) -> Optional[str]:
-    """The resolved segment loop, 'unroll' or 'scan' (None: not yet)."""
+    """The resolved segment loop (``streaming.LOOPS`` but 'auto'; None:
+    not yet)."""
     return self._loop
 
   def __call__(self, shared_input: PyTree,

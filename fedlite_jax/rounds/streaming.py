@@ -8,15 +8,18 @@ finalizes the lanes whose client ended (``slots`` rows), starts their
 next clients with a per-lane ``where`` (no scatter), then takes one masked
 vmapped step. The segment's steps are an on-device loop of ``S`` steps
 that skips the steps past the plan (``loop='scan'``), a loop with a run-time
-trip count (``'while'``), or unrolled (``'unroll'``: XLA:CPU with ``lax``
-convolutions). The programs run per
+trip count (``'while'``), a loop of ``S`` steps with no conditional at all
+(``'fixed'``: nothing is read back to the host), or unrolled (``'unroll'``:
+XLA:CPU with ``lax`` convolutions). The programs run per
 device under ``shard_map``; state and sums stay on the devices between
 calls. Notes: docs/notes/rounds.md.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -46,11 +49,18 @@ PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 #: (an on-device loop whose trip count is given at run time: XLA:GPU copies
 #: each iteration's predicate to the host, so the call blocks until the
 #: segment ends, ~15 ms per FEMNIST segment on an H200, and the next
-#: segment's inputs cannot be prepared meanwhile); or ``'auto'``: scan,
+#: segment's inputs cannot be prepared meanwhile); ``'fixed'`` (an
+#: on-device loop of ``S`` steps with no ``lax.cond``: every step finalizes
+#: and starts its slots, idle ones masked, and the last segment runs its
+#: padding steps masked, so executed steps are rounded up to a multiple of
+#: ``S``; XLA:GPU blocks the host on every conditional, reading its
+#: predicate back (``ConditionalThunk``), and on no known-trip-count loop,
+#: so a call returns once queued and the host prepares the next segment
+#: while the device runs this one; unmeasured on a GPU); or ``'auto'``: scan,
 #: except unroll on CPU for a client step with a convolution (XLA:CPU runs
 #: convolutions in a ``while`` loop ~13x slower, jax-ml/jax#12868; im2col
 #: convolutions are matmuls and scan there).
-LOOPS = ('auto', 'unroll', 'scan', 'while')
+LOOPS = ('auto', 'unroll', 'scan', 'while', 'fixed')
 
 
 def runs_planned_steps(loop: str) -> bool:
@@ -246,7 +256,21 @@ class LaneStreams:
       first local device).
     collect: False: outputs are weighted and summed on the devices; True:
       returned per client (``step_result`` too).
+
+  Attributes:
+    prefetch: make segment ``k + 1``'s inputs on a worker thread while
+      segment ``k`` runs (default True; set False on an instance or on the
+      class to make them between calls, as a benchmark's reference). The
+      results are the same either way.
+    warm_threads: with ``prefetch``, threads that make the clients' batches
+      ahead, for batch sequences with a ``make()`` method
+      (``batching.ClientBatches``), in the order of their first steps:
+      NumPy's row gathers and preprocessing release Python's lock, so they
+      run in parallel (default: half the CPUs, 1 to 8).
   """
+
+  prefetch: bool = True
+  warm_threads: int = max(1, min(8, (os.cpu_count() or 2) // 2))
 
   def __init__(self, init: Callable, step: Callable, final: Callable, *,
                mesh: Optional[sharding.ClientMesh] = None,
@@ -256,6 +280,8 @@ class LaneStreams:
                                       (sharding.AXIS,)))
     self.mesh = mesh
     self.collect = collect
+    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    self._warm_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
     self._programs: dict[tuple, tuple] = {}
     self._fns = init, step, final
     def lanes_reduce(acc):
@@ -266,7 +292,9 @@ class LaneStreams:
     """The three jitted programs for ``segment_steps`` steps."""
     init, step, final = self._fns
     collect = self.collect
-    body = lane_step(init, step, final, collect)
+    # A fixed segment holds no conditional (XLA:GPU reads each one's
+    # predicate back to the host): it transitions at every step.
+    body = lane_step(init, step, final, collect, skip_idle=loop != 'fixed')
     lanes_in = P(sharding.AXIS)
     mesh = self.mesh.mesh
     S = segment_steps
@@ -324,6 +352,8 @@ class LaneStreams:
       carry = (states, acc, bufs)
       if loop == 'while':
         carry = lax.fori_loop(0, num_steps, one_step, carry)
+      elif loop == 'fixed':  # S steps; padding steps are masked.
+        carry = lax.fori_loop(0, S, one_step, carry)
       else:  # A static trip count; steps past num_steps pass through.
         carry = lax.fori_loop(
             0, S, lambda i, c: lax.cond(i < num_steps, one_step,
@@ -415,11 +445,8 @@ class LaneStreams:
     weight_of = lambda c: np.where(c >= 0, weight[np.maximum(c, 0)],
                                    0.).astype(np.float32)
 
-    shared = mesh.put_replicated(shared)
-    states, acc = begin(shared, put(pick(plan.begin[lanes]), num_lanes),
-                        put(np.arange(plan.lanes)[lanes], num_lanes))
-    seg_diags, seg_outputs, seg_results = [], [], []
-    for k in range(plan.num_segments):
+    def prepare(k: int) -> tuple[StepInputs, np.int32]:
+      """Segment ``k``'s inputs, on the devices, and its planned steps."""
       t = slice(k * S, (k + 1) * S)
       who = plan.client[t, lanes].T          # [lanes, S]
       which = plan.batch[t, lanes].T
@@ -442,9 +469,37 @@ class LaneStreams:
           start_on=put(started >= 0, num_lanes),
           fin_lane=put(fin_lane, num_slots),
           fin_weight=put(weight_of(fin_client), num_slots))
-      steps_k = min(S, plan.sequential_steps - k * S)
+      return inputs_k, np.int32(min(S, plan.sequential_steps - k * S))
+
+    # Segment k + 1's inputs are made (batches cut, stacked, sent) on a
+    # worker thread while segment k's call runs; the call releases Python's
+    # lock, also where it waits for the device.
+    ahead = self.prefetch and plan.num_segments > 1
+    pending = (self._worker().submit(prepare, 0) if ahead else None)
+    if ahead:
+      # Batches that are made on first access (``make()``), made on the
+      # warm-up threads in the order of the clients' first steps.
+      local = plan.client[:, lanes]
+      first = np.full(n, plan.steps, np.int64)
+      t_idx, l_idx = np.nonzero(local >= 0)
+      np.minimum.at(first, local[t_idx, l_idx], t_idx)
+      for c in np.argsort(first, kind='stable'):
+        make = getattr(batches[c], 'make', None)
+        if first[c] < plan.steps and make is not None:
+          self._warmers().submit(make)
+    shared = mesh.put_replicated(shared)
+    states, acc = begin(shared, put(pick(plan.begin[lanes]), num_lanes),
+                        put(np.arange(plan.lanes)[lanes], num_lanes))
+    seg_diags, seg_outputs, seg_results = [], [], []
+    for k in range(plan.num_segments):
+      if ahead:
+        inputs_k, steps_k = self._ready(pending)
+        if k + 1 < plan.num_segments:
+          pending = self._worker().submit(prepare, k + 1)
+      else:
+        inputs_k, steps_k = prepare(k)
       states, acc, diags, outputs, results = segment(
-          shared, states, acc, inputs_k, np.int32(steps_k))
+          shared, states, acc, inputs_k, steps_k)
       seg_diags.append(diags)
       seg_outputs.append(outputs)
       seg_results.append(results)
@@ -457,6 +512,26 @@ class LaneStreams:
       return LaneRun(diags, outputs=outputs, step_results=results)
     total = jax.tree.map(lambda x: x.addressable_data(0), self._reduce(acc))
     return LaneRun(diags, weighted_sum=total)
+
+  @staticmethod
+  def _ready(pending: concurrent.futures.Future):
+    """A prefetched segment's inputs (the caller waits here while the
+    host, not the device, is behind)."""
+    return pending.result()
+
+  def _warmers(self) -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that make clients' batches ahead (:attr:`warm_threads`)."""
+    if self._warm_pool is None:
+      self._warm_pool = concurrent.futures.ThreadPoolExecutor(
+          max_workers=self.warm_threads, thread_name_prefix='lanes_warm')
+    return self._warm_pool
+
+  def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that prepares segment inputs ahead (made on first use)."""
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          max_workers=1, thread_name_prefix='lanes_prefetch')
+    return self._pool
 
   def _per_client(self, plan, seg_diags, seg_outputs, seg_results, fin_diags,
                   fin_outputs, num_clients):

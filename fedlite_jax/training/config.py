@@ -130,7 +130,9 @@ class RunConfig:
       'convolutions in loops slowly), or in an on-device loop that computes '
       'only the planned steps and compiles one step: of segment_steps steps '
       '(scan) or of the planned count (while; a GPU call waits for its '
-      'end); auto = scan, but unroll on CPU for a '
+      'end); or fixed: segment_steps steps and no conditional, so a GPU '
+      'call never waits for the device (the last segment pads with masked '
+      'steps); auto = scan, but unroll on CPU for a '
       'client step with a lax convolution. Equal to float rounding.',
       choices=SEGMENT_LOOPS)
   conv_implementation: str = _field(
