@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -145,6 +146,20 @@ def _stack(items: Sequence[PyTree], shape: tuple[int, ...]) -> PyTree:
     return xp.stack([xp.asarray(x) for x in xs]).reshape(
         shape + np.shape(xs[0]))
   return jax.tree.map(leaf, *items)
+
+
+_POOLS: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+  """A process-wide pool of ``workers`` threads named ``name``, made on
+  first use and shared by every engine (no threads per engine)."""
+  with _POOLS_LOCK:
+    if (name, workers) not in _POOLS:
+      _POOLS[name, workers] = concurrent.futures.ThreadPoolExecutor(
+          max_workers=workers, thread_name_prefix=name)
+    return _POOLS[name, workers]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +295,6 @@ class LaneStreams:
                                       (sharding.AXIS,)))
     self.mesh = mesh
     self.collect = collect
-    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-    self._warm_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
     self._programs: dict[tuple, tuple] = {}
     self._fns = init, step, final
     def lanes_reduce(acc):
@@ -521,17 +534,11 @@ class LaneStreams:
 
   def _warmers(self) -> concurrent.futures.ThreadPoolExecutor:
     """Threads that make clients' batches ahead (:attr:`warm_threads`)."""
-    if self._warm_pool is None:
-      self._warm_pool = concurrent.futures.ThreadPoolExecutor(
-          max_workers=self.warm_threads, thread_name_prefix='lanes_warm')
-    return self._warm_pool
+    return _pool('lanes_warm', self.warm_threads)
 
   def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
-    """The thread that prepares segment inputs ahead (made on first use)."""
-    if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(
-          max_workers=1, thread_name_prefix='lanes_prefetch')
-    return self._pool
+    """The thread that prepares segment inputs ahead."""
+    return _pool('lanes_prefetch', 1)
 
   def _per_client(self, plan, seg_diags, seg_outputs, seg_results, fin_diags,
                   fin_outputs, num_clients):
