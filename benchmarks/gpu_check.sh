@@ -16,8 +16,8 @@
 #
 # Stages: profile_lm profile_cnn steps phases phases_fixed
 # phases_noprefetch rounds rounds_fixed rounds_noprefetch rounds_while
-# rounds_bf16 (default: profile_cnn phases phases_fixed rounds
-# rounds_fixed; profile_cnn also copies its trace, whose host_calls show
+# rounds_bf16 (default: profile_cnn phases rounds rounds_noprefetch
+# rounds_fixed, ~460 s of caps; profile_cnn also copies its trace, whose host_calls show
 # which program calls block the host; the phases' "wait inputs" is the
 # caller waiting for the prefetch thread). Wheels of missing packages may
 # travel in .dev/whl, FEMNIST in .dev/data (else $FEDLITE_DATA_DIR, else
@@ -90,7 +90,7 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_cnn phases phases_fixed rounds rounds_fixed}"; do
+for s in "${@:-profile_cnn phases rounds rounds_noprefetch rounds_fixed}"; do
   for t in $s; do run_stage "$t"; done
 done
 grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40
