@@ -432,13 +432,25 @@ def test_prefetch_raises_what_batching_raises():
     engine({'w': np.ones(3, np.float32)}, work)
 
 
-def test_client_batches_are_made_on_warm_up_threads():
-  """Clients' ``ClientBatches`` are made (rows gathered, preprocessed) on the
-  warm-up threads, each once, and the round equals one made on the caller's
-  thread alone."""
+def test_client_batches_are_made_on_warm_up_threads(monkeypatch):
+  """Clients' ``ClientBatches`` are handed to the warm-up threads and made
+  (rows gathered, preprocessed) off the caller's thread, each once, and the
+  round equals one made on the caller's thread alone."""
   import threading  # pylint: disable=g-import-not-at-top
   from fedlite_jax.algorithms import batching  # pylint: disable=g-import-not-at-top
-  made = []
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  made, submitted = [], []
+  pool_of = streaming._pool  # pylint: disable=protected-access
+
+  class Spy:
+    def __init__(self, name, workers):
+      self.name, self.pool = name, pool_of(name, workers)
+
+    def submit(self, fn, *args):
+      submitted.append(self.name)
+      return self.pool.submit(fn, *args)
+
+  monkeypatch.setattr(streaming, '_pool', Spy)
 
   def record(batch):
     made.append(threading.current_thread().name)
@@ -454,6 +466,7 @@ def test_client_batches_are_made_on_warm_up_threads():
   outs = {}
   for prefetch in (False, True):
     made.clear()
+    submitted.clear()
     work = [E.ClientWork(bytes([c]), batching.ClientBatches(
         ds, fedjax.ShuffleRepeatBatchHParams(batch_size=4, seed=c)),
                          {'scale': np.float32(1 + 0.1 * c)}, 1.0 + c)
@@ -463,11 +476,15 @@ def test_client_batches_are_made_on_warm_up_threads():
     outs[prefetch] = engine(shared, work)
     # Each client's rows are preprocessed once (one call).
     assert len(made) == len(datasets), made
-    warm = [n for n in made if n.startswith('lanes_warm')]
-    # The caller makes the first client's (the padding template) itself;
-    # the others are made by the warm-up threads, or by the prefetch thread
-    # where it needs one first.
+    # Every client goes to the warm-up threads. The caller makes the first
+    # client's batches itself (the padding template); the others are made
+    # by the warm-up threads, or by the prefetch thread where it needs one
+    # first.
+    assert submitted.count('lanes_warm') == (len(datasets) if prefetch
+                                             else 0), submitted
     assert made.count('MainThread') == (1 if prefetch else len(datasets))
-    assert (len(warm) >= 1) == prefetch, made
+    assert all(n == 'MainThread' or n.startswith(('lanes_warm',
+                                                  'lanes_prefetch'))
+               for n in made), made
   np.testing.assert_array_equal(outs[True].weighted_sum['delta'],
                                 outs[False].weighted_sum['delta'])
