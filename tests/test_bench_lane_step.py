@@ -1,13 +1,16 @@
-"""benchmarks/bench_lane_step.py and benchmarks/round_phases.py on CPU.
+"""benchmarks/bench_lane_step.py, round_phases.py and bench_batching.py on CPU.
 
 References: XLA's cost analysis of the one-client step (a vmapped step over
 ``L`` lanes does ``L`` clients' FLOPs, to 2%); the round's own wall clock
-(the phases nested in a round cannot take longer than the round).
+(the phases nested in a round cannot take longer than the round); the
+batch count of FedJAX's batching (``ceil(examples / batch size)`` per
+client, one epoch).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -67,3 +70,21 @@ def test_round_phases(benches, tmp_path):
     assert r['calls']['make_work'] == 1 and r['calls']['engine'] == 1, r
     assert p['make_work'] + p['engine'] + p['server_update'] <= r['wall_s']
     assert p['call lanes_segment'] <= p['engine'], r
+
+
+def test_bench_batching(benches, tmp_path):
+  del benches  # Puts benchmarks/ on the path.
+  import bench_batching  # pylint: disable=g-import-not-at-top
+  out = tmp_path / 'b.json'
+  res = bench_batching.main(['--cohort=5', '--threads=1,2', '--rounds=2',
+                             f'--output={out}'])
+  assert json.loads(out.read_text())['ms'] == {
+      str(k): v for k, v in res['ms'].items()}
+  assert set(res['ms']) == {1, 2} and all(v > 0 for v in res['ms'].values())
+  assert res['speedup'][1] == 1.0
+  clients, _ = bench_batching.bench_rounds.population(
+      'femnist', 5, 0, 0, os.environ.get('FEDLITE_DATA_DIR'))
+  work = bench_batching.bench_rounds.fresh_cohort(clients, 5, 0, 1)
+  assert res['batches'] == sum(-(-len(ds) // 20) for _, ds, _ in work)
+  with pytest.raises(ValueError, match='must include 1'):
+    bench_batching.measure(5, [2], 1)
