@@ -16,12 +16,17 @@ XLA:CPU's ``cost_analysis()`` of the optimized programs:
   clients only at steps where some client ends (a ``lax.cond``; a
   ``fixed`` segment at every step: its transition share is 1), so it also
   prints the two kinds
-  of step compiled alone, a transition step (``streaming.lane_step`` with
-  finalization and starts) and an idle step (the masked vmapped step), the
+  of step, a transition step (``streaming.lane_step`` with finalization and
+  starts, compiled alone) and an idle step (the masked vmapped step
+  compiled alone, plus the bytes that the lane-step's idle branch copies:
+  the transition branch writes the states to a new buffer, so XLA copies
+  them in the other branch, and cost analysis counts only a conditional's
+  costlier branch), the
   share of a planned round's steps that are transitions (100 clients of
   ``bench_rounds``' population: real FEMNIST under ``$FEDLITE_DATA_DIR``,
   else synthetic example counts; one epoch), and the planned mean of the
-  two (planned FLOPs, planned bytes);
+  two (planned FLOPs, planned bytes; ``fixed``: the loop body, which every
+  step runs, with the copies that XLA makes of the loop-carried states);
 * compile seconds of the segment / of the ``S`` unrolled plain steps it
   replaces;
 * the optimized HLO's copies, gathers, scatters (and those without
@@ -121,6 +126,51 @@ def hlo_counts(text: str) -> dict:
   }
 
 
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'bf16': 2, 'f16': 2, 's16': 2,
+                'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8,
+                'u64': 8}
+
+
+def _shape_bytes(text: str) -> int:
+  """Bytes of the array shapes (``f32[39,512]{1,0}``) in an HLO shape."""
+  total = 0
+  for dtype, dims in re.findall(r'\b([a-z]+\d*)\[([\d,]*)\]', text):
+    if dtype in _DTYPE_BYTES:
+      total += _DTYPE_BYTES[dtype] * int(np.prod(
+          [int(d) for d in dims.split(',') if d], dtype=np.int64))
+  return total
+
+
+def idle_branch_copy_bytes(text: str) -> int:
+  """Bytes that the idle branch of a lane-step's ``lax.cond`` copies, read
+  and written (what cost analysis charges a ``copy``), in the optimized HLO
+  ``text`` of ``lane_step(skip_idle=True)`` compiled alone.
+
+  The transition branch writes the lane states to a new buffer (the start's
+  ``where``), so XLA makes the idle branch copy its states into the
+  conditional's output: every idle step of a segment pays that pass, which
+  an idle step compiled alone does not show.
+
+  Raises:
+    ValueError: not exactly one conditional in the entry computation.
+  """
+  entry = text[text.find('ENTRY'):]
+  conds = re.findall(r' conditional\((.*)', entry)
+  if len(conds) != 1:
+    raise ValueError(f'expected the lane-step\'s one conditional in the '
+                     f'entry computation; found {len(conds)}.')
+  # lax.cond(pred, transition, idle) lowers to branches {idle, transition}.
+  found = (re.search(r'branch_computations=\{%?([\w.\-]+)', conds[0]) or
+           re.search(r'false_computation=%?([\w.\-]+)', conds[0]))
+  if found is None:
+    raise ValueError('the conditional names no branch computations.')
+  start = re.search(r'^%?' + re.escape(found.group(1)) + r' .*\{$', text,
+                    re.MULTILINE)
+  body = text[start.end():text.find('\n}', start.end())]
+  return 2 * sum(_shape_bytes(shape) for shape in re.findall(
+      r'= (\S+) copy\(', body))
+
+
 def _compile(fn: Callable, *args) -> tuple[Any, float]:
   lowered = jax.jit(fn).lower(*args) if not hasattr(fn, 'lower') else \
       fn.lower(*args)
@@ -205,17 +255,30 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
             x.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
         stepped, states)
   idle, _ = _compile(idle_step, states, step_inputs)
+  # The same lane-step with its lax.cond, as a segment runs it: its idle
+  # branch copies the states (cost analysis counts only the costlier
+  # branch of a conditional, so the copy is read from the HLO).
+  in_cond, _ = _compile(
+      streaming.lane_step(program.init,
+                          lambda st, b: (program.step(st, b), None),
+                          program.final, skip_idle=True),
+      shared, states, acc, step_inputs)
+  idle_copy = idle_branch_copy_bytes(in_cond.as_text())
   # A fixed segment transitions at every step (it holds no lax.cond).
   share = 1.0 if loop == 'fixed' else transition_share(name, lanes, slots,
                                                         S, loop)
 
   per = {'seg': _cost(seg), 'one': _cost(one), 'plain': _cost(plain),
          'body': _cost(lone), 'idle': _cost(idle)}
+  # An idle step in a segment: the masked step plus its branch's copy.
+  per['idle']['bytes'] += idle_copy
   planned = {k: share * per['body'][k] + (1 - share) * per['idle'][k]
              for k in ('flops', 'bytes')}
   # Cost analysis counts a while loop's body once.
   seg_per_step = {k: v / (S if loop == 'unroll' else 1)
                   for k, v in per['seg'].items()}
+  if loop == 'fixed':  # Every step is the loop body (with its loop copies).
+    planned = dict(seg_per_step)
   return {
       'model': name, 'dtype': dtype, 'loop': loop, 'lanes': lanes,
       'slots': slots, 'segment_steps': S,
@@ -227,6 +290,8 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
       'body_flops_ratio': per['body']['flops'] / per['one']['flops'],
       'body_bytes_ratio': per['body']['bytes'] / per['one']['bytes'],
       'idle_bytes_ratio': per['idle']['bytes'] / per['one']['bytes'],
+      'idle_copy_bytes': idle_copy,
+      'idle_copy_bytes_ratio': idle_copy / per['one']['bytes'],
       'transition_share': share,
       'planned_flops_ratio': planned['flops'] / per['one']['flops'],
       'planned_bytes_ratio': planned['bytes'] / per['one']['bytes'],
@@ -329,10 +394,13 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
             'same lanes (XLA:CPU cost analysis). Segment: per lane-step '
             '(unrolled: the segment / S; scan: the loop body, counted once; '
             'a lax.cond counted as its costlier branch). Transition / idle '
-            'step: a lane-step with finalization and starts / without, '
-            'compiled alone. Transition share: steps of a planned 100-client '
+            'step: a lane-step with finalization and starts, compiled alone / '
+            'the masked step compiled alone plus the states that the '
+            'lane-step\'s idle branch copies (read and written). '
+            'Transition share: steps of a planned 100-client '
             'round at which clients end. Planned: the share-weighted mean '
-            'of the transition and idle steps. Compile s: the segment '
+            'of the transition and idle steps (fixed: the loop body, which '
+            'every step runs). Compile s: the segment '
             'program / S plain steps unrolled in one program. HLO columns: '
             'segment / S plain steps (scatters without unique indices in '
             'parentheses).\n\n')

@@ -3,8 +3,9 @@ lane-step costs next to the plain vmapped step (XLA:CPU cost analysis).
 
 References: the plain vmapped gradient + SGD step compiled in the same
 process (FLOPs within 2% and planned bytes within 10%, the engine's budget
-for its bookkeeping), and the optimized HLO (no scatter that the step
-itself does not hold).
+for its bookkeeping), the lane states' size (what the idle branch of the
+lane-step's conditional copies), and the optimized HLO (no scatter that
+the step itself does not hold).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def test_a_scan_lane_step_costs_the_plain_step(bench, tmp_path):
   assert 0.5 < m['idle_bytes_ratio'] <= m['body_bytes_ratio'], m
   assert 0 < m['transition_share'] <= 1, m
   assert m['planned_bytes_ratio'] <= 1.10, m
+  # The idle branch copies every lane's parameters in and out (float32),
+  # and little else (the rest of a state: its key and loss statistics).
+  params_bytes = 4 * m['lanes'] * m['params']
+  assert 2 * params_bytes <= m['idle_copy_bytes'] <= 2.05 * params_bytes, m
   # The step's own scatters (the embedding gradient), and no others.
   seg, plain = m['hlo_segment'], m['hlo_plain_steps']
   assert seg['scatter_not_unique'] <= plain['scatter_not_unique'] // 2, m

@@ -210,7 +210,9 @@ def lane_step(init: Callable, step: Callable, final: Callable,
     client update's ``init`` broadcasts the shared input, which fuses into
     the select): no scatter, so no copy of the lane states before it and
     no atomic writes (an in-place update of rows that the finalization
-    reads made XLA copy whole leaves).
+    reads made XLA copy whole leaves). Since the transition writes the
+    states anew, XLA makes the ``lax.cond``'s idle branch copy them: one
+    pass over the lane states per step either way.
   """
   def transition(shared, states, acc, x: StepInputs):
     """Finalizes the slots' clients and starts the next ones."""
