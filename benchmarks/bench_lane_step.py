@@ -16,6 +16,13 @@ and reads each compiled program's FLOPs and bytes from the backend's own
   of ``--lanes``;
 * ``idle``: the vmap engine's masked step (the runner's FedAvg client update,
   ``streaming``'s per-lane ``where``);
+* ``idle_cond``: the engine's lane-step where no client ends, as a segment
+  runs it (``streaming.lane_step`` with its ``lax.cond``, the idle branch
+  taken): on XLA:CPU that branch copies the lane states, since the
+  transition branch writes new ones; against ``idle`` (measured with it)
+  it times that copy; its cost columns are the masked step's plus the copy
+  read from the optimized HLO (cost analysis charges a conditional its
+  costlier branch); measured last;
 * ``transition``: the engine's lane-step that finalizes ``slots`` clients
   and starts new ones before stepping (``streaming.lane_step``);
 * ``segment``: the engine's ``lanes_segment`` program of ``S`` steps
@@ -33,6 +40,7 @@ are measured. On CPU this runs the tiny models (a test runs it there).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -51,7 +59,8 @@ import numpy as np  # noqa: E402
 from fedlite_jax.models import lm  # noqa: E402
 from fedlite_jax.rounds import streaming  # noqa: E402
 
-KINDS = ('client', 'shared', 'vmap', 'idle', 'transition', 'segment')
+KINDS = ('client', 'shared', 'vmap', 'idle', 'idle_cond', 'transition',
+         'segment')
 #: Lanes per model (the engine's plans on one large GPU: 39 Transformer
 #: lanes for 100 clients, 51 CNN lanes).
 LANES = {'transformer_large': (8, 39), 'femnist': (51, 100),
@@ -107,15 +116,18 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
     g = grad(p, b, k)
     return jax.tree.map(lambda w, d: w - 0.1 * d, p, g)
 
-  def row(kind, L, fn, args_sets, steps=1, compile_args=None):
+  def row(kind, L, fn, args_sets, steps=1, compile_args=None, cost=None):
     jitted = jax.jit(fn)
     t = time.perf_counter()
     compiled = jitted.lower(*(compile_args or args_sets[0])).compile()
     compile_s = time.perf_counter() - t
     sec = _time(compiled, args_sets, repeats) / steps
-    cost = _cost(compiled)
-    cost = {k: v / (steps if loop == 'unroll' or kind != 'segment' else 1)
-            for k, v in cost.items()}
+    if cost is None:
+      cost = _cost(compiled)
+      cost = {k: v / (steps if loop == 'unroll' or kind != 'segment' else 1)
+              for k, v in cost.items()}
+    else:
+      cost = cost(compiled)
     r = {'model': name, 'dtype': dtype, 'kind': kind, 'lanes': L,
          'ms': sec * 1e3, 'ms_per_lane_step': sec * 1e3 / L,
          'flops': cost['flops'], 'bytes': cost['bytes'],
@@ -146,7 +158,8 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
       sets = [(p, b, ks) for b in _arrays(name, L, 3, seed)]
       row('vmap', L, jax.vmap(sgd), sets)
 
-  rest = [k for k in ('idle', 'transition', 'segment') if k in kinds]
+  rest = [k for k in ('idle', 'idle_cond', 'transition', 'segment')
+          if k in kinds]
   if not rest:
     return rows
   program, shared = blc.client_program(model, model.init(key))
@@ -170,11 +183,12 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
         fin_lane=lead(fin), fin_weight=lead(jnp.ones((slots,), jnp.float32)))
 
   step = lambda st, b: (program.step(st, b), None)
-  if 'idle' in kinds:
-    def idle(states, x):
-      stepped = jax.vmap(program.step)(states, x.batch)
-      return streaming._where_rows(x.active, stepped, states)  # pylint: disable=protected-access
-    row('idle', L, idle, [(states, inputs(b, 0)) for b in batches])
+  def idle(states, x):
+    stepped = jax.vmap(program.step)(states, x.batch)
+    return streaming._where_rows(x.active, stepped, states)  # pylint: disable=protected-access
+  idle_row = None
+  if 'idle' in kinds or 'idle_cond' in kinds:
+    idle_row = row('idle', L, idle, [(states, inputs(b, 0)) for b in batches])
   if 'transition' in kinds:
     body = streaming.lane_step(program.init, step, program.final,
                                skip_idle=False)
@@ -202,7 +216,33 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
     copy = lambda t: jax.tree.map(jnp.copy, t)
     row('segment', L,
         lambda s, a, x: segment(copy(s), copy(a), x), sets, steps=S)
+  if 'idle_cond' in kinds:  # Last: its HLO reading may fail elsewhere.
+    in_cond = streaming.lane_step(program.init, step, program.final,
+                                  skip_idle=True)
+
+    def no_ends(b):
+      x = inputs(b, 0)
+      return dataclasses.replace(
+          x, start_on=jnp.zeros_like(x.start_on),
+          fin_lane=jnp.full_like(x.fin_lane, -1),
+          fin_weight=jnp.zeros_like(x.fin_weight))
+    # Cost analysis charges a conditional its costlier branch: count the
+    # masked step and the copy that the idle branch makes instead.
+    row('idle_cond', L, in_cond,
+        [(shared, states, acc, no_ends(b)) for b in batches],
+        cost=lambda c: {'flops': idle_row['flops'],
+                        'bytes': idle_row['bytes'] + _copy_bytes(c)})
   return rows
+
+
+def _copy_bytes(compiled) -> float:
+  """The idle branch's copy (``bench_lane_cost.idle_branch_copy_bytes``);
+  NaN, said on stdout, where the optimized HLO has another form."""
+  try:
+    return float(blc.idle_branch_copy_bytes(compiled.as_text()))
+  except ValueError as e:
+    print(f'idle_cond: copy bytes not read: {e}', flush=True)
+    return float('nan')
 
 
 def _line(r: dict) -> str:

@@ -19,7 +19,9 @@
 # rounds_bf16 (default: profile_cnn phases rounds rounds_noprefetch
 # rounds_fixed, ~460 s of caps; profile_cnn also copies its trace, whose host_calls show
 # which program calls block the host; the phases' "wait inputs" is the
-# caller waiting for the prefetch thread). Wheels of missing packages may
+# caller waiting for the prefetch thread; steps times the idle lane-step
+# with its lax.cond against the masked step: whether XLA:GPU copies the
+# lane states in the idle branch as XLA:CPU does). Wheels of missing packages may
 # travel in .dev/whl, FEMNIST in .dev/data (else $FEDLITE_DATA_DIR, else
 # synthetic FEMNIST).
 set -u
@@ -56,8 +58,10 @@ run_stage() {
       --no-hlo_dump --output="$OUT/profile_femnist.json"
       python3 -c 'import json,shutil,sys; shutil.copy(json.load(open(sys.argv[1]))["trace_file"], sys.argv[2])' \
         "$OUT/profile_femnist.json" "$OUT/trace_femnist.json.gz" >>"$LOG" 2>&1 ;;
-    steps) stage steps 120 python3 benchmarks/bench_lane_step.py \
-      --models=transformer_large,femnist --output="$OUT/lane_step.jsonl" ;;
+    steps) stage steps 150 python3 benchmarks/bench_lane_step.py \
+      --models=transformer_large,femnist --dtypes=float32 \
+      --kinds=client,vmap,idle,transition,segment,idle_cond \
+      --output="$OUT/lane_step.jsonl" ;;
     phases) stage phases 40 python3 benchmarks/round_phases.py \
       --model=femnist --engine=vmap --cohort=100 --warmup_rounds=2 \
       --rounds=3 --output="$OUT/phases_femnist.json" ;;

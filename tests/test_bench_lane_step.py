@@ -39,12 +39,16 @@ def test_lane_step_rows(benches, tmp_path):
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   kinds = [(r['kind'], r['lanes']) for r in rows]
   assert kinds == [('client', 1), ('shared', 3), ('vmap', 2), ('vmap', 3),
-                   ('idle', 3), ('transition', 3), ('segment', 3)], kinds
+                   ('idle', 3), ('transition', 3), ('segment', 3),
+                   ('idle_cond', 3)], kinds
   client = rows[0]['flops']
   for r in rows:
     assert r['ms'] > 0 and r['compile_s'] > 0, r
   for r in rows[1:4]:  # shared, vmap: L clients' arithmetic
     assert r['flops'] == pytest.approx(r['lanes'] * client, rel=0.02), r
+  # XLA:CPU: the lane-step's idle branch adds a copy of the lane states.
+  idle, idle_cond = rows[4], rows[-1]
+  assert idle_cond['bytes'] > idle['bytes'], (idle, idle_cond)
   with pytest.raises(SystemExit):
     bench.main(['--kinds=client,nope'])
 
