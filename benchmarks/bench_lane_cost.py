@@ -152,7 +152,8 @@ def idle_branch_copy_bytes(text: str) -> int:
   an idle step compiled alone does not show.
 
   Raises:
-    ValueError: not exactly one conditional in the entry computation.
+    ValueError: not exactly one conditional in the entry computation, or
+      its idle branch not found.
   """
   entry = text[text.find('ENTRY'):]
   conds = re.findall(r' conditional\((.*)', entry)
@@ -166,6 +167,8 @@ def idle_branch_copy_bytes(text: str) -> int:
     raise ValueError('the conditional names no branch computations.')
   start = re.search(r'^%?' + re.escape(found.group(1)) + r' .*\{$', text,
                     re.MULTILINE)
+  if start is None:
+    raise ValueError(f'branch computation {found.group(1)!r} not found.')
   body = text[start.end():text.find('\n}', start.end())]
   return 2 * sum(_shape_bytes(shape) for shape in re.findall(
       r'= (\S+) copy\(', body))

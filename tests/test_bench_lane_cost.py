@@ -45,3 +45,11 @@ def test_a_scan_lane_step_costs_the_plain_step(bench, tmp_path):
   out = tmp_path / 'cost.md'
   bench._write(str(out), ['test'], [m])  # pylint: disable=protected-access
   assert 'transformer_tiny | float32 | scan' in out.read_text()
+
+
+def test_idle_branch_copy_needs_the_lane_steps_conditional(bench):
+  hlo = ('ENTRY %main (p: f32[4]) -> f32[4] {\n'
+         '  %p = f32[4]{0} parameter(0)\n'
+         '  ROOT %c = f32[4]{0} copy(%p)\n}\n')
+  with pytest.raises(ValueError, match='found 0'):
+    bench.idle_branch_copy_bytes(hlo)
