@@ -12,17 +12,17 @@ XLA:CPU's ``cost_analysis()`` of the optimized programs:
 * FLOPs and bytes accessed of the segment / those of the plain steps
   (unrolled segments: the whole segment over ``S`` plain steps; ``scan``,
   ``while`` and ``fixed`` segments: cost analysis counts a loop body once,
-  so the segment against ONE plain step). A lane-step finalizes and starts
-  clients only at steps where some client ends (a ``lax.cond``; a
-  ``fixed`` segment at every step: its transition share is 1), so it also
-  prints the two kinds
-  of step, a transition step (``streaming.lane_step`` with finalization and
-  starts, compiled alone) and an idle step (the masked vmapped step
-  compiled alone, plus the bytes that the lane-step's idle branch copies:
-  the transition branch writes the states to a new buffer, so XLA copies
-  them in the other branch, and cost analysis counts only a conditional's
-  costlier branch), the
-  share of a planned round's steps that are transitions (100 clients of
+  so the segment against ONE plain step; the loop over the slots' starts
+  inside every lane-step is counted in full: the starts unrolled, compiled
+  alone, minus the same rolled). A lane-step finalizes clients only at
+  steps where some client ends (a ``lax.cond``; a ``fixed`` segment at
+  every step: its transition share is 1), so it also prints the two kinds
+  of step: a transition step (``streaming.lane_step`` compiled alone: cost
+  analysis charges its conditional the costlier branch, the finalization)
+  and an idle step (the starts, whose idle slots write their rows back,
+  the masked step, and what the conditional's idle branch copies, read
+  from the optimized HLO: the weighted sums it passes through), the share
+  of a planned round's steps that are transitions (100 clients of
   ``bench_rounds``' population: real FEMNIST under ``$FEDLITE_DATA_DIR``,
   else synthetic example counts; one epoch), and the planned mean of the
   two (planned FLOPs, planned bytes; ``fixed``: the loop body, which every
@@ -123,6 +123,7 @@ def hlo_counts(text: str) -> dict:
                                 for s in scatters),
       'select': sum(op == 'select' for op in ops),
       'entry_instructions': entry.count('\n  '),
+      'copy_bytes': copied_bytes(text),
   }
 
 
@@ -141,15 +142,31 @@ def _shape_bytes(text: str) -> int:
   return total
 
 
+def copied_bytes(text: str) -> int:
+  """Bytes that the ``copy`` instructions of an optimized HLO module read
+  and write, outside fusions (a copy in a fusion is a layout change of its
+  kernel): in a lane program, XLA's copies of carried buffers (lane states,
+  sums) before they are written in place."""
+  fused = set(re.findall(r' fusion\([^\n]*?calls=%?([\w.\-]+)', text))
+  total = 0
+  for block in re.split(r'\n(?=\S)', text):
+    name = re.match(r'(?:ENTRY )?%?([\w.\-]+)', block)
+    if name is None or name.group(1) in fused:
+      continue
+    total += 2 * sum(_shape_bytes(shape) for shape in
+                     re.findall(r'= (\S+) copy\(', block))
+  return total
+
+
 def idle_branch_copy_bytes(text: str) -> int:
   """Bytes that the idle branch of a lane-step's ``lax.cond`` copies, read
   and written (what cost analysis charges a ``copy``), in the optimized HLO
   ``text`` of ``lane_step(skip_idle=True)`` compiled alone.
 
-  The transition branch writes the lane states to a new buffer (the start's
-  ``where``), so XLA makes the idle branch copy its states into the
-  conditional's output: every idle step of a segment pays that pass, which
-  an idle step compiled alone does not show.
+  The idle branch passes through what the transition branch writes anew
+  (the weighted sums), so XLA copies it into the conditional's output:
+  every idle step of a segment pays that copy, which cost analysis (the
+  costlier branch only) does not show.
 
   Raises:
     ValueError: not exactly one conditional in the entry computation, or
@@ -180,6 +197,24 @@ def _compile(fn: Callable, *args) -> tuple[Any, float]:
   t = time.perf_counter()
   compiled = lowered.compile()
   return compiled, time.perf_counter() - t
+
+
+def idle_lane_step(program, starts: str = 'rows') -> Callable:
+  """``(shared, states, acc, inputs) -> states``: what a lane-step runs
+  besides its conditional's idle branch where no client ends: the slots'
+  starts (``starts``: ``streaming.STARTS``; rows unrolled, so that cost
+  analysis counts every slot) and the masked vmapped step."""
+  start_all = streaming.start_slots(program.init, unroll=starts == 'rows',
+                                    method=starts)
+
+  def idle_step(shared, states, acc, x):
+    states = start_all(shared, states, acc, x)
+    stepped = jax.vmap(program.step)(states, x.batch)
+    return jax.tree.map(
+        lambda n, o: jnp.where(
+            x.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+        stepped, states)
+  return idle_step
 
 
 def client_program(model: fedjax.Model, params) -> tuple[Any, dict]:
@@ -234,46 +269,51 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   inputs = streaming.StepInputs(
       batch=seg_batch,
       active=jax.ShapeDtypeStruct((lanes, S), jnp.bool_),
-      start_input=_lead(client_input, lanes, S),
-      start_on=jax.ShapeDtypeStruct((lanes, S), jnp.bool_),
       fin_lane=jax.ShapeDtypeStruct((slots, S), jnp.int32),
-      fin_weight=jax.ShapeDtypeStruct((slots, S), jnp.float32))
+      fin_weight=jax.ShapeDtypeStruct((slots, S), jnp.float32),
+      start_input=_lead(client_input, slots, S),
+      start_on=jax.ShapeDtypeStruct((slots, S), jnp.bool_))
   segment = streams._build(S, loop)[1]  # pylint: disable=protected-access
   seg, seg_s = _compile(segment, shared, states, acc, inputs,
                         jax.ShapeDtypeStruct((), jnp.int32))
-  # The lane-step alone: with a transition (finalize + start) at every
-  # step, and a step without one (the other branch of its lax.cond).
-  body = streaming.lane_step(program.init,
-                             lambda st, b: (program.step(st, b), None),
-                             program.final, skip_idle=False)
   step_inputs = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype),
       inputs)
-  lone, lone_s = _compile(body, shared, states, acc, step_inputs)
-
-  def idle_step(states, x):
-    stepped = jax.vmap(program.step)(states, x.batch)
-    return jax.tree.map(
-        lambda n, o: jnp.where(
-            x.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-        stepped, states)
-  idle, _ = _compile(idle_step, states, step_inputs)
-  # The same lane-step with its lax.cond, as a segment runs it: its idle
-  # branch copies the states (cost analysis counts only the costlier
-  # branch of a conditional, so the copy is read from the HLO).
-  in_cond, _ = _compile(
-      streaming.lane_step(program.init,
-                          lambda st, b: (program.step(st, b), None),
-                          program.final, skip_idle=True),
+  step = lambda st, b: (program.step(st, b), None)
+  # Compiled alone, the lane states and sums are donated, as the segment
+  # carries them (else XLA copies the states before writing rows in place).
+  carried = lambda fn, donate=(1,): jax.jit(fn, donate_argnums=donate)
+  # The slots' starts run in an on-device loop, which cost analysis counts
+  # once: the other slots' iterations are the starts unrolled minus rolled.
+  rolled, _ = _compile(carried(streaming.start_slots(program.init)), shared,
+                       states, acc, step_inputs)
+  unrolled, _ = _compile(
+      carried(streaming.start_slots(program.init, unroll=True)), shared,
+      states, acc, step_inputs)
+  more_starts = {k: _cost(unrolled)[k] - _cost(rolled)[k]
+                 for k in ('flops', 'bytes')}
+  # A transition step: the lane-step as a segment runs it (cost analysis
+  # charges its lax.cond the costlier branch, the finalization).
+  in_cond, lone_s = _compile(
+      carried(streaming.lane_step(program.init, step, program.final,
+                                  skip_idle=True), (1, 2)),
       shared, states, acc, step_inputs)
+  # An idle step: the idle branch (its copies, read from the HLO), the
+  # starts (every slot writes its lane's row back) and the masked step.
   idle_copy = idle_branch_copy_bytes(in_cond.as_text())
+  idle, _ = _compile(carried(idle_lane_step(program)), shared, states, acc,
+                     step_inputs)
   # A fixed segment transitions at every step (it holds no lax.cond).
   share = 1.0 if loop == 'fixed' else transition_share(name, lanes, slots,
                                                         S, loop)
 
   per = {'seg': _cost(seg), 'one': _cost(one), 'plain': _cost(plain),
-         'body': _cost(lone), 'idle': _cost(idle)}
-  # An idle step in a segment: the masked step plus its branch's copy.
+         'body': _cost(in_cond), 'idle': _cost(idle)}
+  for k in ('flops', 'bytes'):
+    per['body'][k] += more_starts[k]
+    # Cost analysis counts a while loop's body once; an unrolled segment
+    # traces S lane-steps, each with its loop of starts.
+    per['seg'][k] += more_starts[k] * (S if loop == 'unroll' else 1)
   per['idle']['bytes'] += idle_copy
   planned = {k: share * per['body'][k] + (1 - share) * per['idle'][k]
              for k in ('flops', 'bytes')}
@@ -341,7 +381,9 @@ def _row(m: dict) -> str:
           f"{m['planned_bytes_ratio']:.3f}x | "
           f"{m['segment_compile_s']:.1f} / {m['plain_steps_compile_s']:.1f}"
           f" = {m['compile_ratio']:.2f}x | "
-          f"{h['copy']} / {p['copy']} | {h['gather']} / {p['gather']} | "
+          f"{h['copy']} / {p['copy']} | "
+          f"{h['copy_bytes'] / 1e9:.2f} / {p['copy_bytes'] / 1e9:.2f} | "
+          f"{h['gather']} / {p['gather']} | "
           f"{h['scatter']} ({h['scatter_not_unique']}) / {p['scatter']} "
           f"({p['scatter_not_unique']}) | {h['select']} / {p['select']} | "
           f"{h['entry_instructions']} / {p['entry_instructions']} |")
@@ -351,10 +393,10 @@ HEADER = (
     '| model | dtype | loop | lanes | slots | S | segment FLOPs / plain '
     'step | segment bytes / plain step | transition step bytes | idle step '
     'bytes | transition share | planned FLOPs | planned bytes | compile s: '
-    'segment / S plain steps | copies | gathers | scatters (not unique) | '
-    'selects | entry instructions |\n'
+    'segment / S plain steps | copies | GB copied | gathers | scatters '
+    '(not unique) | selects | entry instructions |\n'
     '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
-    '---:|---:|---:|---:|---:|')
+    '---:|---:|---:|---:|---:|---:|')
 
 
 def main(argv=None) -> None:
@@ -396,17 +438,20 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
     f.write('- Every ratio is over one plain vmapped grad + SGD step on the '
             'same lanes (XLA:CPU cost analysis). Segment: per lane-step '
             '(unrolled: the segment / S; scan: the loop body, counted once; '
-            'a lax.cond counted as its costlier branch). Transition / idle '
-            'step: a lane-step with finalization and starts, compiled alone / '
-            'the masked step compiled alone plus the states that the '
-            'lane-step\'s idle branch copies (read and written). '
+            'a lax.cond counted as its costlier branch; the loop over the '
+            'slots\' starts counted in full). Transition / idle '
+            'step: the lane-step compiled alone, its states and sums donated '
+            '(its conditional counted as the finalization) / the starts and '
+            'the masked step compiled alone plus what the lane-step\'s idle '
+            'branch copies (read and written). '
             'Transition share: steps of a planned 100-client '
             'round at which clients end. Planned: the share-weighted mean '
             'of the transition and idle steps (fixed: the loop body, which '
             'every step runs). Compile s: the segment '
             'program / S plain steps unrolled in one program. HLO columns: '
             'segment / S plain steps (scatters without unique indices in '
-            'parentheses).\n\n')
+            'parentheses; GB copied: what the copies outside fusions read '
+            'and write, XLA\'s copies of carried buffers).\n\n')
     f.write(f'<!-- rows: {json.dumps(rows)} -->\n')
 
 

@@ -18,13 +18,15 @@ and reads each compiled program's FLOPs and bytes from the backend's own
   ``streaming``'s per-lane ``where``);
 * ``idle_cond``: the engine's lane-step where no client ends, as a segment
   runs it (``streaming.lane_step`` with its ``lax.cond``, the idle branch
-  taken): on XLA:CPU that branch copies the lane states, since the
-  transition branch writes new ones; against ``idle`` (measured with it)
-  it times that copy; its cost columns are the masked step's plus the copy
-  read from the optimized HLO (cost analysis charges a conditional its
-  costlier branch); measured last;
+  taken, the slots writing their rows back): against ``idle`` (measured
+  with it) it times the lane-step's bookkeeping on a step without
+  transitions; its cost columns are those of the starts and the masked
+  step compiled alone, plus the idle branch's copy read from the optimized
+  HLO (cost analysis charges a conditional its costlier branch); measured
+  last;
 * ``transition``: the engine's lane-step that finalizes ``slots`` clients
-  and starts new ones before stepping (``streaming.lane_step``);
+  and starts new ones before stepping (``streaming.lane_step`` without its
+  conditional);
 * ``segment``: the engine's ``lanes_segment`` program of ``S`` steps
   (``--segment_loop``), per step.
 
@@ -105,7 +107,8 @@ def _cost(compiled) -> dict:
 
 def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
             slots: int, segment_steps: int, loop: str, repeats: int,
-            seed: int = 0, emit: Callable[[dict], None] = print) -> list[dict]:
+            seed: int = 0, emit: Callable[[dict], None] = print,
+            starts: str = 'rows') -> list[dict]:
   """Rows of one model and dtype (see module doc)."""
   model = blc.build_model(name, dtype)
   grad = fedjax.model_grad(model)
@@ -129,6 +132,7 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
     else:
       cost = cost(compiled)
     r = {'model': name, 'dtype': dtype, 'kind': kind, 'lanes': L,
+         'starts': starts,
          'ms': sec * 1e3, 'ms_per_lane_step': sec * 1e3 / L,
          'flops': cost['flops'], 'bytes': cost['bytes'],
          'tflops_per_s': cost['flops'] / sec / 1e12,
@@ -178,24 +182,24 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
     return streaming.StepInputs(
         batch=jax.tree.map(lead, b),
         active=lead(jnp.ones((L,), bool)),
-        start_input={'rng': lead(jax.random.split(key, L))},
-        start_on=lead(jnp.arange(L) < slots),
-        fin_lane=lead(fin), fin_weight=lead(jnp.ones((slots,), jnp.float32)))
+        fin_lane=lead(fin), fin_weight=lead(jnp.ones((slots,), jnp.float32)),
+        start_input={'rng': lead(jax.random.split(key, slots))},
+        start_on=lead(jnp.ones((slots,), bool)))
 
   step = lambda st, b: (program.step(st, b), None)
   def idle(states, x):
     stepped = jax.vmap(program.step)(states, x.batch)
     return streaming._where_rows(x.active, stepped, states)  # pylint: disable=protected-access
-  idle_row = None
   if 'idle' in kinds or 'idle_cond' in kinds:
-    idle_row = row('idle', L, idle, [(states, inputs(b, 0)) for b in batches])
+    row('idle', L, idle, [(states, inputs(b, 0)) for b in batches])
   if 'transition' in kinds:
     body = streaming.lane_step(program.init, step, program.final,
-                               skip_idle=False)
+                               skip_idle=False, starts=starts)
     row('transition', L, body,
         [(shared, states, acc, inputs(b, 0)) for b in batches])
   if 'segment' in kinds:
     streams = streaming.LaneStreams(program.init, step, program.final)
+    streams.starts = starts
     seg = streams._build(S, loop)[1]  # pylint: disable=protected-access
     # Clients end at the segment's first step only (slots of them).
     def seg_inputs(b):
@@ -203,10 +207,10 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
       later = jnp.arange(S) > 0
       return streaming.StepInputs(
           batch=x.batch, active=x.active,
-          start_input=x.start_input,
-          start_on=x.start_on & ~later[None],
           fin_lane=jnp.where(later[None], -1, x.fin_lane),
-          fin_weight=jnp.where(later[None], 0.0, x.fin_weight))
+          fin_weight=jnp.where(later[None], 0.0, x.fin_weight),
+          start_input=x.start_input,
+          start_on=x.start_on & ~later[None])
     n = jnp.asarray(S, jnp.int32)
 
     def segment(states, acc, x):
@@ -218,7 +222,7 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
         lambda s, a, x: segment(copy(s), copy(a), x), sets, steps=S)
   if 'idle_cond' in kinds:  # Last: its HLO reading may fail elsewhere.
     in_cond = streaming.lane_step(program.init, step, program.final,
-                                  skip_idle=True)
+                                  skip_idle=True, starts=starts)
 
     def no_ends(b):
       x = inputs(b, 0)
@@ -227,11 +231,14 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
           fin_lane=jnp.full_like(x.fin_lane, -1),
           fin_weight=jnp.zeros_like(x.fin_weight))
     # Cost analysis charges a conditional its costlier branch: count the
-    # masked step and the copy that the idle branch makes instead.
+    # starts and the masked step, and the copy that the idle branch makes.
+    idle_only = jax.jit(blc.idle_lane_step(program, starts),
+                        donate_argnums=(1,)).lower(
+        shared, states, acc, no_ends(batches[0])).compile()
     row('idle_cond', L, in_cond,
         [(shared, states, acc, no_ends(b)) for b in batches],
-        cost=lambda c: {'flops': idle_row['flops'],
-                        'bytes': idle_row['bytes'] + _copy_bytes(c)})
+        cost=lambda c: {'flops': _cost(idle_only)['flops'],
+                        'bytes': _cost(idle_only)['bytes'] + _copy_bytes(c)})
   return rows
 
 
@@ -266,6 +273,8 @@ def main(argv=None) -> None:
   ap.add_argument('--segment_steps', type=int, default=4)
   ap.add_argument('--segment_loop', default='scan',
                   choices=streaming.LOOPS[1:])
+  ap.add_argument('--starts', default='rows', choices=streaming.STARTS,
+                  help='how the engine\'s lane-steps start clients')
   ap.add_argument('--repeats', type=int, default=10)
   ap.add_argument('--output', default='', help='JSON lines ("": none)')
   args = ap.parse_args(argv)
@@ -295,7 +304,7 @@ def main(argv=None) -> None:
       try:
         measure(name, dtype, lanes, kinds, min(args.slots, min(lanes)),
                 args.segment_steps, args.segment_loop, args.repeats,
-                emit=emit)
+                emit=emit, starts=args.starts)
       except Exception as e:  # pylint: disable=broad-except
         print(f'{name} {dtype}: failed: {type(e).__name__}: {e}', flush=True)
         if out is None:

@@ -406,6 +406,7 @@ def _algorithm(engine: str, model: fedjax.Model, batch_size: int, args):
   grad_fn = fedjax.model_grad(model)
   # Process-wide (each configuration runs in its own process).
   streaming.LaneStreams.prefetch = bool(getattr(args, 'prefetch', True))
+  streaming.LaneStreams.starts = getattr(args, 'lane_starts', 'rows')
   if engine in ('loop', 'vmap'):
     hp = fedjax.ShuffleRepeatBatchHParams(batch_size=batch_size)
     lanes = (args.lanes_per_device if args.lanes_per_device == 'auto' else
@@ -623,6 +624,7 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
     cmd.append(f'--data_dir={args.data_dir}')
   cmd.append('--fixed_cost' if args.fixed_cost else '--no-fixed_cost')
   cmd.append('--prefetch' if args.prefetch else '--no-prefetch')
+  cmd.append(f'--lane_starts={args.lane_starts}')
   return cmd
 
 
@@ -836,6 +838,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                       help='vmap engine: make the next segment\'s inputs on '
                       'a worker thread while a segment runs (--no-prefetch: '
                       'between calls, the reference)')
+  parser.add_argument('--lane_starts', default='rows',
+                      choices=streaming.STARTS,
+                      help='vmap engine: how a lane-step writes the next '
+                      'clients into the lane states (LaneStreams.starts)')
   parser.add_argument('--compute_dtype', default='float32',
                       choices=('float32', 'bfloat16'),
                       help='our engines\' and VmapBackend\'s model '
@@ -912,6 +918,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'--segment_steps={args.segment_steps}, '
             f'--segment_loop={args.segment_loop}, '
             f'--{"" if args.prefetch else "no-"}prefetch, '
+            f'--lane_starts={args.lane_starts}, '
             f'--compute_dtype={args.compute_dtype}, '
             f'--total_seconds={args.total_seconds:g}']
   print('\n'.join(header), flush=True)
@@ -976,7 +983,8 @@ def _profile(args, row: dict, output: str, budget: float) -> str:
          f'--compute_dtype={args.compute_dtype}',
          f'--max_examples={args.max_examples}', f'--seed={args.seed}',
          f'--rounds={args.profile_rounds}', f'--output={path}',
-         '--prefetch' if args.prefetch else '--no-prefetch']
+         '--prefetch' if args.prefetch else '--no-prefetch',
+         f'--lane_starts={args.lane_starts}']
   if args.data_dir:
     cmd.append(f'--data_dir={args.data_dir}')
   try:

@@ -14,16 +14,21 @@
 #     tensorboardX==2.6.5
 #   cp -r "$FEDLITE_DATA_DIR/femnist105" .dev/data/
 #
-# Stages: profile_lm profile_cnn steps phases phases_fixed
-# phases_noprefetch rounds rounds_fixed rounds_noprefetch rounds_while
-# rounds_bf16 (default: profile_cnn phases rounds rounds_noprefetch
-# rounds_fixed, ~460 s of caps; profile_cnn also copies its trace, whose host_calls show
-# which program calls block the host; the phases' "wait inputs" is the
-# caller waiting for the prefetch thread; steps times the idle lane-step
-# with its lax.cond against the masked step: whether XLA:GPU copies the
-# lane states in the idle branch as XLA:CPU does). Wheels of missing packages may
-# travel in .dev/whl, FEMNIST in .dev/data (else $FEDLITE_DATA_DIR, else
-# synthetic FEMNIST).
+# Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
+# phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
+# rounds_noprefetch rounds_while rounds_bf16 (default: profile_cnn rounds
+# rounds_scatter rounds_graphs phases, ~530 s of caps; profile_cnn also
+# copies its trace, whose host_calls show which program calls block the
+# host; the phases' "wait inputs" is the caller waiting for the prefetch
+# thread; rounds_scatter: the lane-steps start clients by one scatter per
+# state leaf instead of a loop of row writes over the slots (kernel
+# launches against bytes); rounds_graphs: XLA:GPU's command buffers also
+# take conditionals and while loops (CUDA graphs with on-device control
+# flow), so that a scan segment's conditionals need not read their
+# predicates back to the host; steps / steps_scatter time the idle
+# lane-step (its conditional, the starts) against the masked step). Wheels
+# of missing packages may travel in .dev/whl, FEMNIST in .dev/data (else
+# $FEDLITE_DATA_DIR, else synthetic FEMNIST).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -62,6 +67,10 @@ run_stage() {
       --models=transformer_large,femnist --dtypes=float32 \
       --kinds=client,vmap,idle,transition,segment,idle_cond \
       --output="$OUT/lane_step.jsonl" ;;
+    steps_scatter) stage steps_scatter 120 python3 \
+      benchmarks/bench_lane_step.py --models=transformer_large,femnist \
+      --dtypes=float32 --kinds=idle,transition,segment,idle_cond \
+      --starts=scatter --output="$OUT/lane_step_scatter.jsonl" ;;
     phases) stage phases 40 python3 benchmarks/round_phases.py \
       --model=femnist --engine=vmap --cohort=100 --warmup_rounds=2 \
       --rounds=3 --output="$OUT/phases_femnist.json" ;;
@@ -80,6 +89,14 @@ run_stage() {
       --models=femnist,transformer_large --engines=vmap --cohorts=100 \
       --rounds=5 --extra= --no-fixed_cost --segment_loop=fixed \
       --output="$OUT/rounds_fixed.md" ;;
+    rounds_scatter) stage rounds_scatter 120 python3 $B \
+      --models=femnist,transformer_large --engines=vmap --cohorts=100 \
+      --rounds=5 --extra= --no-fixed_cost --lane_starts=scatter \
+      --output="$OUT/rounds_scatter.md" ;;
+    rounds_graphs) stage rounds_graphs 120 env XLA_FLAGS="${XLA_FLAGS:-} \
+--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" python3 $B \
+      --models=femnist,transformer_large --engines=vmap --cohorts=100 \
+      --rounds=5 --extra= --no-fixed_cost --output="$OUT/rounds_graphs.md" ;;
     rounds_noprefetch) stage rounds_noprefetch 50 python3 $B \
       --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
       --no-fixed_cost --no-prefetch --output="$OUT/rounds_noprefetch.md" ;;
@@ -94,7 +111,7 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_cnn phases rounds rounds_noprefetch rounds_fixed}"; do
+for s in "${@:-profile_cnn rounds rounds_scatter rounds_graphs phases}"; do
   for t in $s; do run_stage "$t"; done
 done
 grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40

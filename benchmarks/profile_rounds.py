@@ -455,7 +455,7 @@ def run(args) -> dict:
           k: getattr(args, k) for k in (
               'model', 'engine', 'cohort', 'warmup_rounds', 'rounds',
               'lanes_per_device', 'segment_steps', 'segment_loop',
-              'prefetch', 'compute_dtype',
+              'prefetch', 'lane_starts', 'compute_dtype',
               'max_examples', 'seed')},
       'device': bench_rounds._machine()}  # pylint: disable=protected-access
   _write(args.output, result)
@@ -527,6 +527,8 @@ def parser() -> argparse.ArgumentParser:
                  action=argparse.BooleanOptionalAction,
                  help="vmap engine: make the next segment's inputs on a "
                  'worker thread (--no-prefetch: between calls)')
+  p.add_argument('--lane_starts', default='rows', choices=streaming.STARTS,
+                 help='vmap engine: LaneStreams.starts')
   p.add_argument('--compute_dtype', default='float32',
                  choices=('float32', 'bfloat16'))
   p.add_argument('--max_examples', type=int, default=0,

@@ -46,7 +46,8 @@ def test_lane_step_rows(benches, tmp_path):
     assert r['ms'] > 0 and r['compile_s'] > 0, r
   for r in rows[1:4]:  # shared, vmap: L clients' arithmetic
     assert r['flops'] == pytest.approx(r['lanes'] * client, rel=0.02), r
-  # XLA:CPU: the lane-step's idle branch adds a copy of the lane states.
+  # The idle lane-step adds its slots' starts (rows written back) to the
+  # masked step.
   idle, idle_cond = rows[4], rows[-1]
   assert idle_cond['bytes'] > idle['bytes'], (idle, idle_cond)
   with pytest.raises(SystemExit):

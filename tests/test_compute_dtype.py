@@ -103,9 +103,9 @@ def _lane_segment(model, batch, loop, lanes=3, slots=2, steps=2):
   flags = lambda n: jax.ShapeDtypeStruct((n, steps), jnp.bool_)
   inputs = streaming.StepInputs(
       batch=lead(batch, lanes, steps), active=flags(lanes),
-      start_input=lead({'rng': key}, lanes, steps), start_on=flags(lanes),
       fin_lane=jax.ShapeDtypeStruct((slots, steps), jnp.int32),
-      fin_weight=jax.ShapeDtypeStruct((slots, steps), jnp.float32))
+      fin_weight=jax.ShapeDtypeStruct((slots, steps), jnp.float32),
+      start_input=lead({'rng': key}, slots, steps), start_on=flags(slots))
   segment = streams._build(steps, loop)[1]  # pylint: disable=protected-access
   return segment.lower(shared, states, acc, inputs,
                        jax.ShapeDtypeStruct((), jnp.int32))

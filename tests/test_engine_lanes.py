@@ -262,6 +262,28 @@ def test_vmap_engine_equals_the_loop_engine(lanes, slots, loop):
         -(-useful // lanes), max(len(w.batches) for w in work)) + 4
 
 
+@pytest.mark.parametrize('lanes,slots,loop', [
+    (3, 2, 'scan'), (13, 3, 'scan'), (5, 2, 'fixed'), (3, 1, 'unroll')])
+def test_scatter_starts_equal_the_loop_engine(lanes, slots, loop,
+                                              monkeypatch):
+  """Starts by scatter (LaneStreams.starts='scatter') give the loop engine's
+  sums and diagnostics, and their scatters have unique indices."""
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(streaming.LaneStreams, 'starts', 'scatter')
+  work = _cohort(13)
+  shared = {'w': np.ones(3, np.float32)}
+  ref = E.LoopEngine(_program())(shared, work)
+  out = E.VmapEngine(_program(), lanes_per_device=lanes, slots=slots,
+                     segment_loop=loop)(shared, work)
+  np.testing.assert_allclose(out.weighted_sum['delta'],
+                             ref.weighted_sum['delta'], rtol=1e-5, atol=1e-6)
+  for got, want in zip(out.diagnostics, ref.diagnostics):
+    assert int(got['steps']) == int(want['steps'])
+    np.testing.assert_allclose(got['norm'], want['norm'], rtol=1e-6)
+  with pytest.raises(ValueError, match="starts='scattered': allowed"):
+    streaming.start_slots(lambda s, c: c, method='scattered')
+
+
 @pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed'])
 def test_one_program_for_every_cohort(loop):
   """Cohorts of other sizes and step counts reuse the first round's programs
@@ -326,16 +348,19 @@ def _scatters(hlo_text):
   return len(found), sum('unique_indices=true' not in s for s in found)
 
 
+@pytest.mark.parametrize('starts', ['rows', 'scatter'])
 @pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed'])
-def test_lane_programs_have_no_scatter(loop):
+def test_lane_programs_have_no_scatter(loop, starts):
   """Starting and finalizing clients adds no scatter (XLA:GPU writes a
   scatter with duplicate indices atomically): the lane programs of a client
-  update whose step has none hold none, in the optimized HLO."""
+  update whose step has none hold none, in the optimized HLO; with scatter
+  starts, only scatters with unique indices, in the segment."""
   from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
   program = _program()
   lanes, slots, steps = 5, 2, 4
   streams = streaming.LaneStreams(
       program.init, lambda s, b: (program.step(s, b), None), program.final)
+  streams.starts = starts
   begin, segment, finish = streams._build(steps, loop)  # pylint: disable=protected-access
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   shared = {'w': f32(3)}
@@ -344,28 +369,36 @@ def test_lane_programs_have_no_scatter(loop):
   inputs = streaming.StepInputs(
       batch={'x': f32(lanes, steps, 4, 3), 'y': f32(lanes, steps, 4)},
       active=jax.ShapeDtypeStruct((lanes, steps), jnp.bool_),
-      start_input={'scale': f32(lanes, steps)},
-      start_on=jax.ShapeDtypeStruct((lanes, steps), jnp.bool_),
       fin_lane=jax.ShapeDtypeStruct((slots, steps), jnp.int32),
-      fin_weight=f32(slots, steps))
+      fin_weight=f32(slots, steps),
+      start_input={'scale': f32(slots, steps)},
+      start_on=jax.ShapeDtypeStruct((slots, steps), jnp.bool_))
   texts = [
       begin.lower(shared, {'scale': f32(lanes)},
                   jax.ShapeDtypeStruct((lanes,), jnp.int32)),
       segment.lower(shared, states, acc, inputs,
                     jax.ShapeDtypeStruct((), jnp.int32)),
       finish.lower(shared, states, acc, f32(lanes))]
-  for lowered in texts:
+  for i, lowered in enumerate(texts):
     text = lowered.compile().as_text()
-    assert 'ENTRY' in text and _scatters(text) == (0, 0), text
+    found, not_unique = _scatters(text)
+    assert 'ENTRY' in text and not_unique == 0, text
+    assert (found > 0) == (starts == 'scatter' and i == 1), (i, found)
   # A scan segment's loop has a trip count XLA knows (XLA:GPU then reads no
   # loop predicate on the host); a while segment's is given at run time; an
   # unrolled one has no loop. Scan skips idle transitions and steps past the
   # plan by conditionals (XLA:GPU reads each predicate on the host); a fixed
-  # segment has none, so nothing in it waits for the device.
+  # segment has none, so nothing in it waits for the device. Each traced
+  # lane-step starts its slots' clients in a loop of `slots` (2) iterations,
+  # also of a known trip count.
   seg = texts[1].compile().as_text()
   trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', seg)
   loops = len(re.findall(r'\swhile\(', seg))
   conds = len(re.findall(r'\sconditional\(', seg))
+  traced_steps = (steps if loop == 'unroll' else 1) * (starts == 'rows')
+  assert trips.count(str(slots)) == traced_steps, (loop, trips)
+  trips = [t for t in trips if t != str(slots)]
+  loops -= traced_steps
   want = {'scan': (['4'], 1), 'while': ([], 1), 'unroll': ([], 0),
           'fixed': (['4'], 1)}[loop]
   assert (trips, loops) == want, (loop, trips, loops)

@@ -23,6 +23,7 @@ from fedlite_jax.algorithms import batching
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.checks import check_int
 from fedlite_jax.rounds import ClientProgram, ClientWork
+from fedlite_jax.rounds import ordering
 from fedlite_jax.transforms import pvt as pvt_lib
 from fedlite_jax.common import (  # noqa: F401  (re-exported)
     COMPRESS_STREAM, DOWNLOAD_STREAM, FLOAT_BITS, GRAD_UPLOAD_STREAM,
@@ -245,6 +246,11 @@ def delta_client_program(grad_fn: GradFn,
     else:
       grads, batch_stats = stats_fn(params, batch, use_rng)
       stats = {k: v.merge(batch_stats[k]) for k, v in stats.items()}
+    # Every parameter update waits for all gradients (same values): then
+    # no reader of the old weights (the input-gradient matmuls) is left
+    # when they are overwritten, and XLA updates a lane's carried
+    # parameters in place instead of copying them each step.
+    grads = ordering.ordered_after(grads, grads)
     grads = _masked(grads, state.mask)
     if fedprox_mu:
       # d/dw of 0.5 mu ||w - w_s||^2 (FedProx, Li et al. 2020, Alg. 2).

@@ -4,9 +4,9 @@ Three programs of fixed shape per (client update, lanes, segment steps,
 slots, loop): ``lanes_begin`` starts each lane's first client,
 ``lanes_segment`` runs up to ``S`` steps of every lane, ``lanes_finish``
 finalizes the lanes' last clients. A lane-step (:func:`lane_step`) first
-finalizes the lanes whose client ended (``slots`` rows), starts their
-next clients with a per-lane ``where`` (no scatter), then takes one masked
-vmapped step. The segment's steps are an on-device loop of ``S`` steps
+finalizes the lanes whose client ended (``slots`` rows), writes their
+next clients' initial states into those rows in place, then takes one
+masked vmapped step. The segment's steps are an on-device loop of ``S`` steps
 that skips the steps past the plan (``loop='scan'``), a loop with a run-time
 trip count (``'while'``), a loop of ``S`` steps with no conditional at all
 (``'fixed'``: nothing is read back to the host), or unrolled (``'unroll'``:
@@ -32,6 +32,7 @@ import numpy as np
 
 from fedlite_jax.common import PyTree
 from fedlite_jax.rounds import lanes as lanes_lib
+from fedlite_jax.rounds import ordering
 from fedlite_jax.rounds import sharding
 
 Batch = dict
@@ -169,35 +170,103 @@ class StepInputs:
   Attributes:
     batch: ``[lanes, ...]`` each lane's batch (zeros when masked).
     active: ``bool[lanes]`` whether the lane steps.
-    start_input: ``[lanes, ...]`` the client input of the client each lane
-      starts (padding where none starts).
-    start_on: ``bool[lanes]`` whether the lane starts a client.
     fin_lane: ``int32[slots]`` device-local lane finalized (-1: none).
     fin_weight: ``float32[slots]`` its aggregation weight (0: none).
+    start_input: ``[slots, ...]`` the client input of the client that each
+      slot then starts on its lane (padding where none starts).
+    start_on: ``bool[slots]`` whether the slot starts a client (only on a
+      finalized lane).
   """
   batch: Batch
   active: jax.Array
-  start_input: PyTree
-  start_on: jax.Array
   fin_lane: jax.Array
   fin_weight: jax.Array
+  start_input: PyTree
+  start_on: jax.Array
 
 
 jax.tree_util.register_dataclass(
-    StepInputs, data_fields=['batch', 'active', 'start_input', 'start_on',
-                             'fin_lane', 'fin_weight'], meta_fields=[])
+    StepInputs, data_fields=['batch', 'active', 'fin_lane', 'fin_weight',
+                             'start_input', 'start_on'], meta_fields=[])
+
+
+#: How a lane-step writes its slots' next clients into the lane states:
+#: ``'rows'`` (one ``dynamic_update_slice`` per state leaf and slot, in an
+#: on-device loop over the slots: XLA:CPU's cost analysis charges the rows
+#: written) or ``'scatter'`` (one scatter per leaf with unique indices, a
+#: slot that starts nothing out of bounds and dropped: one kernel per leaf
+#: for all slots, where the loop launches ``slots`` per leaf; cost analysis
+#: charges a fused scatter its whole operand). Both update in place and
+#: give the same states; which is faster on a GPU is unmeasured.
+STARTS = ('rows', 'scatter')
+
+
+def start_slots(init: Callable, unroll: bool = False,
+                method: str = 'rows') -> Callable:
+  """Starts the slots' clients: each slot's lane row of every state leaf
+  replaced in place by ``init``'s state (``method``: :data:`STARTS`;
+  ``unroll``: the ``'rows'`` loop as a Python loop, for cost analysis,
+  which counts a loop body once).
+
+  Returns:
+    ``start(shared, states, deps, x) -> states``: ``x`` a
+    :class:`StepInputs`; the new rows are made to depend on ``deps`` (the
+    finalized outputs, :func:`ordering.ordered_after`), so that XLA writes
+    the rows after the finalization has read them, in place, without
+    copying the states. A slot that starts no client leaves its lane's row
+    as it is.
+
+  Raises:
+    ValueError: ``method`` not in :data:`STARTS`.
+  """
+  if method not in STARTS:
+    raise ValueError(f'starts={method!r}: allowed values are '
+                     f'{", ".join(STARTS)}.')
+
+  def start(shared, states, deps, x: StepInputs):
+    num_slots = x.fin_lane.shape[0]
+    new = jax.vmap(init, in_axes=(None, 0), axis_size=num_slots)(
+        shared, x.start_input)
+    new = ordering.ordered_after(new, deps)
+    if method == 'scatter':
+      def scatter(old, rows):
+        # Unused slots: distinct rows past the end, dropped.
+        at = jnp.where(x.start_on, x.fin_lane,
+                       old.shape[0] + jnp.arange(num_slots))
+        return old.at[at].set(rows, mode='drop', unique_indices=True)
+      return jax.tree.map(scatter, states, new)
+    lanes = jnp.maximum(x.fin_lane, 0)
+
+    def one(i, states):
+      lane = lanes[i]
+
+      def leaf(old, rows):
+        row = jnp.where(x.start_on[i],
+                        lax.dynamic_index_in_dim(rows, i, 0, True),
+                        lax.dynamic_index_in_dim(old, lane, 0, True))
+        return lax.dynamic_update_index_in_dim(old, row, lane, 0)
+      return jax.tree.map(leaf, states, new)
+
+    if unroll:
+      for i in range(num_slots):
+        states = one(i, states)
+      return states
+    return lax.fori_loop(0, num_slots, one, states)
+  return start
 
 
 def lane_step(init: Callable, step: Callable, final: Callable,
-              collect: bool = False, skip_idle: bool = True) -> Callable:
+              collect: bool = False, skip_idle: bool = True,
+              starts: str = 'rows') -> Callable:
   """One lane-step: finalize, start, step (the body of every segment).
 
   Args:
     init, step, final: as :class:`LaneStreams`'s.
     collect: return the finalized outputs instead of adding them to ``acc``.
-    skip_idle: finalize and start only at steps where a slot is in use (a
-      ``lax.cond``; its other branch passes the states through and gives
-      zero diagnostics); False: at every step.
+    skip_idle: finalize only at steps where a slot is in use (a
+      ``lax.cond``; its other branch gives zero diagnostics); False: at
+      every step.
+    starts: :data:`STARTS`.
 
   Returns:
     A function ``body(shared, states, acc, inputs)`` (``inputs`` a
@@ -206,37 +275,39 @@ def lane_step(init: Callable, step: Callable, final: Callable,
     (``[1, ...]`` per leaf; returned unchanged when collecting); ``diag``
     and ``output`` ``[slots, ...]`` of the finalized clients (``output``
     None unless collecting); ``result`` ``[lanes, ...]`` the step results.
-    Clients start by ``init`` on every lane and a per-lane ``where`` (a
-    client update's ``init`` broadcasts the shared input, which fuses into
-    the select): no scatter, so no copy of the lane states before it and
-    no atomic writes (an in-place update of rows that the finalization
-    reads made XLA copy whole leaves). Since the transition writes the
-    states anew, XLA makes the ``lax.cond``'s idle branch copy them: one
-    pass over the lane states per step either way.
+    The finalization reads the slots' rows of the states and returns no
+    states, so the conditional copies nothing of them; the starts write
+    only the slots' rows (:func:`start_slots`), in place; the masked step's
+    ``where`` writes the states in place. With a client step whose
+    parameter updates wait for all its gradients
+    (``rounds_common.delta_client_program``), no pass over the lane states
+    is added to the vmapped step (XLA:CPU cost analysis,
+    ``benchmarks/bench_lane_cost.py``).
   """
-  def transition(shared, states, acc, x: StepInputs):
-    """Finalizes the slots' clients and starts the next ones."""
-    num_lanes, num_slots = x.active.shape[0], x.fin_lane.shape[0]
+  start = start_slots(init, method=starts)
+
+  def finalize(shared, states, acc, x: StepInputs):
+    """Finalizes the slots' clients."""
+    num_slots = x.fin_lane.shape[0]
     out, diag = jax.vmap(final, in_axes=(None, 0), axis_size=num_slots)(
         shared, _rows(states, jnp.maximum(x.fin_lane, 0)))
     if not collect:
       acc = jax.tree.map(lambda a, o: a + o[None], acc,
                          _weighted_sum(x.fin_weight, out))
       out = None
-    new = jax.vmap(init, in_axes=(None, 0), axis_size=num_lanes)(
-        shared, x.start_input)
-    return _where_rows(x.start_on, new, states), acc, diag, out
+    return acc, diag, out
 
   def body(shared, states, acc, x: StepInputs):
     num_lanes = x.active.shape[0]
     if skip_idle:
-      shapes = jax.eval_shape(transition, shared, states, acc, x)[2:]
-      idle = lambda shared, states, acc, x: (states, acc) + jax.tree.map(
+      shapes = jax.eval_shape(finalize, shared, states, acc, x)[1:]
+      idle = lambda shared, states, acc, x: (acc,) + jax.tree.map(
           lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-      states, acc, diag, out = lax.cond(
-          jnp.any(x.fin_lane >= 0), transition, idle, shared, states, acc, x)
+      acc, diag, out = lax.cond(jnp.any(x.fin_lane >= 0), finalize, idle,
+                                shared, states, acc, x)
     else:
-      states, acc, diag, out = transition(shared, states, acc, x)
+      acc, diag, out = finalize(shared, states, acc, x)
+    states = start(shared, states, (acc, diag, out), x)
     stepped, result = jax.vmap(step, axis_size=num_lanes)(states, x.batch)
     states = _where_rows(x.active, stepped, states)
     return states, acc, diag, out, result
@@ -265,8 +336,8 @@ class LaneStreams:
   """A client update run on lanes that stream clients (see module doc).
 
   Args:
-    init: ``(shared, client_input) -> state``; must be cheap (it runs on
-      every lane at every step, selected per lane).
+    init: ``(shared, client_input) -> state``; must be cheap (it runs for
+      every finalization slot at every step).
     step: ``(state, batch) -> (state, step_result)``.
     final: ``(shared, state) -> (output, diagnostics)``.
     mesh: the :class:`~fedlite_jax.rounds.sharding.ClientMesh` (None: the
@@ -284,9 +355,14 @@ class LaneStreams:
       (``batching.ClientBatches``), in the order of their first steps:
       NumPy's row gathers and preprocessing release Python's lock, so they
       run in parallel (default: half the CPUs, 1 to 8).
+    starts: how the slots' next clients are written into the lane states,
+      :data:`STARTS` (default ``'rows'``; set on an instance or on the
+      class before a round, as a benchmark's comparison). The results are
+      the same either way.
   """
 
   prefetch: bool = True
+  starts: str = 'rows'
   warm_threads: int = max(1, min(8, (os.cpu_count() or 2) // 2))
 
   def __init__(self, init: Callable, step: Callable, final: Callable, *,
@@ -309,7 +385,8 @@ class LaneStreams:
     collect = self.collect
     # A fixed segment holds no conditional (XLA:GPU reads each one's
     # predicate back to the host): it transitions at every step.
-    body = lane_step(init, step, final, collect, skip_idle=loop != 'fixed')
+    body = lane_step(init, step, final, collect, skip_idle=loop != 'fixed',
+                     starts=self.starts)
     lanes_in = P(sharding.AXIS)
     mesh = self.mesh.mesh
     S = segment_steps
@@ -432,7 +509,7 @@ class LaneStreams:
           f"A plan with dynamic_steps={plan.dynamic_steps} cannot run with "
           f"loop {loop!r}; plan scan and while loops with "
           "dynamic_steps=True.")
-    key = (plan.segment_steps, loop)
+    key = (plan.segment_steps, loop, self.starts)
     if key not in self._programs:
       self._programs[key] = self._build(plan.segment_steps, loop)
     begin, segment, finish = self._programs[key]
@@ -442,7 +519,7 @@ class LaneStreams:
     lanes = slice(p * per_proc * plan.lanes_per_device,
                   (p + 1) * per_proc * plan.lanes_per_device)
     devices = slice(p * per_proc, (p + 1) * per_proc)
-    S, F, per = plan.segment_steps, plan.slots, plan.lanes_per_device
+    S, F = plan.segment_steps, plan.slots
     pad_batch = _zeros_like(template[0])
     n = len(batches)
     # Client inputs as one table (row n: padding), indexed per lane/step.
@@ -470,20 +547,14 @@ class LaneStreams:
       # Slots as rows: [S, devices, F] -> [devices * F, S].
       slot = lambda a: np.transpose(a[t, devices], (1, 2, 0)).reshape(-1, S)
       fin_lane, fin_client = slot(plan.finalize), slot(plan.finalize_client)
-      # Starts per lane: [lanes, S], the client started there (-1: none).
-      started = np.full((plan.lanes, S), -1, np.int64)
-      starts = plan.start_client[t]           # [S, devices, F]
-      s_idx, d_idx, f_idx = np.nonzero(starts >= 0)
-      started[d_idx * per + plan.finalize[t][s_idx, d_idx, f_idx],
-              s_idx] = starts[s_idx, d_idx, f_idx]
-      started = started[lanes]
+      started = slot(plan.start_client)      # started on the slot's lane
       inputs_k = StepInputs(
           batch=put(_stack(step_batches, who.shape), num_lanes),
           active=put(who >= 0, num_lanes),
-          start_input=put(pick(started), num_lanes),
-          start_on=put(started >= 0, num_lanes),
           fin_lane=put(fin_lane, num_slots),
-          fin_weight=put(weight_of(fin_client), num_slots))
+          fin_weight=put(weight_of(fin_client), num_slots),
+          start_input=put(pick(started), num_slots),
+          start_on=put(started >= 0, num_slots))
       return inputs_k, np.int32(min(S, plan.sequential_steps - k * S))
 
     # Segment k + 1's inputs are made (batches cut, stacked, sent) on a
