@@ -40,15 +40,15 @@ def token(deps: PyTree) -> jax.Array:
 
 
 def ordered_after(tree: PyTree, deps: PyTree) -> PyTree:
-  """``tree`` with the same values, each floating leaf depending on ``deps``.
+  """``tree`` with the same values, each leaf depending on ``deps``.
 
-  Adds ``-(0 * |token(deps)|)``, which is ``-0.0`` exactly (the token is
-  finite), to each floating-point leaf: ``x + (-0.0) == x`` bit for bit for
-  every ``x`` (signed zeros and NaN included), and XLA keeps a float
-  multiply by zero (it would be NaN for a NaN operand). Integer and bool
-  leaves pass through. Whatever consumes a returned leaf is then ordered
-  after every producer of ``deps``; use it to let XLA update a buffer in
-  place instead of copying it.
+  Each leaf goes through ``where(isnan(token(deps)), 0, x)``: the token is
+  finite, so the select returns ``x`` bit for bit (any dtype; NaN payloads,
+  signed zeros and subnormals included: a select moves bits, where
+  arithmetic such as ``x + (-0.0)`` flushes subnormals on XLA:CPU), and
+  XLA cannot fold it (it does not know the token). Whatever consumes a
+  returned leaf is then ordered after every producer of ``deps``; use it
+  to let XLA update a buffer in place instead of copying it.
 
   Args:
     tree: arrays (any shapes and dtypes).
@@ -57,10 +57,6 @@ def ordered_after(tree: PyTree, deps: PyTree) -> PyTree:
   Returns:
     ``tree``'s structure, shapes and dtypes, the same values.
   """
-  zero = -(0 * jnp.abs(token(deps)))
-
-  def leaf(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return x + zero.astype(x.dtype)
-    return x
-  return jax.tree.map(leaf, tree)
+  never = jnp.isnan(token(deps))
+  return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x),
+                      tree)
