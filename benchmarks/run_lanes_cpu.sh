@@ -15,4 +15,6 @@ done
 python benchmarks/bench_rounds.py \
   --merge="$tmp/lanes_auto.md,$tmp/lanes_1.md,$tmp/lanes_4.md,$tmp/lanes_10.md" \
   --output=benchmarks/results/lanes_cpu.md
+# The file names the runs' commands; their temporary folder as <tmp>.
+sed -i "s#$tmp#<tmp>#g" benchmarks/results/lanes_cpu.md
 rm -rf "$tmp"
