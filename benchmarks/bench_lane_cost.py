@@ -228,6 +228,23 @@ def client_program(model: fedjax.Model, params) -> tuple[Any, dict]:
   return program, {'params': params}
 
 
+def starts_cost(program, shared, states, acc, step_inputs
+                ) -> tuple[dict, dict]:
+  """Cost analysis of the slots' starts (``streaming.start_slots``, rows)
+  compiled alone with the lane states donated: ``(rolled, unrolled)``, the
+  on-device loop over the slots (its body counted once) and the same
+  starts as a Python loop (every slot counted). The segment's loop costs
+  the rolled lane-step plus ``unrolled - rolled``: exact when only the
+  loop differs between the two, which a test checks (the rolled starts
+  cost about one slot's share of the unrolled ones)."""
+  carried = jax.jit(streaming.start_slots(program.init), donate_argnums=(1,))
+  rolled, _ = _compile(carried, shared, states, acc, step_inputs)
+  unrolled, _ = _compile(
+      jax.jit(streaming.start_slots(program.init, unroll=True),
+              donate_argnums=(1,)), shared, states, acc, step_inputs)
+  return _cost(rolled), _cost(unrolled)
+
+
 def measure(name: str, lanes: int, slots: int, segment_steps: int,
             loop: str, dtype: str = 'float32') -> dict:
   """One model's lane segment against its plain steps (see module doc)."""
@@ -285,13 +302,8 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   carried = lambda fn, donate=(1,): jax.jit(fn, donate_argnums=donate)
   # The slots' starts run in an on-device loop, which cost analysis counts
   # once: the other slots' iterations are the starts unrolled minus rolled.
-  rolled, _ = _compile(carried(streaming.start_slots(program.init)), shared,
-                       states, acc, step_inputs)
-  unrolled, _ = _compile(
-      carried(streaming.start_slots(program.init, unroll=True)), shared,
-      states, acc, step_inputs)
-  more_starts = {k: _cost(unrolled)[k] - _cost(rolled)[k]
-                 for k in ('flops', 'bytes')}
+  rolled, unrolled = starts_cost(program, shared, states, acc, step_inputs)
+  more_starts = {k: unrolled[k] - rolled[k] for k in ('flops', 'bytes')}
   # A transition step: the lane-step as a segment runs it (cost analysis
   # charges its lax.cond the costlier branch, the finalization).
   in_cond, lone_s = _compile(
