@@ -16,7 +16,8 @@
 #
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
-# rounds_noprefetch rounds_while rounds_bf16 (default: profile_cnn rounds
+# rounds_noprefetch rounds_while rounds_bf16 rounds_bf16_noautotune
+# (default: profile_cnn rounds
 # rounds_scatter rounds_graphs phases, ~530 s of caps; profile_cnn also
 # copies its trace, whose host_calls show which program calls block the
 # host; the phases' "wait inputs" is the caller waiting for the prefetch
@@ -26,7 +27,9 @@
 # take conditionals and while loops (CUDA graphs with on-device control
 # flow), so that a scan segment's conditionals need not read their
 # predicates back to the host; steps / steps_scatter time the idle
-# lane-step (its conditional, the starts) against the masked step). Wheels
+# lane-step (its conditional, the starts) against the masked step;
+# rounds_bf16_noautotune: rounds_bf16 with XLA:GPU's GEMM autotuning off,
+# how much of the 800-client round's compiling is autotuning). Wheels
 # of missing packages may travel in .dev/whl, FEMNIST in .dev/data (else
 # $FEDLITE_DATA_DIR, else synthetic FEMNIST).
 set -u
@@ -108,6 +111,11 @@ run_stage() {
       --compute_dtype=bfloat16 --extra=transformer_large:vmap:800 \
       --no-fixed_cost \
       --output="$OUT/rounds_bf16.md" ;;
+    rounds_bf16_noautotune) stage rounds_bf16_noautotune 130 env \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" python3 $B \
+      --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
+      --compute_dtype=bfloat16 --extra=transformer_large:vmap:800 \
+      --no-fixed_cost --output="$OUT/rounds_bf16_noautotune.md" ;;
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
