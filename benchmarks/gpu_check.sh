@@ -17,8 +17,11 @@
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
 # rounds_noprefetch rounds_while rounds_bf16 rounds_bf16_noautotune
-# (default: profile_cnn rounds
-# rounds_scatter rounds_graphs phases, ~530 s of caps; profile_cnn also
+# (default: profile_cnn rounds rounds_bf16 steps, ~530 s of caps: the
+# profile, then every target of the issue (the rounds against FedJAX's
+# jit, the bfloat16 and 800-client rounds, the lane-step's device time
+# over the plain vmapped step); a second call, as the device time left
+# allows: rounds_scatter rounds_graphs (~240 s); profile_cnn also
 # copies its trace, whose host_calls show which program calls block the
 # host; the phases' "wait inputs" is the caller waiting for the prefetch
 # thread; rounds_scatter: the lane-steps start clients by one scatter per
@@ -119,7 +122,7 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_cnn rounds rounds_scatter rounds_graphs phases}"; do
+for s in "${@:-profile_cnn rounds rounds_bf16 steps}"; do
   for t in $s; do run_stage "$t"; done
 done
 grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40
