@@ -193,11 +193,12 @@ jax.tree_util.register_dataclass(
 #: How a lane-step writes its slots' next clients into the lane states:
 #: ``'rows'`` (one ``dynamic_update_slice`` per state leaf and slot, in an
 #: on-device loop over the slots that runs ``init`` for one slot at a time:
-#: XLA:CPU's cost analysis charges the rows written) or ``'scatter'`` (one scatter per leaf with unique indices, a
-#: slot that starts nothing out of bounds and dropped: one kernel per leaf
-#: for all slots, where the loop launches ``slots`` per leaf; cost analysis
-#: charges a fused scatter its whole operand). Both update in place and
-#: give the same states; which is faster on a GPU is unmeasured.
+#: XLA:CPU's cost analysis charges the rows written) or ``'scatter'`` (one
+#: scatter per leaf with unique indices, a slot that starts nothing out of
+#: bounds and dropped: one kernel per leaf for all slots, where the loop
+#: launches ``slots`` per leaf; cost analysis charges a fused scatter its
+#: whole operand). Both update in place and give the same states; which is
+#: faster on a GPU is unmeasured.
 STARTS = ('rows', 'scatter')
 
 
