@@ -12,16 +12,20 @@
 #     --platform manylinux2014_x86_64 -d .dev/whl fedjax==0.0.17 \
 #     dm-haiku==0.0.17 jmp==0.0.4 dp-accounting==0.6.0 dm-tree mlxtend \
 #     tensorboardX==2.6.5
-#   cp -r "$FEDLITE_DATA_DIR/femnist105" .dev/data/
+#   cp -r "$FEDLITE_DATA_DIR/femnist105" "$FEDLITE_DATA_DIR/shakespeare" .dev/data/
 #
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
 # rounds_noprefetch rounds_while rounds_bf16 rounds_bf16_noautotune
+# compile_cache
 # (default: profile_cnn rounds rounds_bf16 steps, ~530 s of caps: the
 # profile, then every target of the issue (the rounds against FedJAX's
 # jit, the bfloat16 and 800-client rounds, the lane-step's device time
 # over the plain vmapped step); a second call, as the device time left
-# allows: rounds_scatter rounds_graphs (~240 s); profile_cnn also
+# allows: rounds_scatter rounds_graphs compile_cache (~440 s);
+# compile_cache: the runner's compile seconds on an empty
+# --compilation_cache_dir and again on the filled one (FEMNIST and the
+# 21M Transformer on Shakespeare, 2 rounds of 100 clients); profile_cnn also
 # copies its trace, whose host_calls show which program calls block the
 # host; the phases' "wait inputs" is the caller waiting for the prefetch
 # thread; rounds_scatter: the lane-steps start clients by one scatter per
@@ -119,6 +123,10 @@ run_stage() {
       --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
       --compute_dtype=bfloat16 --extra=transformer_large:vmap:800 \
       --no-fixed_cost --output="$OUT/rounds_bf16_noautotune.md" ;;
+    compile_cache) stage compile_cache 200 python3 \
+      benchmarks/bench_run_compilations.py \
+      --runs=emnist,shakespeare_transformer --rounds=2 --clients=100 \
+      --compilation_cache --output="$OUT/compilation_cache.md" ;;
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }

@@ -315,6 +315,8 @@ ROWS = [
      '<float32|bfloat16>'),
     ('client_cache_negative', EMB + ['--client_cache_mb=-1'],
      '--client_cache_mb'),
+    ('compilation_cache_dir_empty', EMB + ['--compilation_cache_dir='],
+     "--compilation_cache_dir='': empty path"),
     # --validate_only builds the chains, so it rejects what a run rejects.
     ('validate_only_unknown_stage', EMB + ['--validate_only',
                                            '--upload=bogus:3'],

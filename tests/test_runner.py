@@ -275,3 +275,82 @@ def test_skipped_clients_counted_per_round_in_metrics_and_summary(
   # 3 rounds x 3 clients; the skipped client sent nothing.
   assert comm['total_upload_bytes'] == (9 - 1) * n * 4
   assert comm['total_download_bytes'] == 9 * n * 4
+
+
+@pytest.fixture
+def jax_cache_setting():
+  """Restores JAX's compilation cache settings after the test."""
+  from jax.experimental.compilation_cache import compilation_cache
+  keep = (jax.config.jax_compilation_cache_dir,
+          jax.config.jax_persistent_cache_min_compile_time_secs,
+          jax.config.jax_enable_compilation_cache)
+  yield
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', keep[1])
+  jax.config.update('jax_enable_compilation_cache', keep[2])
+  compilation_cache.set_cache_dir(keep[0])
+  compilation_cache.reset_cache()
+
+
+def test_compilation_cache_dir_settings(tmp_path, monkeypatch,
+                                        jax_cache_setting):
+  from fedlite_jax.training import start
+  assert start.use_compilation_cache('off') is None
+  assert jax.config.jax_compilation_cache_dir is None
+  # auto: JAX's own setting first, else under $XDG_CACHE_HOME.
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+  assert start.use_compilation_cache('auto') == str(
+      tmp_path / 'xdg' / 'fedlite_jax' / 'xla')
+  assert (tmp_path / 'xdg' / 'fedlite_jax' / 'xla').is_dir()
+  jax.config.update('jax_compilation_cache_dir', str(tmp_path / 'mine'))
+  assert start.use_compilation_cache('auto') == str(tmp_path / 'mine')
+  assert start.use_compilation_cache(str(tmp_path / 'a' / 'b')) == str(
+      tmp_path / 'a' / 'b')
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'a' / 'b')
+  # Programs of 0.1 s or more are cached, unless the user chose (JAX: 1 s).
+  monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '2')
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+  start.use_compilation_cache('auto')
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+  monkeypatch.delenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS')
+  start.use_compilation_cache('auto')
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.1
+  (tmp_path / 'file').write_text('x')
+  with pytest.raises(ConfigError, match=r'^--compilation_cache_dir=.*file/x: '
+                     'cannot create'):
+    start.use_compilation_cache(str(tmp_path / 'file' / 'x'))
+  # JAX's cache disabled (JAX_ENABLE_COMPILATION_CACHE=false): untouched.
+  jax.config.update('jax_enable_compilation_cache', False)
+  assert start.use_compilation_cache(str(tmp_path / 'c')) is None
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'a' / 'b')
+  assert not (tmp_path / 'c').exists()
+
+
+def test_second_run_loads_its_programs_from_the_cache(tmp_path,
+                                                      jax_cache_setting):
+  """A run with --compilation_cache_dir writes its compiled programs there;
+  the same flags again (another output folder) load them (JAX's cache-hit
+  events) and give the same metrics."""
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  hits = []
+  listener = lambda event, **kw: hits.append(event) if event == (
+      '/jax/compilation_cache/cache_hits') else None
+  jax.monitoring.register_event_listener(listener)
+  rows = []
+  try:
+    for name in ('first', 'second'):
+      hits.clear()
+      run(RunConfig(num_rounds=2, output_dir=str(tmp_path / name),
+                    compilation_cache_dir=str(tmp_path / 'xla'), **SMALL))
+      rows.append(outputs.read_metrics(tmp_path / name / 'metrics.jsonl'))
+      if name == 'first':
+        entries = set(os.listdir(tmp_path / 'xla'))
+        assert entries
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  assert hits
+  assert set(os.listdir(tmp_path / 'xla')) == entries  # Nothing new.
+  # The same rows but the times and the compilations (the second run also
+  # reuses programs this process holds in memory).
+  strip = lambda r: {k: v for k, v in r.items()
+                     if not k.startswith('time/') and 'compil' not in k}
+  assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]

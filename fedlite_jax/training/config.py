@@ -150,6 +150,12 @@ class RunConfig:
   prefetch_clients: bool = _field(
       True, "Load the next round's clients in a background thread. No "
       'effect on results.')
+  compilation_cache_dir: str = _field(
+      'auto', "JAX's persistent compilation cache: a later run of the same "
+      'programs (another seed, a resumed run) loads them instead of '
+      'compiling. auto = $JAX_COMPILATION_CACHE_DIR if set, else '
+      '$XDG_CACHE_HOME (~/.cache)/fedlite_jax/xla; off; or a directory. No '
+      'effect on results.', kind=str)
   num_devices: int | None = _field(
       None, "Local devices to split each round's clients over (default: "
       'all). Results equal up to float tolerance.', kind=int)
@@ -198,7 +204,7 @@ class RunConfig:
       'data_dir', 'output_dir', 'checkpoint_every', 'resume', 'overwrite',
       'allow_download', 'round_engine', 'steps_per_call', 'lanes_per_device',
       'segment_steps', 'segment_loop', 'conv_implementation',
-      'client_cache_mb',
+      'client_cache_mb', 'compilation_cache_dir',
       'prefetch_clients', 'num_devices',
       'coordinator_address', 'num_processes', 'process_id',
       'distributed_timeout', 'progress')
@@ -355,7 +361,8 @@ def _check_text_and_paths(config: RunConfig) -> None:
                 lm.LOSS_REDUCTIONS)
   if config.server_eps is not None:
     _positive('server_eps', config.server_eps)
-  for name in ('data_dir', 'init_checkpoint', 'coordinator_address'):
+  for name in ('data_dir', 'init_checkpoint', 'coordinator_address',
+               'compilation_cache_dir'):
     _check_path(name, getattr(config, name))
   if config.output_dir is not None:
     check_output_dir(config.output_dir)

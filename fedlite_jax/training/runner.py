@@ -83,6 +83,7 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
   if config.output_dir is None:
     config = dataclasses.replace(
         config, output_dir=start_lib.default_output_dir(config))
+  start_lib.use_compilation_cache(config.compilation_cache_dir)
   if config.num_processes > 1 and not jax.distributed.is_initialized():
     try:
       sharding.initialize_distributed(
