@@ -73,7 +73,7 @@ def use_compilation_cache(setting: str) -> Optional[str]:
           f'--compilation_cache_dir={setting}: cannot create {path} '
           f'({e.strerror}); give a writable directory, or off.') from None
   min_seconds = 'jax_persistent_cache_min_compile_time_secs'
-  if path is not None and jax.config.values[min_seconds] == 1.0 and \
+  if path is not None and getattr(jax.config, min_seconds) == 1.0 and \
       min_seconds.upper() not in os.environ:  # JAX's default.
     jax.config.update(min_seconds, CACHE_MIN_COMPILE_SECONDS)
   if path != jax.config.jax_compilation_cache_dir:
