@@ -279,11 +279,13 @@ def test_skipped_clients_counted_per_round_in_metrics_and_summary(
 
 @pytest.fixture
 def jax_cache_setting():
-  """Restores JAX's compilation cache settings after the test."""
+  """JAX's compilation cache enabled (a benchmark run in this process may
+  have disabled it); its settings restored after the test."""
   from jax.experimental.compilation_cache import compilation_cache
   keep = (jax.config.jax_compilation_cache_dir,
           jax.config.jax_persistent_cache_min_compile_time_secs,
           jax.config.jax_enable_compilation_cache)
+  jax.config.update('jax_enable_compilation_cache', True)
   yield
   jax.config.update('jax_persistent_cache_min_compile_time_secs', keep[1])
   jax.config.update('jax_enable_compilation_cache', keep[2])
