@@ -592,7 +592,10 @@ def run_worker(args, emit: bool = False,
         first_round_s=walls[0], compilations=compiles.total,
         client_program_compilations=compiles.count(
             *stats_lib.CLIENT_PROGRAMS),
-        compile_s=compiles.total_seconds, peak_mem_bytes=mem,
+        compile_s=compiles.total_seconds,
+        compile_s_by_program={k: round(v, 3) for k, v in
+                              compiles.seconds.most_common()},
+        peak_mem_bytes=mem,
         mem_source=mem_source, useful_steps=mean_useful,
         executed_steps=float(np.mean(executed)),
         sequential_steps=float(np.mean(sequential)),
@@ -1020,7 +1023,9 @@ def _notes(rows: list[dict]) -> list[str]:
             f'{r["model"]} vmap cohort {r["cohort"]}: {r["lanes"]} lanes, '
             f'{r["segment_steps"]} steps per segment, {r["slots"]} '
             f'finalization slot(s) per step; first round '
-            f'{r["first_round_s"]:.3g} s')
+            f'{r["first_round_s"]:.3g} s; compile s by program: ' + ', '.join(
+                f'{k} {v:.3g}' for k, v in list(
+                    r.get('compile_s_by_program', {}).items())[:6]))
   if any('fixed_source' in r for r in done):
     source = next(r['fixed_source'] for r in done if 'fixed_source' in r)
     notes.append(

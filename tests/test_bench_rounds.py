@@ -76,6 +76,8 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
                 'peak_mem_bytes', 'run_s', 'compile_s'):
       assert math.isfinite(r[key]) and r[key] > 0, (key, r)
     assert r['compilations'] >= r['client_program_compilations']
+    assert sum(r['compile_s_by_program'].values()) == pytest.approx(
+        r['compile_s'], abs=1e-3 * len(r['compile_s_by_program']))
     assert r['host_share'] < 1
     if r['engine'] in ('vmap', 'fedjax_vmap'):
       assert 0 <= r['fixed_s'] <= r['profiled_round_s'], r
@@ -96,6 +98,7 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
       assert r['lanes'] == 1 and r['segment_steps'] == 1
       assert r['sequential_steps'] >= r['useful_steps']
       assert r['client_program_compilations'] == 3
+      assert r['compile_s_by_program']['jit(lanes_segment)'] > 0
   # vs FedJAX jit / vs loop: their s/round / the row's, 1.00x on their own.
   ref = {e: next(r for r in rows if r['engine'] == e and r['cohort'] == 2)
          for e in ('fedjax_jit', 'loop')}

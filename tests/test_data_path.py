@@ -158,6 +158,12 @@ def test_rows_carry_seconds_and_engine_counts_and_cache_changes_nothing(
   assert engine['segments'] == engine['useful_steps']
   assert engine['executed_steps'] == engine['useful_steps']
   assert engine['sequential_steps'] == engine['useful_steps']
+  # Each program's compile seconds (JAX's events): the rounds' are in them.
+  by_program = engine['compile_seconds_by_program']
+  assert set(by_program) == set(engine['compilations_by_program'])
+  assert min(by_program.values(), default=0) >= 0
+  assert sum(by_program.values()) >= sum(
+      r['engine/compile_seconds'] for r in rows) - 1e-3 * len(by_program)
   # Compilations differ (the second run reuses this process's programs).
   same = lambda e: {k: v for k, v in e.items() if 'compil' not in k}
   assert same(off['engine']) == same(engine)

@@ -52,13 +52,15 @@ class EngineStatsHook(Hook):
 
   def end(self, run: Run, summary: dict[str, Any]) -> None:
     """Counts over every round (rows of earlier runs of a resumed one too);
-    compilations by program of this process."""
+    compilations and their seconds by program of this process."""
     totals = self.recorder.totals()
     summary['engine'] = {
         **{k: totals[k] for k in ('name',) + stats_lib.SETTINGS},
         **round_metrics.engine_totals(run.rows),
         'compilations_by_program': dict(
             self.compiles.by_program.most_common()),
+        'compile_seconds_by_program': {
+            k: round(v, 3) for k, v in self.compiles.seconds.most_common()},
         'conv_implementation': run.conv_implementation,
         'compute_dtype': run.config.compute_dtype}
 
