@@ -17,12 +17,15 @@
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
 # rounds_noprefetch rounds_while rounds_bf16 rounds_bf16_noautotune
-# compile_cache
+# compile_cache rounds_ratio_lanes
 # (default: profile_cnn rounds rounds_bf16 steps, ~530 s of caps: the
 # profile, then every target of the issue (the rounds against FedJAX's
 # jit, the bfloat16 and 800-client rounds, the lane-step's device time
 # over the plain vmapped step); a second call, as the device time left
-# allows: rounds_scatter rounds_graphs compile_cache (~440 s);
+# allows: rounds_ratio_lanes rounds_scatter rounds_graphs (~420 s of caps),
+# then compile_cache (~200 s); rounds_ratio_lanes: the rounds on the lanes of the
+# rule before (the most lanes planning <= 1.10x the useful steps), against
+# rounds' lanes of the cost rule (bench_lane_plans.py);
 # compile_cache: the runner's compile seconds on an empty
 # --compilation_cache_dir and again on the filled one (FEMNIST and the
 # 21M Transformer on Shakespeare, 2 rounds of 100 clients); profile_cnn also
@@ -123,6 +126,14 @@ run_stage() {
       --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
       --compute_dtype=bfloat16 --extra=transformer_large:vmap:800 \
       --no-fixed_cost --output="$OUT/rounds_bf16_noautotune.md" ;;
+    rounds_ratio_lanes)  # The lanes of the rule before the cost rule.
+      for m in femnist transformer_large; do
+        lanes=$(python3 benchmarks/bench_lane_plans.py --memory_gib=device \
+          --print_ratio_lanes=$m 2>>"$LOG" | tail -1)
+        stage rounds_ratio_lanes_$m 90 python3 $B --models=$m \
+          --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
+          --lanes_per_device="$lanes" --output="$OUT/rounds_ratio_lanes_$m.md"
+      done ;;
     compile_cache) stage compile_cache 200 python3 \
       benchmarks/bench_run_compilations.py \
       --runs=emnist,shakespeare_transformer --rounds=2 --clients=100 \

@@ -118,7 +118,7 @@ def test_auto_lanes_on_a_gpu_budget_waste_little(data_dir, monkeypatch):
   """lanes_per_device='auto' on an 80 GiB device, EMNIST CNN (1.2M
   parameters): lanes fixed at the first of 100-client FEMNIST cohorts plan
   every cohort within 1.15 x the useful steps (each lane-step is paid for);
-  100 lanes (a lane per client) would run ~1.6x."""
+  100 lanes (a lane per client) run ~1.2x."""
   if not (data_dir / 'femnist105').is_dir():
     pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
   monkeypatch.setattr(stats.jax, 'default_backend', lambda: 'gpu')
@@ -141,14 +141,41 @@ def test_auto_lanes_on_a_gpu_budget_waste_little(data_dir, monkeypatch):
                                         counts.max()) + 2
 
 
-def test_choose_lanes_takes_the_most_lanes_under_the_ratio():
-  # 8 clients of 4 steps: 8 lanes run 4 steps (ratio 1.0), the most.
+def test_choose_lanes_takes_the_least_modeled_time():
+  """sequential steps x (step cost + lanes), by hand."""
+  # 8 clients of 4 steps: 8 lanes run 4 steps (4 x 12 = 48; 4 lanes: 8 x 8).
   assert L.choose_lanes([4] * 8, 8, 4, dynamic_steps=True) == 8
-  # One long client: 2 lanes hold 10 + (2 x 5) = 20 useful in 10 steps.
+  # One long client: 2 lanes run 10 + (5 + 5) in 10 steps (10 x 6 = 60;
+  # 3 lanes 10 x 7 = 70; 1 lane 20 x 5 = 100).
   assert L.choose_lanes([10, 5, 5], 3, 4, dynamic_steps=True) == 2
-  # Unrolled segments round 3 steps up to 4: one lane (ratio 1.33) is the
-  # lowest ratio when none is under 1.10.
+  # 16 useful steps: 2 lanes run 8 steps (8 x 6 = 48, no masked step), 3
+  # lanes 6 (6 x 7 = 42: 2 masked lane-steps buy 2 steps), 4 lanes 6 (48).
+  counts = [6, 3, 5, 1, 1]
+  assert L.choose_lanes(counts, 5, 4, dynamic_steps=True) == 3
+  # A step that costs nothing fixed: the fewest lane-steps (2 x 8 = 16).
+  assert L.choose_lanes(counts, 5, 4, dynamic_steps=True, step_cost=0) == 2
+  # Unrolled segments round 3 steps up to 4.
   assert L.choose_lanes([3], 1, 4) == 1
+  with pytest.raises(ValueError, match='step_cost must be >= 0'):
+    L.choose_lanes(counts, 5, 4, step_cost=-1)
+
+
+def test_choose_lanes_equals_planning_every_lane_count():
+  """The bound that skips candidates never skips the best: the choice equals
+  the least time over plans of every lane count (ties: more lanes)."""
+  rng = np.random.RandomState(0)
+  for trial in range(40):
+    counts = rng.randint(1, 12, rng.randint(1, 30))
+    most = int(rng.randint(1, len(counts) + 1))
+    dynamic = bool(trial % 2)
+    for cost in (0.0, L.AUTO_STEP_COST_LANES, 50.0):
+      times = {per: L.plan_lanes(counts, per, 4, per, dynamic_steps=dynamic
+                                 ).sequential_steps * (cost + per)
+               for per in range(1, most + 1)}
+      want = max(times, key=lambda per: (-times[per], per))
+      got = L.choose_lanes(counts, most, 4, dynamic_steps=dynamic,
+                           step_cost=cost)
+      assert got == want, (counts, most, dynamic, cost, times)
 
 
 def test_bad_plan_inputs_are_one_line_errors():

@@ -223,8 +223,8 @@ class VmapEngine:
     mesh: the :class:`ClientMesh` to split lanes over; None: one device.
     lanes_per_device: an int >= 1, or 'auto': at most :func:`resolve_lanes`
       of ``shared_input``'s bytes and the device memory, and of those the
-      most whose plan of the first cohort executes at most
-      ``lanes.AUTO_EXECUTED_RATIO`` x its useful steps
+      lanes whose plan of the first cohort has the least modeled device
+      time, sequential steps x (``lanes.AUTO_STEP_COST_LANES`` + lanes)
       (:func:`~fedlite_jax.rounds.lanes.choose_lanes`).
     segment_steps: local steps per compiled segment (>= 1).
     slots: finalizations per device and step, an int >= 1 or 'auto'

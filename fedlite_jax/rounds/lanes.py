@@ -180,44 +180,54 @@ def choose_slots(step_counts: Sequence[int], lanes_per_device: int,
   return lanes_per_device
 
 
-#: ``lanes_per_device='auto'`` takes the most lanes whose plan executes at
-#: most this many times the useful steps (masked lane-steps are paid for in
-#: device time; fewer lanes mean more sequential steps).
-AUTO_EXECUTED_RATIO = 1.10
+#: ``lanes_per_device='auto'`` takes the lanes of the least modeled device
+#: time of the first cohort's plan, ``sequential steps x (AUTO_STEP_COST_LANES
+#: + lanes per device)``: every lane-step (masked ones too) costs one unit
+#: and every step this many more. 4: on one NVIDIA H200 the plain vmapped
+#: gradient + SGD step of the 21M Transformer took 3.13 ms on one lane, 6.49
+#: ms on 8 and 23.5 ms on 39 (``bench_lane_step.py``): 0.55 ms per lane plus
+#: a fixed 2.1-2.7 ms, 3.8-4.9 lanes' worth.
+AUTO_STEP_COST_LANES = 4.0
 
 
 def choose_lanes(step_counts: Sequence[int], most: int, segment_steps: int,
                  devices: int = 1,
                  groups: Optional[Sequence[Sequence[int]]] = None,
                  dynamic_steps: bool = False,
-                 ratio: float = AUTO_EXECUTED_RATIO) -> int:
-  """Lanes per device for a cohort: the most lanes (<= ``most``) whose plan
-  runs at most ``ratio`` x the useful steps (with one slot per lane, the
-  shortest plan); else the lanes of the lowest ratio.
+                 step_cost: float = AUTO_STEP_COST_LANES) -> int:
+  """Lanes per device for a cohort (<= ``most``): those whose plan (one
+  slot per lane, the shortest plan) has the least modeled device time,
+  ``plan.sequential_steps x (step_cost + lanes per device)``
+  (:data:`AUTO_STEP_COST_LANES`); ties go to more lanes.
 
-  Each candidate's ratio is bounded below by ``lanes x max(longest,
-  ceil(useful / lanes)) / useful`` (no plan is shorter); only candidates
-  under ``ratio`` by that bound are planned.
+  Fewer lanes execute fewer masked lane-steps, more lanes fewer sequential
+  steps; of lane counts that run the same steps the fewest win
+  (``benchmarks/bench_lane_plans.py`` compares the rules over many
+  cohorts). Each candidate's time is bounded below by ``max(longest,
+  ceil(useful / lanes))`` sequential steps (no plan is shorter); only
+  candidates under the best time by that bound are planned.
 
   Raises:
-    ValueError: as :func:`plan_lanes`.
+    ValueError: as :func:`plan_lanes`, or ``step_cost < 0``.
   """
   counts = np.asarray([int(c) for c in step_counts], np.int64)
   most = check_int(most, 'most')
+  if not step_cost >= 0:
+    raise ValueError(f'step_cost must be >= 0, got {step_cost!r}.')
   useful, longest = int(counts.sum()), int(counts.max())
-  best, best_ratio = 1, np.inf
+  best, best_time = most, np.inf
   for per in range(most, 0, -1):
     lanes = per * devices
-    if lanes * max(longest, -(-useful // lanes)) > ratio * useful and \
-        per > 1:
+    bound = max(longest, -(-useful // lanes))
+    if not dynamic_steps:
+      bound = -(-bound // segment_steps) * segment_steps
+    if bound * (step_cost + per) >= best_time:
       continue
     plan = plan_lanes(counts, per, segment_steps, per, devices, groups,
                       dynamic_steps)
-    got = plan.executed_steps / useful
-    if got <= ratio:
-      return per
-    if got < best_ratio:
-      best, best_ratio = per, got
+    time = plan.sequential_steps * (step_cost + per)
+    if time < best_time:
+      best, best_time = per, time
   return best
 
 
