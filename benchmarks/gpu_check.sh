@@ -16,12 +16,14 @@
 #
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
-# rounds_noprefetch rounds_while rounds_bf16 rounds_bf16_noautotune
+# rounds_noprefetch rounds_while rounds_bf16 round800_bf16
+# rounds_bf16_noautotune
 # compile_cache rounds_ratio_lanes
-# (default: profile_cnn rounds rounds_bf16 steps, ~530 s of caps: the
-# profile, then every target of the issue (the rounds against FedJAX's
-# jit, the bfloat16 and 800-client rounds, the lane-step's device time
-# over the plain vmapped step); a second call, as the device time left
+# (default: profile_cnn rounds rounds_bf16 round800_bf16 steps, ~530 s
+# of caps: the profile, then every target of the issue (the rounds against
+# FedJAX's jit, the bfloat16 rounds, the 800-client bfloat16 run whose
+# first round holds its compiling, the lane-step's device time over the
+# plain vmapped step); a second call, as the device time left
 # allows: rounds_ratio_lanes rounds_scatter rounds_graphs (~420 s of caps),
 # then compile_cache (~200 s); rounds_ratio_lanes: the rounds on the lanes of the
 # rule before (the most lanes planning <= 1.10x the useful steps), against
@@ -36,9 +38,13 @@
 # launches against bytes); rounds_graphs: XLA:GPU's command buffers also
 # take conditionals and while loops (CUDA graphs with on-device control
 # flow), so that a scan segment's conditionals need not read their
-# predicates back to the host; steps / steps_scatter time the idle
+# predicates back to the host; steps: one client's step, the plain
+# vmapped step at two lane counts per model (8 and 39 Transformer lanes,
+# 51 and 100 CNN lanes: a step's fixed cost in lane-steps, which
+# lanes.AUTO_STEP_COST_LANES puts at 4), the transition step and the
+# segment; steps_scatter times the idle
 # lane-step (its conditional, the starts) against the masked step;
-# rounds_bf16_noautotune: rounds_bf16 with XLA:GPU's GEMM autotuning off,
+# rounds_bf16_noautotune: round800_bf16 with XLA:GPU's GEMM autotuning off,
 # how much of the 800-client round's compiling is autotuning). Wheels
 # of missing packages may travel in .dev/whl, FEMNIST in .dev/data (else
 # $FEDLITE_DATA_DIR, else synthetic FEMNIST).
@@ -71,14 +77,14 @@ run_stage() {
     profile_lm) stage profile_lm 150 python3 $P --model=transformer_large \
       --engine=vmap --cohort=100 --warmup_rounds=1 --rounds=2 --top=30 \
       --no-hlo_dump --output="$OUT/profile_transformer_large.json" ;;
-    profile_cnn) stage profile_cnn 80 python3 $P --model=femnist \
+    profile_cnn) stage profile_cnn 70 python3 $P --model=femnist \
       --engine=vmap --cohort=100 --warmup_rounds=1 --rounds=3 --top=30 \
       --no-hlo_dump --output="$OUT/profile_femnist.json"
       python3 -c 'import json,shutil,sys; shutil.copy(json.load(open(sys.argv[1]))["trace_file"], sys.argv[2])' \
         "$OUT/profile_femnist.json" "$OUT/trace_femnist.json.gz" >>"$LOG" 2>&1 ;;
-    steps) stage steps 150 python3 benchmarks/bench_lane_step.py \
+    steps) stage steps 100 python3 benchmarks/bench_lane_step.py \
       --models=transformer_large,femnist --dtypes=float32 \
-      --kinds=client,vmap,idle,transition,segment,idle_cond \
+      --kinds=client,vmap,transition,segment \
       --output="$OUT/lane_step.jsonl" ;;
     steps_scatter) stage steps_scatter 120 python3 \
       benchmarks/bench_lane_step.py --models=transformer_large,femnist \
@@ -95,7 +101,7 @@ run_stage() {
       benchmarks/round_phases.py --model=femnist --engine=vmap --cohort=100 \
       --warmup_rounds=2 --rounds=3 --no-prefetch \
       --output="$OUT/phases_femnist_noprefetch.json" ;;
-    rounds) stage rounds 170 python3 $B --models=femnist,transformer_large \
+    rounds) stage rounds 160 python3 $B --models=femnist,transformer_large \
       --engines=vmap,fedjax_jit --cohorts=100 --rounds=5 --extra= \
       --no-fixed_cost --output="$OUT/rounds.md" ;;
     rounds_fixed) stage rounds_fixed 120 python3 $B \
@@ -116,16 +122,19 @@ run_stage() {
     rounds_while) stage rounds_while 50 python3 $B --models=femnist \
       --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
       --segment_loop=while --output="$OUT/rounds_while.md" ;;
-    rounds_bf16) stage rounds_bf16 130 python3 $B \
+    rounds_bf16) stage rounds_bf16 90 python3 $B \
       --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
-      --compute_dtype=bfloat16 --extra=transformer_large:vmap:800 \
-      --no-fixed_cost \
+      --compute_dtype=bfloat16 --extra= --no-fixed_cost \
       --output="$OUT/rounds_bf16.md" ;;
-    rounds_bf16_noautotune) stage rounds_bf16_noautotune 130 env \
+    round800_bf16) stage round800_bf16 110 python3 $B \
+      --models=transformer_large --engines=vmap --cohorts=800 --rounds=2 \
+      --compute_dtype=bfloat16 --extra= --no-fixed_cost \
+      --output="$OUT/round800_bf16.md" ;;
+    rounds_bf16_noautotune) stage rounds_bf16_noautotune 110 env \
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" python3 $B \
-      --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
-      --compute_dtype=bfloat16 --extra=transformer_large:vmap:800 \
-      --no-fixed_cost --output="$OUT/rounds_bf16_noautotune.md" ;;
+      --models=transformer_large --engines=vmap --cohorts=800 --rounds=2 \
+      --compute_dtype=bfloat16 --extra= --no-fixed_cost \
+      --output="$OUT/round800_bf16_noautotune.md" ;;
     rounds_ratio_lanes)  # The lanes of the rule before the cost rule.
       for m in femnist transformer_large; do
         lanes=$(python3 benchmarks/bench_lane_plans.py --memory_gib=device \
@@ -141,7 +150,7 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_cnn rounds rounds_bf16 steps}"; do
+for s in "${@:-profile_cnn rounds rounds_bf16 round800_bf16 steps}"; do
   for t in $s; do run_stage "$t"; done
 done
 grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40
