@@ -63,8 +63,10 @@ from fedlite_jax.rounds import streaming  # noqa: E402
 
 KINDS = ('client', 'shared', 'vmap', 'idle', 'idle_cond', 'transition',
          'segment')
-#: Lanes per model (the engine's plans on one large GPU: 39 Transformer
-#: lanes for 100 clients, 51 CNN lanes).
+#: Lanes per model: the vmapped step at two lane counts (a step's fixed
+#: cost, ``lanes.AUTO_STEP_COST_LANES``); the larger one for the other
+#: kinds (the engine's plans on one large GPU before the cost rule: 39
+#: Transformer lanes for 100 clients, 51 CNN lanes).
 LANES = {'transformer_large': (8, 39), 'femnist': (51, 100),
          'transformer_tiny': (2, 4)}
 
