@@ -154,6 +154,14 @@ def test_choose_lanes_takes_the_least_modeled_time():
   assert L.choose_lanes(counts, 5, 4, dynamic_steps=True) == 3
   # A step that costs nothing fixed: the fewest lane-steps (2 x 8 = 16).
   assert L.choose_lanes(counts, 5, 4, dynamic_steps=True, step_cost=0) == 2
+  # XLA:CPU's step cost (0.2): 2 lanes only where they add few lane-steps:
+  # 3 clients, 1 lane 24 x 1.2 = 28.8 against 2 lanes 15 x 2.2 = 33; 4
+  # even clients, 2 lanes 8 x 2.2 = 17.6 against 16 x 1.2 = 19.2.
+  cpu = L.AUTO_CPU_STEP_COST_LANES
+  assert L.choose_lanes([9, 7, 8], 2, 4, dynamic_steps=True,
+                        step_cost=cpu) == 1
+  assert L.choose_lanes([4] * 4, 2, 4, dynamic_steps=True,
+                        step_cost=cpu) == 2
   # Unrolled segments round 3 steps up to 4.
   assert L.choose_lanes([3], 1, 4) == 1
   with pytest.raises(ValueError, match='step_cost must be >= 0'):

@@ -224,7 +224,8 @@ class VmapEngine:
     lanes_per_device: an int >= 1, or 'auto': at most :func:`resolve_lanes`
       of ``shared_input``'s bytes and the device memory, and of those the
       lanes whose plan of the first cohort has the least modeled device
-      time, sequential steps x (``lanes.AUTO_STEP_COST_LANES`` + lanes)
+      time, sequential steps x (``lanes.AUTO_STEP_COST_LANES`` + lanes;
+      on CPU ``AUTO_CPU_STEP_COST_LANES``)
       (:func:`~fedlite_jax.rounds.lanes.choose_lanes`).
     segment_steps: local steps per compiled segment (>= 1).
     slots: finalizations per device and step, an int >= 1 or 'auto'
@@ -299,9 +300,12 @@ class VmapEngine:
     if self._lanes is None:  # Fixed from the first round on.
       most = min(resolve_lanes(self._lanes_setting, tree_bytes(shared_input)),
                  -(-len(work) // mesh.num_devices))
+      cost = (lanes_lib.AUTO_CPU_STEP_COST_LANES
+              if jax.default_backend() == 'cpu' else
+              lanes_lib.AUTO_STEP_COST_LANES)
       self._lanes = most if self._lanes_setting != 'auto' else \
           lanes_lib.choose_lanes(steps, most, self._segment_steps,
-                                 mesh.num_devices, groups, dynamic)
+                                 mesh.num_devices, groups, dynamic, cost)
     if self._slots is None:
       self._slots = (lanes_lib.choose_slots(
           steps, self._lanes, self._segment_steps, mesh.num_devices, groups)

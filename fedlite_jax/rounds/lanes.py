@@ -188,6 +188,12 @@ def choose_slots(step_counts: Sequence[int], lanes_per_device: int,
 #: ms on 8 and 23.5 ms on 39 (``bench_lane_step.py``): 0.55 ms per lane plus
 #: a fixed 2.1-2.7 ms, 3.8-4.9 lanes' worth.
 AUTO_STEP_COST_LANES = 4.0
+#: The step cost on XLA:CPU, where a lane adds no parallel hardware and
+#: time follows the lane-steps (FEMNIST CNN, 2 cores: 19 ms per step on
+#: one lane, 46 ms on two; ``benchmarks/results/lanes_cpu.md``): near 0.
+#: 0.2 keeps the CPU's choice of before (2 lanes where they execute at
+#: most ~1.09x the useful steps, else 1).
+AUTO_CPU_STEP_COST_LANES = 0.2
 
 
 def choose_lanes(step_counts: Sequence[int], most: int, segment_steps: int,
