@@ -106,6 +106,7 @@ from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import batching as batching_lib
 from fedlite_jax.algorithms import federated_averaging
+from fedlite_jax.models import layers
 from fedlite_jax.models import lm
 from fedlite_jax.rounds import VmapBackend
 from fedlite_jax.rounds import stats as stats_lib
@@ -387,12 +388,14 @@ def step_flops(model: fedjax.Model, params: Any, batch: dict) -> float:
 # One (model, engine) process.
 
 def _model(name: str, engine: str = 'loop', dtype: str = 'float32',
-           for_flops: bool = False) -> fedjax.Model:
-  """The model; the vmap engine's CNN with im2col convolutions (the
-  runner's ``--conv_implementation=auto``), FedJAX's reference in float32."""
+           for_flops: bool = False, conv: str = 'auto') -> fedjax.Model:
+  """The model; the CNN's convolutions ``conv`` (``'auto'``: im2col on the
+  vmapped engines, as the runner's ``--conv_implementation=auto``, else
+  ``lax``), FedJAX's reference in float32 with ``lax`` convolutions."""
   compute = None if dtype == 'float32' or engine == 'fedjax_jit' else dtype
   if name == 'femnist':
-    conv = 'im2col' if engine in ('vmap', 'fedjax_vmap') else 'lax'
+    if conv == 'auto' or engine == 'fedjax_jit':
+      conv = 'im2col' if engine in ('vmap', 'fedjax_vmap') else 'lax'
     if for_flops:
       conv, compute = 'lax', None
     return models.create_emnist_cnn(62, conv_implementation=conv,
@@ -494,7 +497,7 @@ def run_worker(args, emit: bool = False,
   name, engine = args.models, args.engines
   batch_size = FEMNIST_BATCH if name == 'femnist' else LM_BATCH
   dtype = 'float32' if engine == 'fedjax_jit' else args.compute_dtype
-  model = _model(name, engine, dtype)
+  model = _model(name, engine, dtype, conv=args.conv_implementation)
   params = model.init(jax.random.PRNGKey(args.seed))
   kind = jax.devices()[0].device_kind
   peak = peak_flops_table(kind, dtype)
@@ -622,6 +625,7 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
          f'--segment_steps={args.segment_steps}',
          f'--segment_loop={args.segment_loop}',
          f'--compute_dtype={args.compute_dtype}',
+         f'--conv_implementation={args.conv_implementation}',
          f'--max_examples={args.max_examples}', f'--seed={args.seed}']
   if args.data_dir:
     cmd.append(f'--data_dir={args.data_dir}')
@@ -849,6 +853,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                       choices=('float32', 'bfloat16'),
                       help='our engines\' and VmapBackend\'s model '
                       'computation dtype (FedJAX jit: always float32)')
+  parser.add_argument('--conv_implementation', default='auto',
+                      choices=('auto',) + layers.CONV_IMPLEMENTATIONS,
+                      help='the CNN\'s convolutions on our engines and '
+                      'VmapBackend: lax (a vmapped lax convolution is a '
+                      'grouped convolution), im2col (matmuls) or auto '
+                      '(im2col on the vmapped engines, as the runner); '
+                      'FedJAX jit: always lax')
   parser.add_argument('--extra', default=None,
                       help='comma list of model:engine:cohort runs of one '
                       'round after the table (default on GPU/TPU: '
@@ -923,6 +934,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'--{"" if args.prefetch else "no-"}prefetch, '
             f'--lane_starts={args.lane_starts}, '
             f'--compute_dtype={args.compute_dtype}, '
+            f'--conv_implementation={args.conv_implementation}, '
             f'--total_seconds={args.total_seconds:g}']
   print('\n'.join(header), flush=True)
   print(TABLE_HEAD, flush=True)
@@ -984,6 +996,7 @@ def _profile(args, row: dict, output: str, budget: float) -> str:
          f'--segment_steps={args.segment_steps}',
          f'--segment_loop={args.segment_loop}',
          f'--compute_dtype={args.compute_dtype}',
+         f'--conv_implementation={args.conv_implementation}',
          f'--max_examples={args.max_examples}', f'--seed={args.seed}',
          f'--rounds={args.profile_rounds}', f'--output={path}',
          '--prefetch' if args.prefetch else '--no-prefetch',

@@ -18,16 +18,20 @@
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
 # rounds_noprefetch rounds_while rounds_bf16 round800_bf16
 # rounds_bf16_noautotune
-# compile_cache rounds_ratio_lanes
+# compile_cache rounds_ratio_lanes rounds_lax_conv
 # (default: profile_cnn rounds rounds_bf16 round800_bf16 steps, ~530 s
 # of caps: the profile, then every target of the issue (the rounds against
 # FedJAX's jit, the bfloat16 rounds, the 800-client bfloat16 run whose
 # first round holds its compiling, the lane-step's device time over the
 # plain vmapped step); a second call, as the device time left
-# allows: rounds_ratio_lanes rounds_scatter rounds_graphs (~420 s of caps),
+# allows: rounds_ratio_lanes rounds_lax_conv rounds_scatter rounds_graphs
+# (~480 s of caps),
 # then compile_cache (~200 s); rounds_ratio_lanes: the rounds on the lanes of the
 # rule before (the most lanes planning <= 1.10x the useful steps), against
-# rounds' lanes of the cost rule (bench_lane_plans.py);
+# rounds' lanes of the cost rule (bench_lane_plans.py); rounds_lax_conv:
+# the FEMNIST rounds with lax convolutions (vmapped: grouped convolutions,
+# cuDNN's) instead of im2col matmuls (the engine's choice, made on CPU;
+# im2col's concatenations and transposes held ~26% of the kernel time);
 # compile_cache: the runner's compile seconds on an empty
 # --compilation_cache_dir and again on the filled one (FEMNIST and the
 # 21M Transformer on Shakespeare, 2 rounds of 100 clients); profile_cnn also
@@ -119,6 +123,9 @@ run_stage() {
     rounds_noprefetch) stage rounds_noprefetch 50 python3 $B \
       --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
       --no-fixed_cost --no-prefetch --output="$OUT/rounds_noprefetch.md" ;;
+    rounds_lax_conv) stage rounds_lax_conv 60 python3 $B --models=femnist \
+      --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
+      --conv_implementation=lax --output="$OUT/rounds_lax_conv.md" ;;
     rounds_while) stage rounds_while 50 python3 $B --models=femnist \
       --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
       --segment_loop=while --output="$OUT/rounds_while.md" ;;

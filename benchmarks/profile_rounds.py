@@ -463,7 +463,7 @@ def run(args) -> dict:
                 bench_rounds.LM_BATCH)
   dtype = 'float32' if args.engine == 'fedjax_jit' else args.compute_dtype
   model = bench_rounds._model(  # pylint: disable=protected-access
-      args.model, args.engine, dtype)
+      args.model, args.engine, dtype, conv=args.conv_implementation)
   clients, result['data'] = bench_rounds.population(
       args.model, args.cohort, args.seed, args.max_examples, args.data_dir)
   if args.cohort > len(clients):
@@ -531,6 +531,9 @@ def parser() -> argparse.ArgumentParser:
                  help='vmap engine: LaneStreams.starts')
   p.add_argument('--compute_dtype', default='float32',
                  choices=('float32', 'bfloat16'))
+  p.add_argument('--conv_implementation', default='auto',
+                 choices=('auto', 'lax', 'im2col'),
+                 help="the CNN's convolutions (bench_rounds.py's flag)")
   p.add_argument('--max_examples', type=int, default=0,
                  help='cap on examples per client (0: none)')
   p.add_argument('--seed', type=int, default=0)

@@ -13,6 +13,7 @@ checked with stand-in devices.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -193,6 +194,38 @@ def test_fresh_cohorts_differ_and_repeat(repo_root):
   b = [c for c, _, _ in bench.fresh_cohort(clients, 10, 0, 2)]
   assert len(set(a)) == 10 and a != b
   assert a == [c for c, _, _ in bench.fresh_cohort(clients, 10, 0, 1)]
+
+
+def test_conv_implementation_reaches_the_model(repo_root):
+  """``--conv_implementation``: a lax convolution in the CNN's apply only
+  where asked for (auto: im2col on the vmapped engines, lax on the loop
+  engine), FedJAX's reference always lax; the worker and the profile get
+  the flag."""
+  import jax
+  import numpy as np
+  bench = _load(repo_root)
+  x = {'x': np.zeros((2, 28, 28, 1), np.float32)}
+
+  def convolves(model):
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    return 'conv_general_dilated' in str(jax.make_jaxpr(
+        lambda p: model.apply_for_eval(p, x))(params))
+
+  cases = [('vmap', 'auto', False), ('vmap', 'lax', True),
+           ('loop', 'auto', True), ('loop', 'im2col', False),
+           ('fedjax_jit', 'im2col', True), ('fedjax_vmap', 'auto', False)]
+  for engine, conv, expected in cases:
+    assert convolves(bench._model('femnist', engine, conv=conv)) == expected, (
+        engine, conv)
+  args = argparse.Namespace(
+      cohorts=[10], rounds=2, max_seconds=10, lanes_per_device='auto',
+      segment_steps=4, segment_loop='auto', compute_dtype='float32',
+      conv_implementation='lax', max_examples=0, seed=0, data_dir=None,
+      fixed_cost=False, prefetch=True, lane_starts='rows')
+  assert '--conv_implementation=lax' in bench._worker_cmd(args, 'femnist',
+                                                          'vmap')
+  with pytest.raises(SystemExit):
+    bench.main(['--conv_implementation=fft'])
 
 
 def test_cnn_step_flops_count_the_convolutions(repo_root):
