@@ -17,7 +17,7 @@
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
 # rounds_noprefetch rounds_while rounds_bf16 round800_bf16
-# rounds_bf16_noautotune
+# rounds_bf16_noautotune rounds_bf16_notriton
 # compile_cache rounds_ratio_lanes rounds_lax_conv
 # (default: profile_cnn rounds rounds_bf16 round800_bf16 steps, ~530 s
 # of caps: the profile, then every target of the issue (the rounds against
@@ -49,7 +49,9 @@
 # segment; steps_scatter times the idle
 # lane-step (its conditional, the starts) against the masked step;
 # rounds_bf16_noautotune: round800_bf16 with XLA:GPU's GEMM autotuning off,
-# how much of the 800-client round's compiling is autotuning). Wheels
+# how much of the 800-client round's compiling is autotuning;
+# rounds_bf16_notriton: the same with XLA:GPU's Triton GEMMs off, cuBLAS
+# only, whose tiling configurations are not compiled and autotuned). Wheels
 # of missing packages may travel in .dev/whl, FEMNIST in .dev/data (else
 # $FEDLITE_DATA_DIR, else synthetic FEMNIST).
 set -u
@@ -142,6 +144,11 @@ run_stage() {
       --models=transformer_large --engines=vmap --cohorts=800 --rounds=2 \
       --compute_dtype=bfloat16 --extra= --no-fixed_cost \
       --output="$OUT/round800_bf16_noautotune.md" ;;
+    rounds_bf16_notriton) stage rounds_bf16_notriton 110 env \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" python3 $B \
+      --models=transformer_large --engines=vmap --cohorts=800 --rounds=2 \
+      --compute_dtype=bfloat16 --extra= --no-fixed_cost \
+      --output="$OUT/round800_bf16_notriton.md" ;;
     rounds_ratio_lanes)  # The lanes of the rule before the cost rule.
       for m in femnist transformer_large; do
         lanes=$(python3 benchmarks/bench_lane_plans.py --memory_gib=device \
