@@ -18,14 +18,15 @@
 # phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
 # rounds_noprefetch rounds_while rounds_bf16 round800_bf16
 # rounds_bf16_noautotune rounds_bf16_notriton
-# compile_cache rounds_ratio_lanes rounds_lax_conv
+# compile_cache rounds_ratio_lanes rounds_lax_conv rounds50_cnn
 # (default: profile_cnn rounds rounds_bf16 round800_bf16 steps, ~530 s
 # of caps: the profile, then every target of the issue (the rounds against
 # FedJAX's jit, the bfloat16 rounds, the 800-client bfloat16 run whose
 # first round holds its compiling, the lane-step's device time over the
 # plain vmapped step); a second call, as the device time left
-# allows: rounds_ratio_lanes rounds_lax_conv rounds_scatter rounds_graphs
-# (~480 s of caps),
+# allows: rounds50_cnn rounds_ratio_lanes rounds_lax_conv rounds_scatter
+# rounds_graphs (~580 s of caps; rounds50_cnn: the FEMNIST target's
+# 50-round run with its compiling, against FedJAX's jit),
 # then compile_cache (~200 s); rounds_ratio_lanes: the rounds on the lanes of the
 # rule before (the most lanes planning <= 1.10x the useful steps), against
 # rounds' lanes of the cost rule (bench_lane_plans.py); rounds_lax_conv:
@@ -125,6 +126,9 @@ run_stage() {
     rounds_noprefetch) stage rounds_noprefetch 50 python3 $B \
       --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
       --no-fixed_cost --no-prefetch --output="$OUT/rounds_noprefetch.md" ;;
+    rounds50_cnn) stage rounds50_cnn 100 python3 $B --models=femnist \
+      --engines=vmap,fedjax_jit --cohorts=100 --rounds=50 --extra= \
+      --no-fixed_cost --output="$OUT/rounds50_femnist.md" ;;
     rounds_lax_conv) stage rounds_lax_conv 60 python3 $B --models=femnist \
       --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
       --conv_implementation=lax --output="$OUT/rounds_lax_conv.md" ;;
