@@ -13,9 +13,12 @@ folder is used when ``FEDLITE_DATA_DIR`` is unset and it exists.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 from typing import Mapping, Sequence
 
@@ -134,4 +137,16 @@ def data_dir() -> pathlib.Path:
 @pytest.fixture(scope='session')
 def repo_root() -> pathlib.Path:
   return _REPO
+
+
+@contextlib.contextmanager
+def benchmark_modules(*names: str):
+  """The scripts ``benchmarks/<name>.py`` imported as modules, with
+  ``benchmarks/`` on ``sys.path`` while in use (they import each other)."""
+  path = str(_REPO / 'benchmarks')
+  sys.path.insert(0, path)
+  try:
+    yield tuple(importlib.import_module(n) for n in names)
+  finally:
+    sys.path.remove(path)
 

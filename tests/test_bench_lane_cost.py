@@ -11,22 +11,14 @@ does not hold).
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
+import conftest
 import pytest
-
-BENCH = pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'
 
 
 @pytest.fixture(scope='module')
 def bench():
-  sys.path.insert(0, str(BENCH))
-  try:
-    import bench_lane_cost  # pylint: disable=g-import-not-at-top
+  with conftest.benchmark_modules('bench_lane_cost') as (bench_lane_cost,):
     yield bench_lane_cost
-  finally:
-    sys.path.remove(str(BENCH))
 
 
 def test_a_scan_lane_step_costs_the_plain_step(bench, tmp_path):

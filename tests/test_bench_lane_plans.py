@@ -6,25 +6,17 @@ brute force)."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
+import conftest
 import numpy as np
 import pytest
 
 from fedlite_jax.rounds import lanes as lanes_lib
 
-BENCH = pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'
-
 
 @pytest.fixture(scope='module')
 def bench():
-  sys.path.insert(0, str(BENCH))
-  try:
-    import bench_lane_plans  # pylint: disable=g-import-not-at-top
+  with conftest.benchmark_modules('bench_lane_plans') as (bench_lane_plans,):
     yield bench_lane_plans
-  finally:
-    sys.path.remove(str(BENCH))
 
 
 def test_both_rules_against_every_lane_count(bench, monkeypatch):

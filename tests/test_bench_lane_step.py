@@ -11,23 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import sys
 
+import conftest
 import pytest
-
-BENCH = pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'
 
 
 @pytest.fixture(scope='module')
 def benches():
-  sys.path.insert(0, str(BENCH))
-  try:
-    import bench_lane_step  # pylint: disable=g-import-not-at-top
-    import round_phases  # pylint: disable=g-import-not-at-top
-    yield bench_lane_step, round_phases
-  finally:
-    sys.path.remove(str(BENCH))
+  with conftest.benchmark_modules('bench_lane_step', 'round_phases') as mods:
+    yield mods
 
 
 def test_lane_step_rows(benches, tmp_path):
