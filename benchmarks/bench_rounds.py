@@ -635,6 +635,28 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
   return cmd
 
 
+def die_with_parent(parent: int) -> bool:
+  """Makes this process (a worker in its own session, so that its budget
+  can kill its process group) get SIGKILL when its parent dies, e.g. when
+  ``timeout`` ends the benchmark: a worker left running would hold the
+  device while the next measurement runs. Linux's ``PR_SET_PDEATHSIG``.
+
+  Returns:
+    False where the system has no ``prctl`` (not Linux): the worker then
+    outlives a killed parent. Exits at once if ``parent`` is already gone.
+  """
+  import ctypes  # pylint: disable=import-outside-toplevel
+  import signal  # pylint: disable=import-outside-toplevel
+  try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):
+    return False
+  prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  if os.getppid() != parent:  # The parent died before the line above.
+    os._exit(1)  # pylint: disable=protected-access
+  return True
+
+
 def _run_isolated(args, model: str, engine: str, budget: float,
                   on_row: Optional[Any] = None) -> list[dict]:
   """The worker's rows, each passed to ``on_row`` as the worker prints it;
@@ -643,7 +665,7 @@ def _run_isolated(args, model: str, engine: str, budget: float,
   import tempfile  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
   cmd = _worker_cmd(args, model, engine) + [
-      f'--deadline={time.time() + budget:.0f}']
+      f'--deadline={time.time() + budget:.0f}', f'--parent={os.getpid()}']
   done: dict[int, dict] = {}
   final = None
   killed = []
@@ -897,6 +919,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--deadline', type=float, default=0,
                       help=argparse.SUPPRESS)
+  parser.add_argument('--parent', type=int, default=0,
+                      help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.merge:
     if not args.output or args.output == '-':
@@ -907,6 +931,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     return
   _defaults(args)
   if args.worker:
+    if args.parent and not die_with_parent(args.parent):
+      print('warning: no prctl here; this worker outlives a killed parent',
+            file=sys.stderr)
     print('ROWS ' + json.dumps(run_worker(args, emit=True)), flush=True)
     return
   model_list = args.models.split(',')

@@ -8,12 +8,14 @@ cohorts (JAX's compile events), the lane engines' fixed cost lies within
 their profiled round, and a configuration over the time budget is skipped
 with a reason (the skip rule is also checked on given numbers). No timing
 is asserted. The GPU/TPU code paths (allocator peak, peak FLOP/s table) are
-checked with stand-in devices.
+checked with stand-in devices. A benchmark killed as ``timeout`` kills it
+leaves no worker process behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -194,6 +196,59 @@ def test_fresh_cohorts_differ_and_repeat(repo_root):
   b = [c for c, _, _ in bench.fresh_cohort(clients, 10, 0, 2)]
   assert len(set(a)) == 10 and a != b
   assert a == [c for c, _, _ in bench.fresh_cohort(clients, 10, 0, 1)]
+
+
+def _workers_of(parent: int) -> list[int]:
+  """Live (not zombie) worker processes started by benchmark ``parent``."""
+  pids = []
+  for d in os.listdir('/proc'):
+    try:
+      with open(f'/proc/{d}/cmdline', 'rb') as f:
+        argv = f.read().split(b'\0')
+      with open(f'/proc/{d}/stat', 'rb') as f:
+        state = f.read().rsplit(b')', 1)[1].split()[0]
+    except (OSError, IndexError):
+      continue
+    if (b'--worker' in argv and f'--parent={parent}'.encode() in argv
+        and state != b'Z'):
+      pids.append(int(d))
+  return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'),
+                    reason='PR_SET_PDEATHSIG and /proc are Linux-only')
+def test_a_killed_benchmark_leaves_no_worker(repo_root, tmp_path):
+  """SIGTERM to the benchmark, as ``timeout`` sends at a stage's cap: its
+  worker (own session, out of reach of a process-group kill) goes too; a
+  GPU check's next stage must not share the device with it."""
+  import signal
+  import time
+  proc = subprocess.Popen(
+      [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
+       '--models=lstm_tiny', '--engines=vmap', '--cohorts=2', '--rounds=100000',
+       '--max_examples=40', '--no-fixed_cost',
+       f'--output={tmp_path / "rounds.md"}'],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.time() + 120
+    workers = []
+    while not workers and time.time() < deadline and proc.poll() is None:
+      workers = _workers_of(proc.pid)
+      time.sleep(0.1)
+    assert workers, 'no worker started'
+    assert os.getsid(workers[0]) != os.getsid(proc.pid)  # Its own session.
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.time() + 30
+    while _workers_of(proc.pid) and time.time() < deadline:
+      time.sleep(0.1)
+    assert not _workers_of(proc.pid)
+  finally:  # Never leave one running (100,000 rounds), even on failure.
+    for pid in _workers_of(proc.pid):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+      proc.kill()
 
 
 def test_conv_implementation_reaches_the_model(repo_root):
