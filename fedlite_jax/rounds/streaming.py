@@ -46,7 +46,8 @@ PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 #: costs one step's compile, and the round's last segment computes only its
 #: planned steps; XLA knows the trip count, so XLA:GPU need not read a
 #: loop predicate back: on an H200, FEMNIST rounds of 0.127 s against
-#: 0.155 s with ``'while'``, though its calls still held the host ~11 ms
+#: 0.155 s with ``'while'`` (that run may have shared the GPU with an
+#: orphaned benchmark worker), though its calls still held the host ~11 ms
 #: each, cause not yet traced); ``'while'``
 #: (an on-device loop whose trip count is given at run time: XLA:GPU copies
 #: each iteration's predicate to the host, so the call blocks until the
