@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_rounds  # noqa: E402  (imports fedlite_jax first)
 import jax  # noqa: E402
+from fedlite_jax.models import layers  # noqa: E402
 from fedlite_jax.rounds import stats as stats_lib  # noqa: E402
 from fedlite_jax.rounds import streaming  # noqa: E402
 
@@ -532,7 +533,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--compute_dtype', default='float32',
                  choices=('float32', 'bfloat16'))
   p.add_argument('--conv_implementation', default='auto',
-                 choices=('auto', 'lax', 'im2col'),
+                 choices=('auto',) + layers.CONV_IMPLEMENTATIONS,
                  help="the CNN's convolutions (bench_rounds.py's flag)")
   p.add_argument('--max_examples', type=int, default=0,
                  help='cap on examples per client (0: none)')
