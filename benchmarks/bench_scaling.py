@@ -49,7 +49,6 @@ def _setup(args):
   task = args.task or ('emnist' if os.environ.get('FEDLITE_DATA_DIR')
                        else 'embedded_mnist')
   train, _, info = datasets.load_federated_data(task)
-  model = models.create_emnist_cnn(info.num_classes).model
   sampler = fedjax.client_samplers.UniformGetClientSampler(
       train, args.clients_per_round, seed=0)
   cap = args.max_examples
@@ -58,7 +57,7 @@ def _setup(args):
     sampler.set_round_num(r)
     cohorts.append([(cid, cds[:cap] if cap else cds, client_rng(0, r, cid))
                     for cid, cds, _ in sampler.sample()])
-  return task, model, cohorts
+  return task, info.num_classes, cohorts
 
 
 def _time_rounds(apply, state, cohorts, warmup):
@@ -74,15 +73,21 @@ def _time_rounds(apply, state, cohorts, warmup):
 
 def _devices_worker(args) -> dict:
   """Runs inside a subprocess with the forced device count."""
-  task, model, cohorts = _setup(args)
+  task, num_classes, cohorts = _setup(args)
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=args.batch_size)
-  params = model.init(jax.random.PRNGKey(0))
+  params = models.create_emnist_cnn(num_classes).model.init(
+      jax.random.PRNGKey(0))
   out = {'task': task, 'num_devices': jax.local_device_count(),
          'backend': jax.default_backend()}
   engines = [('vmap', 'vmap')]
   if jax.local_device_count() == 1:
     engines.insert(0, ('loop', 'loop'))
   for label, engine in engines:
+    # Convolutions as the runner's --conv_implementation=auto builds them:
+    # im2col matmuls where clients run vmapped (the same parameters).
+    model = models.create_emnist_cnn(
+        num_classes, conv_implementation='lax' if engine == 'loop'
+        else 'im2col').model
     with use_client_mesh(make_client_mesh()):
       alg = federated_averaging(fedjax.model_grad(model), optax.sgd(0.1),
                                 optax.sgd(1.0), hp, engine=engine)

@@ -19,6 +19,7 @@
 # rounds_noprefetch rounds_while rounds_bf16 round800_bf16
 # rounds_bf16_noautotune rounds_bf16_notriton
 # compile_cache rounds_ratio_lanes rounds_lax_conv rounds50_cnn
+# rounds_cnn_compile_flags
 # (default: profile_cnn rounds rounds_bf16 round800_bf16 steps, ~530 s
 # of caps: the profile, then every target of the issue (the rounds against
 # FedJAX's jit, the bfloat16 rounds, the 800-client bfloat16 run whose
@@ -52,7 +53,10 @@
 # rounds_bf16_noautotune: round800_bf16 with XLA:GPU's GEMM autotuning off,
 # how much of the 800-client round's compiling is autotuning;
 # rounds_bf16_notriton: the same with XLA:GPU's Triton GEMMs off, cuBLAS
-# only, whose tiling configurations are not compiled and autotuned). Wheels
+# only, whose tiling configurations are not compiled and autotuned;
+# rounds_cnn_compile_flags: the FEMNIST rounds with each of those two
+# flags, whose compile seconds bound the 50-round target's: FEMNIST's
+# lane programs took 7.7 s to compile against 3.4 s for FedJAX's). Wheels
 # of missing packages may travel in .dev/whl, FEMNIST in .dev/data (else
 # $FEDLITE_DATA_DIR, else synthetic FEMNIST).
 set -u
@@ -160,6 +164,13 @@ run_stage() {
         stage rounds_ratio_lanes_$m 90 python3 $B --models=$m \
           --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
           --lanes_per_device="$lanes" --output="$OUT/rounds_ratio_lanes_$m.md"
+      done ;;
+    rounds_cnn_compile_flags)  # XLA:GPU's GEMM autotuning, Triton GEMMs.
+      for f in --xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false; do
+        n=${f#--xla_gpu_}; n=${n%%=*}
+        stage rounds_cnn_$n 60 env XLA_FLAGS="${XLA_FLAGS:-} $f" python3 $B \
+          --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
+          --no-fixed_cost --output="$OUT/rounds_cnn_$n.md"
       done ;;
     compile_cache) stage compile_cache 200 python3 \
       benchmarks/bench_run_compilations.py \
