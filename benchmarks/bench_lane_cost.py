@@ -209,7 +209,7 @@ def idle_lane_step(program, starts: str = 'rows') -> Callable:
 
   def idle_step(shared, states, acc, x):
     states = start_all(shared, states, acc, x)
-    stepped = jax.vmap(program.step)(states, x.batch)
+    stepped = jax.vmap(program.carried_step)(states, x.batch)
     return jax.tree.map(
         lambda n, o: jnp.where(
             x.active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
@@ -276,7 +276,7 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
 
   program, shared = client_program(model, params)
   streams = streaming.LaneStreams(
-      program.init, lambda st, b: (program.step(st, b), None), program.final)
+      program.init, lambda st, b: (program.carried_step(st, b), None), program.final)
   client_input = {'rng': key}
   states = jax.eval_shape(
       jax.vmap(program.init, in_axes=(None, 0)), shared,
@@ -296,7 +296,7 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   step_inputs = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype),
       inputs)
-  step = lambda st, b: (program.step(st, b), None)
+  step = lambda st, b: (program.carried_step(st, b), None)
   # Compiled alone, the lane states and sums are donated, as the segment
   # carries them (else XLA copies the states before writing rows in place).
   carried = lambda fn, donate=(1,): jax.jit(fn, donate_argnums=donate)

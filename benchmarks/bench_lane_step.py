@@ -188,9 +188,9 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
         start_input={'rng': lead(jax.random.split(key, slots))},
         start_on=lead(jnp.ones((slots,), bool)))
 
-  step = lambda st, b: (program.step(st, b), None)
+  step = lambda st, b: (program.carried_step(st, b), None)
   def idle(states, x):
-    stepped = jax.vmap(program.step)(states, x.batch)
+    stepped = jax.vmap(program.carried_step)(states, x.batch)
     return streaming._where_rows(x.active, stepped, states)  # pylint: disable=protected-access
   if 'idle' in kinds or 'idle_cond' in kinds:
     row('idle', L, idle, [(states, inputs(b, 0)) for b in batches])

@@ -265,6 +265,57 @@ def test_auto_loop_is_scan_unless_a_cpu_step_convolves():
     E.VmapEngine(_program(), segment_loop='fori')
 
 
+def test_each_engine_runs_its_step():
+  """The vmap engine's lanes run a program's ``step_in_place``, the loop
+  engine its ``step`` (there the ordering dependences cost more than the
+  copy they save); both engines give the loop's results."""
+  base = _program()
+  traced = []
+
+  def tagged(tag):
+    def step(state, batch):
+      traced.append(tag)
+      return base.step(state, batch)
+    return step
+
+  program = E.ClientProgram(base.init, tagged('step'), base.final,
+                            step_in_place=tagged('in_place'))
+  assert E.ClientProgram(base.init, base.step, base.final).carried_step \
+      is base.step
+  work = _cohort(7)
+  shared = {'w': np.ones(3, np.float32)}
+  ref = E.LoopEngine(program)(shared, work)
+  assert traced and set(traced) == {'step'}
+  traced.clear()
+  out = E.VmapEngine(program, lanes_per_device=3, segment_loop='scan')(
+      shared, work)
+  assert 'in_place' in traced
+  np.testing.assert_allclose(out.weighted_sum['delta'],
+                             ref.weighted_sum['delta'], rtol=1e-5, atol=1e-6)
+
+
+def test_delta_program_steps_are_bit_equal():
+  """``delta_client_program``'s two steps give the same state bit for bit
+  (the in-place one only adds value-exact dependences), jitted apart."""
+  from fedlite_jax.algorithms import rounds_common as rc  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  model = emnist.create_emnist_cnn(10).model
+  params = model.init(jax.random.PRNGKey(0))
+  program = rc.delta_client_program(
+      fedjax.model_grad(model), optax.sgd(0.1),
+      lambda shared, inp, delta, mask: (delta, {}))
+  assert program.step_in_place is not None
+  rng = np.random.RandomState(0)
+  batch = {'x': rng.rand(5, 28, 28, 1).astype(np.float32),
+           'y': rng.randint(0, 10, 5).astype(np.int32)}
+  state = program.init({'params': params}, {'rng': jax.random.PRNGKey(1)})
+  a = jax.jit(program.step)(state, batch)
+  b = jax.jit(program.step_in_place)(state, batch)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8),
+                                  np.asarray(y).view(np.uint8))
+
+
 @pytest.mark.parametrize('lanes,slots,loop', [
     (1, 'auto', 'unroll'), (3, 1, 'unroll'), (3, 2, 'unroll'),
     (5, 'auto', 'unroll'), (13, 3, 'unroll'), ('auto', 'auto', 'unroll'),
@@ -394,7 +445,7 @@ def test_lane_programs_have_no_scatter(loop, starts):
   program = _program()
   lanes, slots, steps = 5, 2, 4
   streams = streaming.LaneStreams(
-      program.init, lambda s, b: (program.step(s, b), None), program.final)
+      program.init, lambda s, b: (program.carried_step(s, b), None), program.final)
   streams.starts = starts
   begin, segment, finish = streams._build(steps, loop)  # pylint: disable=protected-access
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)

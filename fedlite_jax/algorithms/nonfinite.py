@@ -9,6 +9,7 @@ raises. Under both, a non-finite server state after the update raises.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from absl import logging
@@ -68,7 +69,7 @@ def guarded(program: ClientProgram) -> ClientProgram:
                           output)
     return output, {**diag, 'finite': finite}
 
-  return ClientProgram(program.init, program.step, final)
+  return dataclasses.replace(program, final=final)
 
 
 def resolve(client_ids: Sequence[bytes], finite: Iterable[Any], policy: str,

@@ -223,7 +223,8 @@ def delta_client_program(grad_fn: GradFn,
     ``delta_l2_norm``, ``finite``
     and (:class:`TrainGrad`) ``train_loss``, ``train_examples``,
     ``train_accuracy`` (if the model has one; see
-    :data:`TRAIN_DIAGNOSTICS`).
+    :data:`TRAIN_DIAGNOSTICS`). Its ``step_in_place`` (the vmap engine's)
+    orders every parameter update after all gradients.
   """
   stats_fn = grad_fn.with_stats if isinstance(grad_fn, TrainGrad) else None
 
@@ -237,7 +238,7 @@ def delta_client_program(grad_fn: GradFn,
         mask=pvt_mask(plan(), client_input),
         stats=grad_fn.zero_stats() if stats_fn else None)
 
-  def step(state, batch):
+  def step(state, batch, in_place=False):
     rng, use_rng = jax.random.split(state.rng)
     params = state.params
     stats = state.stats
@@ -246,11 +247,12 @@ def delta_client_program(grad_fn: GradFn,
     else:
       grads, batch_stats = stats_fn(params, batch, use_rng)
       stats = {k: v.merge(batch_stats[k]) for k, v in stats.items()}
-    # Every parameter update waits for all gradients (same values): then
-    # no reader of the old weights (the input-gradient matmuls) is left
-    # when they are overwritten, and XLA updates a lane's carried
-    # parameters in place instead of copying them each step.
-    grads = ordering.ordered_after(grads, grads)
+    if in_place:
+      # Every parameter update waits for all gradients (same values): then
+      # no reader of the old weights (the input-gradient matmuls) is left
+      # when they are overwritten, and XLA updates a lane's carried
+      # parameters in place instead of copying them each step.
+      grads = ordering.ordered_after(grads, grads)
     grads = _masked(grads, state.mask)
     if fedprox_mu:
       # d/dw of 0.5 mu ||w - w_s||^2 (FedProx, Li et al. 2020, Alg. 2).
@@ -274,7 +276,9 @@ def delta_client_program(grad_fn: GradFn,
         diag['train_accuracy'] = state.stats['accuracy'].result()
     return output, diag
 
-  return nonfinite_lib.guarded(ClientProgram(init, step, final))
+  return nonfinite_lib.guarded(ClientProgram(
+      init, step, final,
+      step_in_place=functools.partial(step, in_place=True)))
 
 
 def on_first_device(state: PyTree) -> PyTree:

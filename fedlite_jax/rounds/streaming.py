@@ -290,8 +290,9 @@ def lane_step(init: Callable, step: Callable, final: Callable,
     states, so the conditional copies nothing of them; the starts write
     only the slots' rows (:func:`start_slots`), in place; the masked step's
     ``where`` writes the states in place. With a client step whose
-    parameter updates wait for all its gradients
-    (``rounds_common.delta_client_program``), no pass over the lane states
+    parameter updates wait for all its gradients (the
+    ``ClientProgram.step_in_place`` of
+    ``rounds_common.delta_client_program``), no pass over the lane states
     is added to the vmapped step (XLA:CPU cost analysis,
     ``benchmarks/bench_lane_cost.py``).
   """
