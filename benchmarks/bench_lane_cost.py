@@ -276,7 +276,8 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
 
   program, shared = client_program(model, params)
   streams = streaming.LaneStreams(
-      program.init, lambda st, b: (program.carried_step(st, b), None), program.final)
+      program.init, lambda st, b: (program.carried_step(st, b), None),
+      program.final)
   client_input = {'rng': key}
   states = jax.eval_shape(
       jax.vmap(program.init, in_axes=(None, 0)), shared,

@@ -445,7 +445,8 @@ def test_lane_programs_have_no_scatter(loop, starts):
   program = _program()
   lanes, slots, steps = 5, 2, 4
   streams = streaming.LaneStreams(
-      program.init, lambda s, b: (program.carried_step(s, b), None), program.final)
+      program.init, lambda s, b: (program.carried_step(s, b), None),
+      program.final)
   streams.starts = starts
   begin, segment, finish = streams._build(steps, loop)  # pylint: disable=protected-access
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
