@@ -65,17 +65,23 @@ def measure(cohort: int, threads: list[int], rounds: int, seed: int = 0,
           'speedup': {w: ms[1] / ms[w] for w in threads}}
 
 
-def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument('--cohort', type=int, default=100)
-  ap.add_argument('--threads', default='1,2,4',
-                  help='comma list of thread counts; must include 1')
+def add_cohort_flags(ap: argparse.ArgumentParser) -> None:
+  """``--rounds``, ``--seed``, ``--data_dir``, ``--output`` (shared with
+  ``bench_round_inputs.py``)."""
   ap.add_argument('--rounds', type=int, default=6,
                   help='fresh cohorts; medians over all but the first')
   ap.add_argument('--seed', type=int, default=0)
   ap.add_argument('--data_dir', default=None,
                   help='FEMNIST data (default $FEDLITE_DATA_DIR)')
   ap.add_argument('--output', default='-', help='JSON file ("-": none)')
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--cohort', type=int, default=100)
+  ap.add_argument('--threads', default='1,2,4',
+                  help='comma list of thread counts; must include 1')
+  add_cohort_flags(ap)
   args = ap.parse_args(argv)
   res = measure(args.cohort, [int(t) for t in args.threads.split(',')],
                 args.rounds, args.seed,

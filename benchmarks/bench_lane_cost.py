@@ -293,7 +293,7 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
       start_on=jax.ShapeDtypeStruct((slots, S), jnp.bool_))
   segment = streams._build(S, loop)[1]  # pylint: disable=protected-access
   seg, seg_s = _compile(segment, shared, states, acc, inputs,
-                        jax.ShapeDtypeStruct((), jnp.int32))
+                        jax.ShapeDtypeStruct((), jnp.int32), None)
   step_inputs = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype),
       inputs)

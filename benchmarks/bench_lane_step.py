@@ -216,7 +216,7 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
     n = jnp.asarray(S, jnp.int32)
 
     def segment(states, acc, x):
-      return seg(shared, states, acc, x, n)
+      return seg(shared, states, acc, x, n, None)
     # The segment donates its states and sums: fresh copies per call.
     sets = [(states, acc, seg_inputs(b)) for b in batches]
     copy = lambda t: jax.tree.map(jnp.copy, t)

@@ -109,6 +109,7 @@ from fedlite_jax.algorithms import federated_averaging
 from fedlite_jax.models import layers
 from fedlite_jax.models import lm
 from fedlite_jax.rounds import VmapBackend
+from fedlite_jax.rounds import device_rows
 from fedlite_jax.rounds import stats as stats_lib
 from fedlite_jax.rounds import streaming
 from fedlite_jax.training.runner import client_rng
@@ -226,6 +227,18 @@ def population(model: str, cohort: int, seed: int, max_examples: int,
       return real, 'real FEMNIST'
   size = max(4 * cohort, 1000)
   return _synthetic_population(model, size, seed, max_examples), 'synthetic'
+
+
+def on_device(clients: list, engine: str, setting: str) -> list:
+  """``clients`` with their examples in a ``RowTable`` on the device
+  (``--data_on_device``, as the runner's: ``auto`` is on for the vmap
+  engine on GPU/TPU when the table fits), else as they are."""
+  if engine != 'vmap' or setting == 'off':
+    return clients
+  table = device_rows.RowTable(clients)
+  if setting == 'auto' and not device_rows.table_memory_ok(table.nbytes)[0]:
+    return clients
+  return [(cid, table.dataset(cid, cds)) for cid, cds in clients]
 
 
 def fresh_cohort(clients: list, cohort: int, seed: int, round_num: int
@@ -527,6 +540,7 @@ def run_worker(args, emit: bool = False,
     t_load = time.perf_counter()
     clients, row['data'] = population(name, cohort, args.seed,
                                       args.max_examples, args.data_dir)
+    clients = on_device(clients, engine, args.data_on_device)
     if cohort > len(clients):
       row['skip'] = f'the population has {len(clients)} clients'
       _done(row, emit, on_row)
@@ -562,7 +576,7 @@ def run_worker(args, emit: bool = False,
                   f'expected {useful[-1]}')
             executed.append(counts['executed_steps'])
             sequential.append(counts['sequential_steps'])
-            for key in ('lanes', 'segment_steps', 'slots'):
+            for key in ('lanes', 'segment_steps', 'slots', 'rows_on_device'):
               row[key] = counts[key]
           else:  # FedJAX's jit backend: one call per useful step.
             if clock.batches != useful[-1]:
@@ -632,6 +646,7 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
   cmd.append('--fixed_cost' if args.fixed_cost else '--no-fixed_cost')
   cmd.append('--prefetch' if args.prefetch else '--no-prefetch')
   cmd.append(f'--lane_starts={args.lane_starts}')
+  cmd.append(f'--data_on_device={args.data_on_device}')
   return cmd
 
 
@@ -871,6 +886,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                       choices=streaming.STARTS,
                       help='vmap engine: how a lane-step writes the next '
                       'clients into the lane states (LaneStreams.starts)')
+  parser.add_argument('--data_on_device', default='auto',
+                      choices=device_rows.SETTINGS,
+                      help='vmap engine: the clients\' examples on the '
+                      'device once, batches sent as row indices (as the '
+                      'runner\'s flag; auto: on GPU/TPU when they fit)')
   parser.add_argument('--compute_dtype', default='float32',
                       choices=('float32', 'bfloat16'),
                       help='our engines\' and VmapBackend\'s model '
@@ -960,6 +980,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'--segment_loop={args.segment_loop}, '
             f'--{"" if args.prefetch else "no-"}prefetch, '
             f'--lane_starts={args.lane_starts}, '
+            f'--data_on_device={args.data_on_device}, '
             f'--compute_dtype={args.compute_dtype}, '
             f'--conv_implementation={args.conv_implementation}, '
             f'--total_seconds={args.total_seconds:g}']
@@ -1027,7 +1048,8 @@ def _profile(args, row: dict, output: str, budget: float) -> str:
          f'--max_examples={args.max_examples}', f'--seed={args.seed}',
          f'--rounds={args.profile_rounds}', f'--output={path}',
          '--prefetch' if args.prefetch else '--no-prefetch',
-         f'--lane_starts={args.lane_starts}']
+         f'--lane_starts={args.lane_starts}',
+         f'--data_on_device={args.data_on_device}']
   if args.data_dir:
     cmd.append(f'--data_dir={args.data_dir}')
   try:
@@ -1062,7 +1084,9 @@ def _notes(rows: list[dict]) -> list[str]:
         notes.append(
             f'{r["model"]} vmap cohort {r["cohort"]}: {r["lanes"]} lanes, '
             f'{r["segment_steps"]} steps per segment, {r["slots"]} '
-            f'finalization slot(s) per step; first round '
+            f'finalization slot(s) per step; batches '
+            + ('gathered on the device' if r.get('rows_on_device') else
+               'sent by the host') + '; first round '
             f'{r["first_round_s"]:.3g} s; compile s by program: ' + ', '.join(
                 f'{k} {v:.3g}' for k, v in list(
                     r.get('compile_s_by_program', {}).items())[:6]))

@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rounds  # noqa: E402  (imports fedlite_jax first)
 import jax  # noqa: E402
 from fedlite_jax.models import layers  # noqa: E402
+from fedlite_jax.rounds import device_rows  # noqa: E402
 from fedlite_jax.rounds import stats as stats_lib  # noqa: E402
 from fedlite_jax.rounds import streaming  # noqa: E402
 
@@ -456,7 +457,7 @@ def run(args) -> dict:
           k: getattr(args, k) for k in (
               'model', 'engine', 'cohort', 'warmup_rounds', 'rounds',
               'lanes_per_device', 'segment_steps', 'segment_loop',
-              'prefetch', 'lane_starts', 'compute_dtype',
+              'prefetch', 'lane_starts', 'data_on_device', 'compute_dtype',
               'max_examples', 'seed')},
       'device': bench_rounds._machine()}  # pylint: disable=protected-access
   _write(args.output, result)
@@ -467,6 +468,7 @@ def run(args) -> dict:
       args.model, args.engine, dtype, conv=args.conv_implementation)
   clients, result['data'] = bench_rounds.population(
       args.model, args.cohort, args.seed, args.max_examples, args.data_dir)
+  clients = bench_rounds.on_device(clients, args.engine, args.data_on_device)
   if args.cohort > len(clients):
     raise SystemExit(f'--cohort={args.cohort}: the population has '
                      f'{len(clients)} clients.')
@@ -530,6 +532,9 @@ def parser() -> argparse.ArgumentParser:
                  'worker thread (--no-prefetch: between calls)')
   p.add_argument('--lane_starts', default='rows', choices=streaming.STARTS,
                  help='vmap engine: LaneStreams.starts')
+  p.add_argument('--data_on_device', default='auto',
+                 choices=device_rows.SETTINGS,
+                 help='vmap engine: examples on the device, batches as rows')
   p.add_argument('--compute_dtype', default='float32',
                  choices=('float32', 'bfloat16'))
   p.add_argument('--conv_implementation', default='auto',

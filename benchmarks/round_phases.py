@@ -116,6 +116,7 @@ def _run(args, phases: Phases) -> dict:
       args.model, args.engine, dtype)
   clients, data = bench_rounds.population(
       args.model, args.cohort, args.seed, args.max_examples, args.data_dir)
+  clients = bench_rounds.on_device(clients, args.engine, args.data_on_device)
   alg = bench_rounds._algorithm(  # pylint: disable=protected-access
       args.engine, model, batch_size, args)
   state = alg.init(model.init(jax.random.PRNGKey(args.seed)))

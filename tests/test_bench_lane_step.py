@@ -1,4 +1,5 @@
-"""benchmarks/bench_lane_step.py, round_phases.py and bench_batching.py on CPU.
+"""benchmarks/bench_lane_step.py, round_phases.py, bench_batching.py and
+bench_round_inputs.py on CPU.
 
 References: XLA's cost analysis of the one-client step (a vmapped step over
 ``L`` lanes does ``L`` clients' FLOPs, to 2%); the round's own wall clock
@@ -85,3 +86,23 @@ def test_bench_batching(benches, tmp_path):
   assert res['batches'] == sum(-(-len(ds) // 20) for _, ds, _ in work)
   with pytest.raises(ValueError, match='must include 1'):
     bench_batching.measure(5, [2], 1)
+
+
+def test_bench_round_inputs(benches, tmp_path):
+  """Both ways run the same batches (the benchmark checks their sums); the
+  batch count is FedJAX's; the ratio is of the two medians."""
+  del benches  # Puts benchmarks/ on the path.
+  import bench_round_inputs  # pylint: disable=g-import-not-at-top
+  out = tmp_path / 'r.json'
+  results = bench_round_inputs.main(['--cohort=6', '--lanes_per_device=3',
+                                     '--segment_steps=2', '--rounds=2',
+                                     f'--output={out}'])
+  assert [r['prefetch'] for r in results] == [False, True]
+  clients, _ = bench_round_inputs.bench_rounds.population(
+      'femnist', 6, 0, 0, os.environ.get('FEDLITE_DATA_DIR'))
+  work = bench_round_inputs.bench_rounds.fresh_cohort(clients, 6, 0, 1)
+  for r in results:
+    assert r['batches'] == sum(-(-len(ds) // 20) for _, ds, _ in work), r
+    assert r['ratio'] == pytest.approx(r['ms']['host'] / r['ms']['table'])
+    assert all(v > 0 for v in r['ms'].values()), r
+  assert json.loads(out.read_text())['results'][0]['ms'] == results[0]['ms']

@@ -276,7 +276,8 @@ def test_conv_implementation_reaches_the_model(repo_root):
       cohorts=[10], rounds=2, max_seconds=10, lanes_per_device='auto',
       segment_steps=4, segment_loop='auto', compute_dtype='float32',
       conv_implementation='lax', max_examples=0, seed=0, data_dir=None,
-      fixed_cost=False, prefetch=True, lane_starts='rows')
+      fixed_cost=False, prefetch=True, lane_starts='rows',
+      data_on_device='auto')
   assert '--conv_implementation=lax' in bench._worker_cmd(args, 'femnist',
                                                           'vmap')
   with pytest.raises(SystemExit):

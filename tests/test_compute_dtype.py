@@ -108,7 +108,7 @@ def _lane_segment(model, batch, loop, lanes=3, slots=2, steps=2):
       start_input=lead({'rng': key}, slots, steps), start_on=flags(slots))
   segment = streams._build(steps, loop)[1]  # pylint: disable=protected-access
   return segment.lower(shared, states, acc, inputs,
-                       jax.ShapeDtypeStruct((), jnp.int32))
+                       jax.ShapeDtypeStruct((), jnp.int32), None)
 
 
 @pytest.mark.parametrize('loop', ['unroll', 'scan'])

@@ -464,7 +464,7 @@ def test_lane_programs_have_no_scatter(loop, starts):
       begin.lower(shared, {'scale': f32(lanes)},
                   jax.ShapeDtypeStruct((lanes,), jnp.int32)),
       segment.lower(shared, states, acc, inputs,
-                    jax.ShapeDtypeStruct((), jnp.int32)),
+                    jax.ShapeDtypeStruct((), jnp.int32), None),
       finish.lower(shared, states, acc, f32(lanes))]
   for i, lowered in enumerate(texts):
     text = lowered.compile().as_text()

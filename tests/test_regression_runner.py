@@ -74,7 +74,8 @@ SEGMENT_CASES = ('fedadam', 'mime_lite', 'fedavg_up8_down16_pvt40')
 
 def run_case(name: str, data_dir: str, output_dir: str,
              vmap: bool = False, segment_steps: int = 1,
-             segment_loop: str = 'auto') -> dict:
+             segment_loop: str = 'auto', data_on_device: str = 'auto'
+             ) -> dict:
   """Runs one case; returns {'loss', 'upload_bytes', 'download_bytes'}."""
   from fedlite_jax.training import RunConfig  # pylint: disable=g-import-not-at-top
   from fedlite_jax.training import run  # pylint: disable=g-import-not-at-top
@@ -85,7 +86,8 @@ def run_case(name: str, data_dir: str, output_dir: str,
   elif vmap:
     overrides = {**overrides, 'round_engine': 'vmap', 'lanes_per_device': 2,
                  'segment_steps': segment_steps,
-                 'segment_loop': segment_loop}
+                 'segment_loop': segment_loop,
+                 'data_on_device': data_on_device}
   summary = run(RunConfig(**{**BASE, **overrides}, data_dir=data_dir,
                           output_dir=output_dir, options=options))
   comm = summary['communication']
@@ -145,13 +147,36 @@ def test_segments_of_four_steps_match_recorded_baseline(name, loop, data_dir,
   assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
 
 
+@pytest.mark.parametrize('name', SEGMENT_CASES)
+def test_data_on_device_matches_recorded_baseline(name, data_dir, tmp_path):
+  """The vmap engine gathering its batches from the devices' row table
+  (--data_on_device=on, 4 steps per segment) gives the loop engine's
+  recorded loss (rel 1e-5) and bytes, and says it did."""
+  if not (data_dir / 'femnist105').is_dir():
+    pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
+  golden = json.loads(GOLDEN.read_text())[name]
+  out = tmp_path / name
+  got = run_case(name, str(data_dir), str(out), vmap=True, segment_steps=4,
+                 segment_loop='scan', data_on_device='on')
+  assert got['upload_bytes'] == golden['upload_bytes']
+  assert got['download_bytes'] == golden['download_bytes']
+  assert got['loss'] == pytest.approx(golden['loss'], rel=1e-5)
+  summary = json.loads((out / 'summary.json').read_text())
+  # MimeLite's last engine call per round is its full-batch gradient pass,
+  # whose padded batches (with a mask) the host sends.
+  assert summary['engine']['rows_on_device'] == int(name != 'mime_lite'), (
+      summary['engine'])
+  _check_training_rows(out)
+
+
 #: (case, engine) pairs of the compile test: the FedOpt server step with an
 #: optimizer state (fedadam), two client passes (mime_lite), a new IGC epoch
 #: every round (igc_k_subspace_time_varying), 'changed' download accounting
 #: (fetchsgd), quantized download + PVT.
 COMPILE_CASES = (('fedadam', 'loop'), ('mime_lite', 'loop'),
                  ('igc_k_subspace_time_varying', 'loop'),
-                 ('fetchsgd', 'vmap'), ('fedavg_up8_down16_pvt40', 'vmap'))
+                 ('fetchsgd', 'vmap'), ('fedavg_up8_down16_pvt40', 'vmap'),
+                 ('fedadam', 'vmap_rows'))
 
 
 @pytest.mark.parametrize('name,engine', COMPILE_CASES)
@@ -165,7 +190,9 @@ def test_rounds_after_the_first_compile_nothing(name, engine, data_dir,
     pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
   from fedlite_jax.training import outputs  # pylint: disable=g-import-not-at-top
   monkeypatch.setitem(BASE, 'num_rounds', 3)
-  run_case(name, str(data_dir), str(tmp_path / name), vmap=engine == 'vmap')
+  run_case(name, str(data_dir), str(tmp_path / name),
+           vmap=engine.startswith('vmap'),
+           data_on_device='on' if engine == 'vmap_rows' else 'auto')
   rows = outputs.read_metrics(tmp_path / name / 'metrics.jsonl')
   assert [r['round'] for r in rows] == [1, 2, 3]
   assert rows[0]['engine/client_program_compilations'] > 0, rows[0]

@@ -253,3 +253,26 @@ def test_two_processes_equal_one_process(tmp_path):
       print('OK', compare('single', {str(tmp_path / "multi")!r}, 'multi'))
       ''', 1, tmp_path)
   assert 'OK' in out, out
+
+
+def test_data_on_device_on_two_devices_equals_host_batches(tmp_path):
+  """The vmap engine on 2 devices gathering its batches from the devices'
+  row table (--data_on_device=on) ends with the same parameters, bit for
+  bit, as with the host's batches, and says which way it went."""
+  kw = dict(COMMON, algorithm='fedavg', segment_steps=2)
+  out = _run_script(f'''
+      kw = {kw!r}
+      got = {{}}
+      for way in ('on', 'off'):
+        got[way] = run(pathlib.Path(way), num_devices=2, data_on_device=way,
+                       **kw)
+        assert got[way]['round_engine'] == 'vmap', got[way]
+      assert got['on']['engine']['rows_on_device'] == 1, got['on']['engine']
+      assert got['off']['engine']['rows_on_device'] == 0
+      (ra, la), (rb, lb) = final_leaves('on'), final_leaves('off')
+      assert ra == rb and len(la) == len(lb) > 0
+      for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+      print('OK', got['on']['final_eval'])
+      ''', 2, tmp_path)
+  assert 'OK' in out, out

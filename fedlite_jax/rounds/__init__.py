@@ -1,6 +1,8 @@
 """Round engines (:func:`make_engine`) and ``for_each_client`` backends."""
 
+from fedlite_jax.rounds import device_rows
 from fedlite_jax.rounds.compressed_backend import CompressedBackend
+from fedlite_jax.rounds.device_rows import RowTable
 from fedlite_jax.rounds.engine import ClientProgram
 from fedlite_jax.rounds.engine import ClientWork
 from fedlite_jax.rounds.engine import ENGINE_NAMES

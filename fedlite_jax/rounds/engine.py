@@ -340,7 +340,8 @@ class VmapEngine:
                  sequential_steps=plan.sequential_steps,
                  segments=plan.num_segments,
                  lanes=plan.lanes, segment_steps=plan.segment_steps,
-                 slots=plan.slots, longest_client_steps=max(steps))
+                 slots=plan.slots, longest_client_steps=max(steps),
+                 rows_on_device=int(run.rows_on_device))
     total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
     return RoundResult(run.weighted_sum, total, run.diagnostics)
 

@@ -23,8 +23,9 @@ from fedlite_jax.common import PyTree
 ADDITIVE = ('clients', 'useful_steps', 'executed_steps', 'sequential_steps',
             'segments')
 #: Settings of the last engine call: lanes (over all devices), steps per
-#: segment, finalization slots per device and step.
-SETTINGS = ('lanes', 'segment_steps', 'slots')
+#: segment, finalization slots per device and step, whether the batches were
+#: gathered on the devices (1) or sent by the host (0; ``device_rows``).
+SETTINGS = ('lanes', 'segment_steps', 'slots', 'rows_on_device')
 #: Largest over the engine calls: the longest client's local steps.
 MAXIMA = ('longest_client_steps',)
 

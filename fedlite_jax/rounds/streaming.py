@@ -33,6 +33,7 @@ import numpy as np
 from fedlite_jax.common import PyTree
 from fedlite_jax.rounds import lanes as lanes_lib
 from fedlite_jax.rounds import ordering
+from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 
 Batch = dict
@@ -152,6 +153,31 @@ def _stack(items: Sequence[PyTree], shape: tuple[int, ...]) -> PyTree:
 
 _POOLS: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
+
+
+def _local_first(batches: Sequence[Sequence[Batch]]) -> int:
+  """The first client whose batches this process holds."""
+  return next(i for i, b in enumerate(batches)
+              if not isinstance(b, remote.RemoteBatches))
+
+
+def _row_table(batches: Sequence[Sequence[Batch]]):
+  """The ``device_rows.RowTable`` that every local client's batches are
+  rows of (``batching.TableBatches``), or None when none is.
+
+  Raises:
+    ValueError: some clients' batches are table rows and others are not,
+      or rows of different tables (a round reads one table).
+  """
+  local = [b for b in batches if not isinstance(b, remote.RemoteBatches)]
+  tables = {id(getattr(b, 'row_table', None)): getattr(b, 'row_table', None)
+            for b in local}
+  if len(tables) > 1:
+    raise ValueError(
+        f'A round\'s clients read {len(tables)} different sources of '
+        'batches (row tables and host batches); the lane engine reads one: '
+        'wrap every client with the same device_rows.RowTable, or none.')
+  return next(iter(tables.values()))
 
 
 def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -337,11 +363,14 @@ class LaneRun:
     outputs: collecting streams: per client its output; None when summing.
     step_results: collecting streams: per client its step results, one per
       batch (NumPy); None when summing.
+    rows_on_device: whether the batches were gathered on the devices from
+      a ``device_rows.RowTable`` (else cut, stacked and sent by the host).
   """
   diagnostics: list
   weighted_sum: Optional[PyTree] = None
   outputs: Optional[list] = None
   step_results: Optional[list[list]] = None
+  rows_on_device: bool = False
 
 
 class LaneStreams:
@@ -413,15 +442,20 @@ class LaneStreams:
                          out_shape)
       return states, acc
 
-    def at(x: StepInputs, s) -> StepInputs:
-      """Step ``s`` (static or traced) of the segment's ``[rows, S]``
-      inputs."""
-      if isinstance(s, int):
-        return jax.tree.map(lambda a: a[:, s], x)
-      return jax.tree.map(
-          lambda a: lax.dynamic_index_in_dim(a, s, 1, keepdims=False), x)
+    def lanes_segment(shared, states, acc, inputs, num_steps, table):
+      def at(x: StepInputs, s) -> StepInputs:
+        """Step ``s`` (static or traced) of the segment's ``[rows, S]``
+        inputs; with a row table, the lanes' batches gathered from it."""
+        if isinstance(s, int):
+          x = jax.tree.map(lambda a: a[:, s], x)
+        else:
+          x = jax.tree.map(
+              lambda a: lax.dynamic_index_in_dim(a, s, 1, keepdims=False), x)
+        if table is None:
+          return x
+        return dataclasses.replace(x, batch=jax.tree.map(
+            lambda t: jnp.take(t, x.batch, axis=0, mode='clip'), table))
 
-    def lanes_segment(shared, states, acc, inputs, num_steps):
       if loop == 'unroll':  # XLA:CPU: no while loop around the step.
         diags, outputs, results = [], [], []
         for s in range(S):
@@ -482,7 +516,8 @@ class LaneStreams:
 
     begin = shard(lanes_begin, (P(), lanes_in, lanes_in), (lanes_in, lanes_in))
     # The sums are donated where they are updated (not when collecting).
-    segment = shard(lanes_segment, (P(), lanes_in, lanes_in, lanes_in, P()),
+    segment = shard(lanes_segment,
+                    (P(), lanes_in, lanes_in, lanes_in, P(), P()),
                     (lanes_in,) * 5, donate=(1,) if collect else (1, 2))
     finish = shard(lanes_finish, (P(),) + (lanes_in,) * 3,
                    (lanes_in,) * 3, donate=() if collect else (2,))
@@ -532,7 +567,13 @@ class LaneStreams:
                   (p + 1) * per_proc * plan.lanes_per_device)
     devices = slice(p * per_proc, (p + 1) * per_proc)
     S, F = plan.segment_steps, plan.slots
-    pad_batch = _zeros_like(template[0])
+    row_table = _row_table(batches)
+    if row_table is None:
+      pad_batch = _zeros_like(template[0])
+      batch_of = lambda c, b: batches[c][b] if c >= 0 else pad_batch
+    else:  # Rows' indices; the lane-steps gather the batches (device_rows).
+      pad_batch = np.zeros_like(batches[_local_first(batches)].rows[0])
+      batch_of = lambda c, b: batches[c].rows[b] if c >= 0 else pad_batch
     n = len(batches)
     # Client inputs as one table (row n: padding), indexed per lane/step.
     table = _stack(list(inputs) + [_zeros_like(template[1])], (-1,))
@@ -554,7 +595,7 @@ class LaneStreams:
       t = slice(k * S, (k + 1) * S)
       who = plan.client[t, lanes].T          # [lanes, S]
       which = plan.batch[t, lanes].T
-      step_batches = [batches[c][b] if c >= 0 else pad_batch
+      step_batches = [batch_of(c, b)
                       for c, b in zip(who.ravel(), which.ravel())]
       # Slots as rows: [S, devices, F] -> [devices * F, S].
       slot = lambda a: np.transpose(a[t, devices], (1, 2, 0)).reshape(-1, S)
@@ -586,6 +627,8 @@ class LaneStreams:
         if first[c] < plan.steps and make is not None:
           self._warmers().submit(make)
     shared = mesh.put_replicated(shared)
+    rows = (None if row_table is None else
+            row_table.on_devices(mesh.replicated))
     states, acc = begin(shared, put(pick(plan.begin[lanes]), num_lanes),
                         put(np.arange(plan.lanes)[lanes], num_lanes))
     seg_diags, seg_outputs, seg_results = [], [], []
@@ -597,7 +640,7 @@ class LaneStreams:
       else:
         inputs_k, steps_k = prepare(k)
       states, acc, diags, outputs, results = segment(
-          shared, states, acc, inputs_k, steps_k)
+          shared, states, acc, inputs_k, steps_k, rows)
       seg_diags.append(diags)
       seg_outputs.append(outputs)
       seg_results.append(results)
@@ -606,10 +649,12 @@ class LaneStreams:
         put(weight_of(plan.finish[lanes]), num_lanes))
     diags, outputs, results = self._per_client(
         plan, seg_diags, seg_outputs, seg_results, fin_diags, fin_outputs, n)
+    on_device = row_table is not None
     if self.collect:
-      return LaneRun(diags, outputs=outputs, step_results=results)
+      return LaneRun(diags, outputs=outputs, step_results=results,
+                     rows_on_device=on_device)
     total = jax.tree.map(lambda x: x.addressable_data(0), self._reduce(acc))
-    return LaneRun(diags, weighted_sum=total)
+    return LaneRun(diags, weighted_sum=total, rows_on_device=on_device)
 
   @staticmethod
   def _ready(pending: concurrent.futures.Future):

@@ -88,6 +88,7 @@ IGNORED_FIELDS = {
     'client_epochs': 'each client uses one batch per round',
     'round_engine': _OWN_CLIENTS, 'steps_per_call': _OWN_CLIENTS,
     'segment_steps': _OWN_CLIENTS, 'segment_loop': _OWN_CLIENTS,
+    'data_on_device': _OWN_CLIENTS,
 }
 
 SPLIT_OPTIONS = (SERVER_OPTIMIZER, SERVER_LR, LABEL_BITS, CLIENT_WEIGHTING,

@@ -20,6 +20,7 @@ from fedlite_jax.training import start as start_lib
 from fedlite_jax.training import state_io
 from fedlite_jax.training import registry
 from fedlite_jax.training import tasks
+from fedlite_jax.rounds import device_rows
 from fedlite_jax.rounds import errors as rounds_errors
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
@@ -46,6 +47,8 @@ class Run:
     test_batches: the evaluation batches.
     init: the ``--init_checkpoint`` parameters, or None.
     engine, conv_implementation: the round engine and convolutions used.
+    row_table: the training clients' examples on the devices
+      (``--data_on_device``), or None: cohorts are wrapped by it.
     start_round: rounds done before this process started (restored).
     rows: metrics.jsonl rows so far (one per round): on a resume, those of
       rounds <= ``start_round`` (the file cut back to them); the loop appends.
@@ -69,6 +72,7 @@ class Run:
   init: Optional[state_io.InitParams]
   engine: str
   conv_implementation: str
+  row_table: Optional[device_rows.RowTable] = None
   start_round: int = 0
   rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   stop_reason: Optional[str] = None
@@ -147,6 +151,46 @@ def _training_source(config, train_fd, mesh):
   return train_fd, source
 
 
+def _row_table(config, train_fd, mesh, engine: str
+               ) -> Optional[device_rows.RowTable]:
+  """The training clients' row table for ``--data_on_device``, or None
+  (off; not the vmap engine; auto on CPU, on several processes, or over
+  ``device_rows.AUTO_MEMORY_FRACTION`` of a device's memory).
+
+  Raises:
+    ConfigError: ``on`` on several processes, or for clients whose
+      preprocessor does not keep one row per row.
+  """
+  setting = config.data_on_device
+  spec = registry.get(config.algorithm)
+  if setting == 'off' or engine != 'vmap' or not spec.uses_round_engine():
+    return None
+  if mesh.multi_process:
+    if setting == 'on':
+      raise ConfigError('--data_on_device=on runs on one process; use auto '
+                        'or off with --num_processes > 1.')
+    return None
+  if setting == 'auto':
+    if jax.default_backend() == 'cpu':
+      return None
+    # The size from the examples' count and one client's rows.
+    cid, size = next(iter(train_fd.client_sizes()))
+    sample = next(iter(train_fd.get_clients([cid])))[1].all_examples()
+    row_bytes = sum(v.nbytes for v in sample.values()) / max(size, 1)
+    total = sum(n for _, n in train_fd.client_sizes())
+    fits, why = device_rows.table_memory_ok(int(total * row_bytes))
+    LOG.info('--data_on_device=auto: %s (%s).', 'on' if fits else 'off', why)
+    if not fits:
+      return None
+  try:
+    table = device_rows.RowTable(train_fd.clients())
+  except ValueError as e:
+    raise ConfigError(f'--data_on_device={setting}: {e}') from None
+  LOG.info('Training data on the devices: %d examples, %.1f MiB.',
+           len(table), table.nbytes / 2**20)
+  return table
+
+
 def build_run(config: config_lib.RunConfig, task: tasks.Task,
               mesh: sharding.ClientMesh, engine: str, model_config:
               config_lib.RunConfig, out: pathlib.Path, scratch: pathlib.Path,
@@ -162,6 +206,7 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
   train_fd, test_fd, info = task.load_data(config)
   LOG.info('Data (--task=%s): %s', config.task, info.description)
   train_fd, source = _training_source(config, train_fd, mesh)
+  row_table = _row_table(config, train_fd, mesh, engine)
   split_model = task.build_model(model_config, info)
   params = split_model.model.init(jax.random.PRNGKey(config.seed))
   init = _load_init(config, params, fingerprint.get('init_checkpoint_sha256'))
@@ -207,6 +252,6 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
       source=source, test_batches=evaluation.eval_batches(
           test_fd, config.eval_batch_size, config.eval_num_clients,
           config.seed),
-      init=init, engine=engine,
+      init=init, engine=engine, row_table=row_table,
       conv_implementation=model_config.conv_implementation,
       start_round=start_round, rows=rows)

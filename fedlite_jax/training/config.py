@@ -29,6 +29,7 @@ SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
 TOKENIZERS = ('word', 'sentencepiece')
 ROUND_ENGINES = rounds.ENGINE_NAMES
 SEGMENT_LOOPS = rounds.streaming.LOOPS
+DATA_ON_DEVICE = rounds.device_rows.SETTINGS
 CONV_IMPLEMENTATIONS = ('auto',) + models_layers.CONV_IMPLEMENTATIONS
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 
@@ -135,6 +136,12 @@ class RunConfig:
       'steps); auto = scan, but unroll on CPU for a '
       'client step with a lax convolution. Equal to float rounding.',
       choices=SEGMENT_LOOPS)
+  data_on_device: str = _field(
+      'auto', 'vmap engine: the training clients\' preprocessed examples '
+      'sent to every device once, and each round\'s batches as row indices '
+      'that the lanes gather (the same batches); auto = on with GPUs/TPUs '
+      'on one process when they take at most 1/8 of a device\'s memory.',
+      choices=DATA_ON_DEVICE)
   conv_implementation: str = _field(
       'auto', 'CNN convolutions: lax, im2col (a matmul: no grouped '
       'convolution when vmapped over clients), auto (im2col with the vmap '
@@ -203,7 +210,8 @@ class RunConfig:
       'num_rounds', 'eval_every', 'eval_batch_size', 'eval_num_clients',
       'data_dir', 'output_dir', 'checkpoint_every', 'resume', 'overwrite',
       'allow_download', 'round_engine', 'steps_per_call', 'lanes_per_device',
-      'segment_steps', 'segment_loop', 'conv_implementation',
+      'segment_steps', 'segment_loop', 'data_on_device',
+      'conv_implementation',
       'client_cache_mb', 'compilation_cache_dir',
       'prefetch_clients', 'num_devices',
       'coordinator_address', 'num_processes', 'process_id',
@@ -313,6 +321,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
                         ('server_optimizer', SERVER_OPTIMIZERS),
                         ('round_engine', ROUND_ENGINES),
                         ('segment_loop', SEGMENT_LOOPS),
+                        ('data_on_device', DATA_ON_DEVICE),
                         ('conv_implementation', CONV_IMPLEMENTATIONS),
                         ('compute_dtype', COMPUTE_DTYPES)):
     _check_choice(name, getattr(config, name), allowed)
@@ -431,7 +440,7 @@ def _not_applicable(name: str, config: RunConfig,
       spec.uses_round_engine():
     return ('applies to --round_engine=vmap (or auto on GPU/TPU) and split '
             'learning, not the loop engine')
-  if name in ('segment_steps', 'segment_loop') and (
+  if name in ('segment_steps', 'segment_loop', 'data_on_device') and (
       config.round_engine == 'loop' or not spec.uses_round_engine()):
     return ('applies to --round_engine=vmap (or auto on GPU/TPU), not the '
             'loop engine or split learning')

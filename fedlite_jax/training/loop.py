@@ -51,6 +51,9 @@ def _train_round(run: Run, cohorts: data_path.CohortPrefetcher,
                         else -1)
   clients = [(cid, cds[:cap] if cap and len(cds) > cap else cds,
               client_rng(config.seed, r, cid)) for cid, cds, _ in sampled]
+  if run.row_table is not None:  # Batches as rows of the devices' table.
+    clients = [(cid, run.row_table.dataset(cid, cds), rng)
+               for cid, cds, rng in clients]
   t_train = time.perf_counter()
   run.state, diagnostics = run.algorithm.apply(run.state, clients)
   jax.block_until_ready(run.state)
