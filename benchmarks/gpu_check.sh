@@ -19,19 +19,21 @@
 # rounds_noprefetch rounds_while rounds_bf16 round800_bf16
 # rounds_bf16_noautotune rounds_bf16_notriton
 # compile_cache rounds_ratio_lanes rounds_lax_conv rounds50_cnn
-# rounds_cnn_compile_flags rounds_host_batches round_inputs
+# rounds_cnn_compile_flags rounds_host_batches round_inputs rounds_rows_s16
 # (default: profile_cnn rounds rounds_bf16 round800_bf16 steps, ~530 s
 # of caps: the profile, then every target of the issue (the rounds against
 # FedJAX's jit, the bfloat16 rounds, the 800-client bfloat16 run whose
 # first round holds its compiling, the lane-step's device time over the
 # plain vmapped step); a second call, as the device time left
-# allows: rounds_host_batches round_inputs rounds50_cnn rounds_ratio_lanes
-# rounds_lax_conv rounds_scatter rounds_graphs (~690 s of caps: the last
-# ones may need a third call; rounds_host_batches: the FEMNIST rounds with
-# the batches cut, stacked and sent by the host, --data_on_device=off, the
-# reference of the default on a GPU, rows gathered on the device;
-# round_inputs: the host time of a round's lane inputs both ways, with a
-# client update that only sums its batches; rounds50_cnn: the FEMNIST
+# allows: rounds_host_batches round_inputs rounds_rows_s16 rounds50_cnn
+# rounds_ratio_lanes rounds_lax_conv rounds_scatter rounds_graphs (~740 s
+# of caps: the last ones may need a third call; rounds_host_batches: the
+# FEMNIST rounds with the batches cut, stacked and sent by the host,
+# --data_on_device=off, the reference of the default on a GPU, rows
+# gathered on the device; round_inputs: the host time of a round's lane
+# inputs both ways, with a client update that only sums its batches;
+# rounds_rows_s16: the FEMNIST rounds in segments of 16 steps, about one
+# call per round, now that a segment's inputs are rows; rounds50_cnn: the FEMNIST
 # target's 50-round run with its compiling, against FedJAX's jit),
 # then compile_cache (~200 s); rounds_ratio_lanes: the rounds on the lanes of the
 # rule before (the most lanes planning <= 1.10x the useful steps), against
@@ -136,6 +138,9 @@ run_stage() {
       --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
       --no-fixed_cost --data_on_device=off \
       --output="$OUT/rounds_host_batches.md" ;;
+    rounds_rows_s16) stage rounds_rows_s16 50 python3 $B --models=femnist \
+      --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
+      --segment_steps=16 --output="$OUT/rounds_rows_s16.md" ;;
     round_inputs) stage round_inputs 60 python3 \
       benchmarks/bench_round_inputs.py --cohort=100 --lanes_per_device=50 \
       --output="$OUT/round_inputs.json" ;;

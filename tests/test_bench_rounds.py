@@ -327,3 +327,21 @@ def test_step_flops_matches_dense_count(repo_root):
   flops = bench.step_flops(model, params, batch)
   matmuls = 2 * (2 * b * d * k)  # forward x@W and the gradient x^T@g.
   assert matmuls <= flops <= 1.5 * matmuls
+
+
+def test_gpu_check_stages_are_the_ones_it_lists():
+  """``benchmarks/gpu_check.sh`` parses (``bash -n``), and the stages its
+  header lists are exactly those it runs (a stage named for a lent GPU's
+  only call must exist), each calling a benchmark that exists."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  script = root / 'benchmarks' / 'gpu_check.sh'
+  subprocess.run(['bash', '-n', str(script)], check=True)
+  text = script.read_text()
+  header = text.split('# Stages:', 1)[1].split('# (default:', 1)[0]
+  listed = set(header.replace('#', ' ').split())
+  cases = set(re.findall(r'^    ([a-z0-9_]+)\)', text, re.M))
+  assert listed == cases, (listed ^ cases)
+  default = re.search(r'\$\{@:-([a-z0-9_ ]+)\}', text).group(1).split()
+  assert set(default) <= cases, default
+  for path in set(re.findall(r'benchmarks/[a-z_]+\.py', text)):
+    assert (root / path).is_file(), path

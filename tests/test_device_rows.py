@@ -164,6 +164,8 @@ def test_vmap_round_on_device_rows_equals_host_batches(loop):
       for k in dh:
         np.testing.assert_array_equal(dh[k], dt[k])
   assert float(np.sum(np.abs(got['table'][0].weighted_sum))) > 0
+  # Sent once: the rounds (and engines) reuse the table's device arrays.
+  assert len(table._device) == 1  # pylint: disable=protected-access
 
 
 def test_collected_step_results_on_device_rows():

@@ -159,7 +159,9 @@ def _row_table(config, train_fd, mesh, engine: str
 
   Raises:
     ConfigError: ``on`` on several processes, or for clients whose
-      preprocessor does not keep one row per row.
+      examples do not make one table (a preprocessor that does not keep
+      one row per row; ``auto`` then logs why and keeps the host's
+      batches).
   """
   setting = config.data_on_device
   spec = registry.get(config.algorithm)
@@ -185,7 +187,10 @@ def _row_table(config, train_fd, mesh, engine: str
   try:
     table = device_rows.RowTable(train_fd.clients())
   except ValueError as e:
-    raise ConfigError(f'--data_on_device={setting}: {e}') from None
+    if setting == 'on':
+      raise ConfigError(f'--data_on_device=on: {e}') from None
+    LOG.info('--data_on_device=auto: off (%s).', e)
+    return None
   LOG.info('Training data on the devices: %d examples, %.1f MiB.',
            len(table), table.nbytes / 2**20)
   return table
