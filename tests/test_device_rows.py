@@ -92,6 +92,10 @@ def test_bad_tables_say_why():
   other = fedjax.ClientDataset({'z': np.zeros((4, 1), np.float32)})
   with pytest.raises(ValueError, match='features'):
     device_rows.RowTable(clients + [(b'z', other)])
+  for x in (np.zeros((4, 3, 2), np.float64), np.zeros((4, 2, 3), np.float32)):
+    odd = fedjax.ClientDataset({'x': x, 'y': np.zeros(4, np.int32)})
+    with pytest.raises(ValueError, match="feature 'x' is"):
+      device_rows.RowTable(clients + [(b'odd', odd)])
   table = device_rows.RowTable(clients)
   with pytest.raises(KeyError, match='not in the row table'):
     table.dataset(b'nobody', cds)

@@ -78,16 +78,19 @@ class RowTable:
         raise ValueError(f'Client {cid!r} has features {sorted(examples)}, '
                          f'the table has {sorted(parts)}.')
       for k, v in examples.items():
-        parts.setdefault(k, []).append(np.asarray(v))
+        v = np.asarray(v)
+        if k in parts and (v.dtype, v.shape[1:]) != (
+            parts[k][0].dtype, parts[k][0].shape[1:]):
+          raise ValueError(
+              f'Client {cid!r}: feature {k!r} is {v.dtype}{list(v.shape[1:])}'
+              f' per row, the table\'s {parts[k][0].dtype}'
+              f'{list(parts[k][0].shape[1:])}.')
+        parts.setdefault(k, []).append(v)
       self._offsets[cid] = (rows, n)
       rows += n
     if not self._offsets:
       raise ValueError('A row table needs at least one client; got none.')
-    try:
-      self.host = {k: np.concatenate(v) for k, v in parts.items()}
-    except ValueError as e:
-      raise ValueError(f'The clients\' features do not stack into one table '
-                       f'({e}).') from None
+    self.host = {k: np.concatenate(v) for k, v in parts.items()}
     self.nbytes = sum(v.nbytes for v in self.host.values())
     self._device: dict[Any, PyTree] = {}
 
