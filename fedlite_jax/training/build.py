@@ -171,9 +171,11 @@ def _row_table(config, train_fd, mesh, engine: str
     if setting == 'on':
       raise ConfigError('--data_on_device=on runs on one process; use auto '
                         'or off with --num_processes > 1.')
+    LOG.info('--data_on_device=auto: off (several processes).')
     return None
   if setting == 'auto':
     if jax.default_backend() == 'cpu':
+      LOG.info('--data_on_device=auto: off (CPU: the device is the host).')
       return None
     # The size from the examples' count and one client's rows.
     cid, size = next(iter(train_fd.client_sizes()))
