@@ -99,3 +99,21 @@ def test_real_clients_batch_as_fedjax(task, data_dir):
       for k in w:
         np.testing.assert_array_equal(g[k], w[k])
         assert g[k].dtype == w[k].dtype
+
+
+def test_reseeded_shuffles_on_threads_equal_fedjax():
+  """The shuffles reseed one RandomState per thread: from 4 threads at
+  once, interleaved, every client's batches are still FedJAX's (its
+  iteration makes a new ``RandomState(seed)`` per client)."""
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  cases = [(_dataset(n), fedjax.ShuffleRepeatBatchHParams(
+      batch_size=4, num_epochs=2, seed=s)) for n, s in
+           zip(range(5, 45), range(1000, 1040))]
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    got = list(pool.map(lambda c: batching.batch_indices(len(c[0]), c[1]),
+                        cases * 3))
+  for (cds, hp), idx in zip(cases * 3, got):
+    want = list(cds.shuffle_repeat_batch(hp))
+    assert len(idx) == len(want)
+    for rows, w in zip(idx, want):
+      np.testing.assert_array_equal(cds.all_examples()['x'][rows], w['x'])

@@ -175,6 +175,21 @@ class TableBatches(ClientBatches):
         self._dataset = None
 
 
+_THREAD = threading.local()
+
+
+def _random_state(seed: Optional[int]) -> np.random.RandomState:
+  """``np.random.RandomState(seed)``'s stream: this thread's RandomState,
+  reseeded (``RandomState.seed``). A new RandomState first seeds itself
+  from OS entropy, then from ``seed``: ~70 us, where reseeding takes ~1 us
+  (7 ms of host time in a 100-client round)."""
+  state = getattr(_THREAD, 'random_state', None)
+  if state is None:
+    state = _THREAD.random_state = np.random.RandomState()
+  state.seed(seed)
+  return state
+
+
 def batch_indices(num_examples: int,
                   hparams: fedjax.ShuffleRepeatBatchHParams) -> np.ndarray:
   """``int32[steps, batch_size]``: the example indices of each batch of
@@ -189,7 +204,7 @@ def batch_indices(num_examples: int,
   """
   steps = remote.num_shuffle_repeat_batches(num_examples, hparams)
   total = steps * hparams.batch_size
-  rng = np.random.RandomState(hparams.seed)
+  rng = _random_state(hparams.seed)
   buf = np.arange(num_examples, dtype=np.int32)
   epochs = [np.zeros((0,), np.int32)]
   for _ in range(-(-total // num_examples)):

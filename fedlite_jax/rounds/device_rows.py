@@ -11,7 +11,7 @@ device. The batches are the same rows in the same order (FedJAX's
 Why: on one H200 a 100-client FEMNIST round (~120 ms) spent ~40 ms
 cutting batches on the host, 15.7 ms stacking them and 6.9 ms sending
 them, against ~40 ms of kernels. On the 2-core CPU machine a round's lane
-inputs take 1.4-1.8x less host time this way
+inputs take 1.6-2.1x less host time this way
 (``benchmarks/bench_round_inputs.py``); on a GPU it is unmeasured.
 Notes: docs/notes/rounds.md.
 """
