@@ -112,7 +112,7 @@ from fedlite_jax.rounds import VmapBackend
 from fedlite_jax.rounds import device_rows
 from fedlite_jax.rounds import stats as stats_lib
 from fedlite_jax.rounds import streaming
-from fedlite_jax.training.runner import client_rng
+from fedlite_jax.training.loop import client_rngs
 
 ENGINES = ('loop', 'vmap', 'fedjax_jit', 'fedjax_vmap')
 #: Engines whose client programs are lanes_begin / lanes_segment /
@@ -244,11 +244,11 @@ def on_device(clients: list, engine: str, setting: str) -> list:
 def fresh_cohort(clients: list, cohort: int, seed: int, round_num: int
                  ) -> list:
   """Round ``round_num``'s cohort: ``cohort`` clients drawn without
-  replacement, with their PRNG keys (the runner's ``client_rng``)."""
+  replacement, with their PRNG keys (the runner's ``client_rngs``)."""
   rng = np.random.RandomState([seed, round_num])
   pick = rng.choice(len(clients), size=cohort, replace=False)
-  return [(clients[i][0], clients[i][1],
-           client_rng(seed, round_num, clients[i][0])) for i in pick]
+  keys = client_rngs(seed, round_num, [clients[i][0] for i in pick])
+  return [(clients[i][0], clients[i][1], key) for i, key in zip(pick, keys)]
 
 
 # --------------------------------------------------------------------------

@@ -356,3 +356,16 @@ def test_second_run_loads_its_programs_from_the_cache(tmp_path,
   strip = lambda r: {k: v for k, v in r.items()
                      if not k.startswith('time/') and 'compil' not in k}
   assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
+
+
+def test_client_keys_in_one_call_equal_one_by_one():
+  """``loop.client_rngs`` (the runner's, one compiled call) gives each
+  client ``client_rng``'s key, bit for bit."""
+  from fedlite_jax.training import loop  # pylint: disable=g-import-not-at-top
+  ids = [b'a', b'f0123', b'', bytes(range(40))]
+  for seed, r in ((0, 0), (7, 3), (2**32 - 1, 999)):
+    got = loop.client_rngs(seed, r, ids)
+    assert got.shape == (len(ids), 2) and got.dtype == np.uint32
+    for cid, key in zip(ids, got):
+      np.testing.assert_array_equal(key, np.asarray(
+          runner.client_rng(seed, r, cid)))
