@@ -12,7 +12,10 @@ trip count (``'while'``), a loop of ``S`` steps with no conditional at all
 (``'fixed'``: nothing is read back to the host), or unrolled (``'unroll'``:
 XLA:CPU with ``lax`` convolutions). The programs run per
 device under ``shard_map``; state and sums stay on the devices between
-calls. Notes: docs/notes/rounds.md.
+calls. When every client's batches are rows of one
+``device_rows.RowTable``, a segment receives the rows and each lane-step
+gathers its batches from the table on the device. Notes:
+docs/notes/rounds.md.
 """
 
 from __future__ import annotations
@@ -534,7 +537,8 @@ class LaneStreams:
       plan: the round's :class:`~fedlite_jax.rounds.lanes.LanePlan`; its
         devices must be the mesh's.
       batches, inputs, weights: per client (cohort position); only the
-        clients on this process's lanes are read.
+        clients on this process's lanes are read. Batches that are all
+        ``batching.TableBatches`` of one table are gathered on the devices.
       template: ``(batch, client_input)`` whose zeros fill masked steps.
       loop: :data:`LOOPS`; must agree with ``plan.dynamic_steps`` (scan
         runs only the planned steps).
@@ -543,8 +547,8 @@ class LaneStreams:
       A :class:`LaneRun`.
 
     Raises:
-      ValueError: a plan for another mesh, or a loop the plan was not made
-        for.
+      ValueError: a plan for another mesh, a loop the plan was not made
+        for, or clients whose batches mix table rows and host batches.
     """
     mesh = self.mesh
     loop = resolve_loop(loop)
