@@ -216,3 +216,35 @@ def test_a_round_reads_one_source_of_batches():
 def test_auto_needs_device_memory():
   fits, why = device_rows.table_memory_ok(1, jax.devices('cpu')[0])
   assert not fits and 'reports no device memory' in why
+
+
+@pytest.mark.parametrize('fits', [True, False])
+def test_runner_auto_on_an_accelerator(fits, monkeypatch):
+  """``--data_on_device=auto`` as on a GPU (the backend and the device's
+  memory stood in for): the table's size is estimated from the examples'
+  count and one client's rows, and the table is built only if it fits."""
+  from fedlite_jax.rounds import sharding  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import build  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  clients = _clients(6)
+  fd = fedjax.InMemoryFederatedData(
+      {cid: cds.raw_examples for cid, cds in clients},
+      preprocess_batch=clients[0][1].preprocessor)
+  rows = sum(len(c) for _, c in clients)
+  want = rows * (3 * 2 * 4 + 4)  # float32 x [3, 2], int32 y
+  asked = []
+
+  def memory_ok(nbytes, device=None):
+    del device
+    asked.append(nbytes)
+    return fits, 'stand-in'
+  monkeypatch.setattr(build.jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(device_rows, 'table_memory_ok', memory_ok)
+  mesh = sharding.make_client_mesh(1)
+  config = config_lib.RunConfig(task='emnist', data_on_device='auto')
+  table = build._row_table(config, fd, mesh, 'vmap')  # pylint: disable=protected-access
+  assert asked == [want]
+  assert (table is not None) == fits
+  if fits:
+    assert table.nbytes == want and len(table) == rows
+  assert build._row_table(config, fd, mesh, 'loop') is None  # pylint: disable=protected-access

@@ -178,10 +178,11 @@ def _row_table(config, train_fd, mesh, engine: str
       LOG.info('--data_on_device=auto: off (CPU: the device is the host).')
       return None
     # The size from the examples' count and one client's rows.
-    cid, size = next(iter(train_fd.client_sizes()))
+    sizes = list(train_fd.client_sizes())
+    cid, size = sizes[0]
     sample = next(iter(train_fd.get_clients([cid])))[1].all_examples()
     row_bytes = sum(v.nbytes for v in sample.values()) / max(size, 1)
-    total = sum(n for _, n in train_fd.client_sizes())
+    total = sum(n for _, n in sizes)
     fits, why = device_rows.table_memory_ok(int(total * row_bytes))
     LOG.info('--data_on_device=auto: %s (%s).', 'on' if fits else 'off', why)
     if not fits:

@@ -33,8 +33,7 @@ def client_rng(seed: int, round_num: int, client_id: bytes) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=0)
 def _client_keys(seed: int, round_num: np.uint32, crcs: jax.Array
                  ) -> jax.Array:
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), round_num)
-  return jax.vmap(lambda crc: jax.random.fold_in(key, crc))(crcs)
+  return jax.vmap(lambda crc: _client_key(seed, round_num, crc))(crcs)
 
 
 def client_rngs(seed: int, round_num: int, client_ids: Sequence[bytes]
