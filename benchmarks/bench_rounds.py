@@ -70,10 +70,17 @@ A configuration that cannot run (out of memory, engine error, time budget:
 every row, so a killed run keeps the rows it finished; the notes give each
 configuration's whole wall time beside its runs' time. ``--profile`` runs
 ``benchmarks/profile_rounds.py`` on each row's configuration after it.
+``--variants`` adds vmap rows in the vmap configuration's process, each
+with some of its flags changed (e.g. ``data_on_device=off;lane_starts=
+scatter``), after the row with the flags as given: an A/B on the same
+cohorts, data and machine without a process start and data load per
+variant; the notes give each one's s/round against that row.
 
   python benchmarks/bench_rounds.py            # GPU: 10, 100, 1,000 clients
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_rounds.py \\
       --models=femnist --engines=loop,vmap --cohorts=10 --no-isolate
+  python benchmarks/bench_rounds.py --models=femnist --engines=vmap \\
+      --cohorts=100 --variants='data_on_device=off;segment_loop=fixed'
 """
 
 from __future__ import annotations
@@ -153,6 +160,65 @@ PEAK_BF16_FLOPS = (
 
 FEMNIST_BATCH = 20
 LM_BATCH = 16
+
+#: ``--variants`` options (the vmap engine's flags of the same names) and
+#: their allowed values (a type where any value of it is allowed).
+VARIANT_OPTIONS: dict[str, Any] = {
+    'lanes_per_device': str,
+    'segment_steps': int,
+    'segment_loop': streaming.LOOPS,
+    'prefetch': bool,
+    'lane_starts': streaming.STARTS,
+    'data_on_device': device_rows.SETTINGS,
+    'conv_implementation': ('auto',) + layers.CONV_IMPLEMENTATIONS,
+}
+
+
+def parse_variants(text: str) -> list[dict[str, Any]]:
+  """``--variants``: ``'a=x,b=y;c=z'`` -> ``[{'a': x, 'b': y}, {'c': z}]``,
+  values converted to the option's type (``prefetch``: true/false).
+
+  Raises:
+    SystemExit: one line naming the bad item and what is allowed.
+  """
+  variants = []
+  for item in filter(None, (t.strip() for t in (text or '').split(';'))):
+    variant: dict[str, Any] = {}
+    for pair in item.split(','):
+      key, sep, value = (p.strip() for p in pair.partition('='))
+      allowed = VARIANT_OPTIONS.get(key)
+      if not sep or allowed is None:
+        raise SystemExit(
+            f'--variants: {pair!r} is not option=value with an option of '
+            f'{", ".join(VARIANT_OPTIONS)}.')
+      if allowed is bool:
+        if value not in ('true', 'false'):
+          raise SystemExit(f'--variants: {key}={value!r}: allowed values '
+                           'are true, false.')
+        variant[key] = value == 'true'
+      elif allowed is int:
+        if not (value.isdigit() and int(value) >= 1):
+          raise SystemExit(f'--variants: {key}={value!r}: must be an int '
+                           '>= 1.')
+        variant[key] = int(value)
+      elif allowed is str:
+        if value != 'auto' and not (value.isdigit() and int(value) >= 1):
+          raise SystemExit(f"--variants: {key}={value!r}: must be 'auto' or "
+                           'an int >= 1.')
+        variant[key] = value
+      else:
+        if value not in allowed:
+          raise SystemExit(f'--variants: {key}={value!r}: allowed values '
+                           f'are {", ".join(allowed)}.')
+        variant[key] = value
+    variants.append(variant)
+  return variants
+
+
+def variant_label(variant: dict[str, Any]) -> str:
+  """``'a=x,b=y'`` (``''`` for the flags as given)."""
+  return ','.join(f'{k}={str(v).lower() if isinstance(v, bool) else v}'
+                  for k, v in variant.items())
 LM_LENGTH = lm.DEFAULT_MAX_LENGTH
 LM_VOCAB = lm.DEFAULT_VOCAB_SIZE
 
@@ -510,8 +576,6 @@ def run_worker(args, emit: bool = False,
   name, engine = args.models, args.engines
   batch_size = FEMNIST_BATCH if name == 'femnist' else LM_BATCH
   dtype = 'float32' if engine == 'fedjax_jit' else args.compute_dtype
-  model = _model(name, engine, dtype, conv=args.conv_implementation)
-  params = model.init(jax.random.PRNGKey(args.seed))
   kind = jax.devices()[0].device_kind
   peak = peak_flops_table(kind, dtype)
   peak_source = f'table ({kind}, {dtype})'
@@ -520,12 +584,35 @@ def run_worker(args, emit: bool = False,
   clock = HostClock()
   rows = []
   flops = None
-  last = None  # (cohort, seconds per round, compile seconds) of the last one
   deadline = args.deadline or math.inf
+  variants = [{}] + (parse_variants(args.variants) if engine == 'vmap'
+                     else [])
+  for variant in variants:
+    vargs = argparse.Namespace(**{**vars(args), **variant})
+    model = _model(name, engine, dtype, conv=vargs.conv_implementation)
+    params = model.init(jax.random.PRNGKey(args.seed))
+    flops = _run_variant(vargs, variant, model, params, batch_size, dtype,
+                         (peak, peak_source), clock, flops, deadline, rows,
+                         emit, on_row)
+  return rows
+
+
+def _run_variant(args, variant: dict, model, params, batch_size: int,
+                 dtype: str, peak_info: tuple, clock: HostClock,
+                 flops: Optional[float], deadline: float, rows: list[dict],
+                 emit: bool, on_row) -> Optional[float]:
+  """:func:`run_worker`'s rows of one variant (``{}``: the flags as given)
+  over the cohorts, appended to ``rows``; returns the step FLOPs (counted
+  once per worker)."""
+  name, engine = args.models, args.engines
+  peak, peak_source = peak_info
+  last = None  # (cohort, seconds per round, compile seconds) of the last one
   failed = None
   for cohort in sorted(args.cohorts):
     row = {'model': name, 'engine': engine, 'cohort': cohort,
            'dtype': dtype}
+    if variant:
+      row['variant'] = variant_label(variant)
     rows.append(row)
     if failed:
       row['skip'] = f'not run: {failed}'
@@ -613,14 +700,16 @@ def run_worker(args, emit: bool = False,
         compile_s_by_program={k: round(v, 3) for k, v in
                               compiles.seconds.most_common()},
         peak_mem_bytes=mem,
-        mem_source=mem_source, useful_steps=mean_useful,
+        mem_source=mem_source + (' (the process\'s, variants before '
+                                 'included)' if variant else ''),
+        useful_steps=mean_useful,
         executed_steps=float(np.mean(executed)),
         sequential_steps=float(np.mean(sequential)),
         host_share=sum(hosts) / sum(walls), step_flops=flops,
         mfu=flops * float(np.mean([u for u in useful[1:]] or useful)) /
         wall / peak, peak_flops=peak, peak_source=peak_source)
     _done(row, emit, on_row)
-  return rows
+  return flops
 
 
 def _done(row: dict, emit: bool, on_row) -> None:
@@ -647,6 +736,7 @@ def _worker_cmd(args, model: str, engine: str) -> list[str]:
   cmd.append('--prefetch' if args.prefetch else '--no-prefetch')
   cmd.append(f'--lane_starts={args.lane_starts}')
   cmd.append(f'--data_on_device={args.data_on_device}')
+  cmd.append(f'--variants={args.variants}')
   return cmd
 
 
@@ -681,7 +771,7 @@ def _run_isolated(args, model: str, engine: str, budget: float,
   import threading  # pylint: disable=import-outside-toplevel
   cmd = _worker_cmd(args, model, engine) + [
       f'--deadline={time.time() + budget:.0f}', f'--parent={os.getpid()}']
-  done: dict[int, dict] = {}
+  done: dict[tuple[str, int], dict] = {}
   final = None
   killed = []
 
@@ -699,7 +789,7 @@ def _run_isolated(args, model: str, engine: str, budget: float,
       for line in proc.stdout:
         if line.startswith('ROW '):
           row = json.loads(line[4:])
-          done[row['cohort']] = row
+          done[row.get('variant', ''), row['cohort']] = row
           if on_row:
             on_row(row)
         elif line.startswith('ROWS '):
@@ -717,13 +807,19 @@ def _run_isolated(args, model: str, engine: str, budget: float,
     tail = (stderr.strip().splitlines() or ['no output'])[-1]
     why = f'process exited {code}: {tail[:160]}'
   rows = []
-  for c in sorted(args.cohorts):
-    if c in done:
-      rows.append(done[c])
-    else:
+  variants = [{}] + (parse_variants(args.variants) if engine == 'vmap'
+                     else [])
+  for variant in variants:
+    label = variant_label(variant)
+    for c in sorted(args.cohorts):
+      if (label, c) in done:
+        rows.append(done[label, c])
+        continue
       rows.append({'model': model, 'engine': engine, 'cohort': c,
                    'dtype': 'float32' if engine == 'fedjax_jit' else
                    args.compute_dtype, 'skip': why})
+      if label:
+        rows[-1]['variant'] = label
       if on_row:
         on_row(rows[-1])
   return rows
@@ -743,7 +839,9 @@ def _ratios(rows: list[dict], engine: str) -> dict[int, str]:
 
 
 def _fmt_row(row: dict, vs_jit: str = '', vs_loop: str = '') -> str:
-  head = (f'| {row["model"]} | {row["engine"]} | {row.get("dtype", "")} |'
+  engine = row['engine'] + (f' [{row["variant"]}]' if row.get('variant')
+                            else '')
+  head = (f'| {row["model"]} | {engine} | {row.get("dtype", "")} |'
           f' {row["cohort"]:,} |')
   if 'skip' in row:
     return head + f' skipped: {row["skip"]} |' + ' |' * 11
@@ -832,6 +930,7 @@ def _defaults(args) -> None:
       args.lanes_per_device.isdigit() and int(args.lanes_per_device) >= 1):
     raise SystemExit(f"--lanes_per_device must be 'auto' or an int >= 1; "
                      f'got {args.lanes_per_device!r}.')
+  parse_variants(args.variants)  # A bad one: one line, before any run.
   args.extra_runs = []
   for item in filter(None, args.extra.split(',')):
     parts = item.split(':')
@@ -902,6 +1001,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                       'grouped convolution), im2col (matmuls) or auto '
                       '(im2col on the vmapped engines, as the runner); '
                       'FedJAX jit: always lax')
+  parser.add_argument('--variants', default='',
+                      help='vmap engine: more rows in the same process, '
+                      'each with some of its flags changed, as a '
+                      'semicolon list of comma lists of option=value ('
+                      f'options: {", ".join(VARIANT_OPTIONS)}; prefetch=true'
+                      '|false), e.g. "data_on_device=off;lane_starts='
+                      'scatter"; the notes give each one\'s s/round against '
+                      'the row with the flags as given')
   parser.add_argument('--extra', default=None,
                       help='comma list of model:engine:cohort runs of one '
                       'round after the table (default on GPU/TPU: '
@@ -983,7 +1090,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             f'--data_on_device={args.data_on_device}, '
             f'--compute_dtype={args.compute_dtype}, '
             f'--conv_implementation={args.conv_implementation}, '
-            f'--total_seconds={args.total_seconds:g}']
+            f'--total_seconds={args.total_seconds:g}'
+            + (f', --variants={args.variants}' if args.variants else '')]
   print('\n'.join(header), flush=True)
   print(TABLE_HEAD, flush=True)
   output = args.output or os.path.join(
@@ -1003,14 +1111,18 @@ def main(argv: Optional[list[str]] = None) -> None:
   configs = [argparse.Namespace(**{**vars(args), 'models': m, 'engines': e})
              for m in model_list for e in engine_list]
   configs += [argparse.Namespace(**{**vars(args), 'models': m, 'engines': e,
-                                    'cohorts': [c], 'rounds': 1})
+                                    'cohorts': [c], 'rounds': 1,
+                                    'variants': ''})
               for m, e, c in args.extra_runs]
   end = time.time() + args.total_seconds
+  # A vmap configuration runs its variants too: a share per variant.
+  weights = [1 + (len(parse_variants(sub.variants))
+                  if sub.engines == 'vmap' else 0) for sub in configs]
   for i, sub in enumerate(configs):
     t = time.perf_counter()
     first = len(rows)
     # Fair share of what is left of the run's budget.
-    budget = max(end - time.time(), 0) / (len(configs) - i)
+    budget = (max(end - time.time(), 0) * weights[i] / sum(weights[i:]))
     if args.isolate:
       _run_isolated(sub, sub.models, sub.engines, budget, on_row=add_row)
     else:
@@ -1019,8 +1131,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     for row in rows[first:]:  # The configuration's whole time.
       row['config_s'] = time.perf_counter() - t
     if args.profile:
-      for row in rows[first:]:
-        if 'skip' not in row:
+      for row in rows[first:]:  # Variants: not profiled.
+        if 'skip' not in row and 'variant' not in row:
           row['profile'] = _profile(sub, row, output, budget)
     if output != '-':
       _write_report(output, [(header, rows)])
@@ -1082,7 +1194,9 @@ def _notes(rows: list[dict]) -> list[str]:
     for r in done:
       if r['engine'] == 'vmap' and 'lanes' in r:
         notes.append(
-            f'{r["model"]} vmap cohort {r["cohort"]}: {r["lanes"]} lanes, '
+            f'{r["model"]} vmap'
+            + (f' [{r["variant"]}]' if r.get('variant') else '') +
+            f' cohort {r["cohort"]}: {r["lanes"]} lanes, '
             f'{r["segment_steps"]} steps per segment, {r["slots"]} '
             f'finalization slot(s) per step; batches '
             + ('gathered on the device' if r.get('rows_on_device') else
@@ -1090,6 +1204,16 @@ def _notes(rows: list[dict]) -> list[str]:
             f'{r["first_round_s"]:.3g} s; compile s by program: ' + ', '.join(
                 f'{k} {v:.3g}' for k, v in list(
                     r.get('compile_s_by_program', {}).items())[:6]))
+  default = {(r['model'], r['cohort']): r['s_per_round'] for r in done
+             if r['engine'] == 'vmap' and not r.get('variant')}
+  against = [f'{r["model"]} cohort {r["cohort"]} [{r["variant"]}] '
+             f'{default[r["model"], r["cohort"]] / r["s_per_round"]:.2f}x'
+             for r in done if r.get('variant')
+             and (r['model'], r['cohort']) in default]
+  if against:
+    notes.append('variants, the vmap row with the flags as given / the '
+                 'variant\'s s/round (same process; > 1: the variant is '
+                 'faster): ' + '; '.join(against))
   if any('fixed_source' in r for r in done):
     source = next(r['fixed_source'] for r in done if 'fixed_source' in r)
     notes.append(

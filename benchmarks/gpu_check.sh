@@ -15,48 +15,52 @@
 #   cp -r "$FEDLITE_DATA_DIR/femnist105" "$FEDLITE_DATA_DIR/shakespeare" .dev/data/
 #
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
-# phases_noprefetch rounds rounds_scatter rounds_graphs rounds_fixed
-# rounds_noprefetch rounds_while rounds_bf16 round800_bf16
-# rounds_bf16_noautotune rounds_bf16_notriton
-# compile_cache rounds_ratio_lanes rounds_lax_conv rounds50_cnn
-# rounds_cnn_compile_flags rounds_host_batches round_inputs rounds_rows_s16
-# (default: profile_cnn rounds rounds_bf16 round800_bf16 steps, ~530 s
-# of caps: the profile, then every target of the issue (the rounds against
-# FedJAX's jit, the bfloat16 rounds, the 800-client bfloat16 run whose
-# first round holds its compiling, the lane-step's device time over the
-# plain vmapped step); a second call, as the device time left
-# allows: rounds_host_batches round_inputs rounds_rows_s16 rounds50_cnn
-# rounds_ratio_lanes rounds_lax_conv rounds_scatter rounds_graphs (~740 s
-# of caps: the last ones may need a third call; rounds_host_batches: the
-# FEMNIST rounds with the batches cut, stacked and sent by the host,
-# --data_on_device=off, the reference of the default on a GPU, rows
-# gathered on the device; round_inputs: the host time of a round's lane
-# inputs both ways, with a client update that only sums its batches;
-# rounds_rows_s16: the FEMNIST rounds in segments of 16 steps, about one
-# call per round, now that a segment's inputs are rows; rounds50_cnn: the FEMNIST
-# target's 50-round run with its compiling, against FedJAX's jit),
-# then compile_cache (~200 s); rounds_ratio_lanes: the rounds on the lanes of the
-# rule before (the most lanes planning <= 1.10x the useful steps), against
-# rounds' lanes of the cost rule (bench_lane_plans.py); rounds_lax_conv:
-# the FEMNIST rounds with lax convolutions (vmapped: grouped convolutions,
-# cuDNN's) instead of im2col matmuls (the engine's choice, made on CPU;
-# im2col's concatenations and transposes held ~26% of the kernel time);
+# phases_noprefetch rounds ab_cnn ab_lm rounds_graphs rounds_bf16
+# round800_bf16 rounds_bf16_noautotune rounds_bf16_notriton compile_cache
+# rounds_ratio_lanes rounds50_cnn rounds_cnn_compile_flags round_inputs
+# (default: profile_cnn rounds ab_cnn rounds_bf16 round800_bf16, ~600 s
+# of caps, stages in order of importance, a stage cut by the call's limit
+# keeps its finished rows: the profile, the rounds against FedJAX's jit,
+# the FEMNIST rounds' unmeasured defaults against their alternatives, the
+# bfloat16 rounds, the 800-client bfloat16 run whose first round holds its
+# compiling; a second call, as the device time left allows: steps ab_lm
+# rounds50_cnn round_inputs (~500 s of caps: the lane-step's device time
+# over the plain vmapped step first), then rounds_ratio_lanes
+# rounds_graphs compile_cache (~500 s).
+# ab_cnn: the FEMNIST rounds with each unmeasured default changed, one
+# at a time, in the process of the defaults' rows and on their cohorts
+# (bench_rounds.py --variants=$AB_CNN; the notes give each variant's
+# s/round against the defaults'): the batches cut, stacked and sent by the
+# host (data_on_device=off; the default on a GPU gathers them on the
+# device from rows), segments of 16 steps (about one call per round, now
+# that a segment's inputs are rows), segments without conditionals
+# (segment_loop=fixed; XLA:GPU reads a conditional's predicate back to the
+# host), the slots' starts as one scatter per state leaf (kernel launches
+# against bytes: the default writes rows in a loop over the slots), lax
+# convolutions (vmapped: cuDNN's grouped convolutions) instead of im2col
+# matmuls (the engine's choice, made on CPU; im2col's concatenations and
+# transposes held ~26% of the kernel time), no prefetch threads, and a
+# loop with a run-time trip count (segment_loop=while); ab_lm: the same
+# for the 21M Transformer with fixed segments and scatter starts;
+# round_inputs: the host time of a round's lane inputs both ways, with a
+# client update that only sums its batches; rounds50_cnn: the FEMNIST
+# target's 50-round run with its compiling, against FedJAX's jit;
 # compile_cache: the runner's compile seconds on an empty
 # --compilation_cache_dir and again on the filled one (FEMNIST and the
-# 21M Transformer on Shakespeare, 2 rounds of 100 clients); profile_cnn also
-# copies its trace, whose host_calls show which program calls block the
-# host; the phases' "wait inputs" is the caller waiting for the prefetch
-# thread; rounds_scatter: the lane-steps start clients by one scatter per
-# state leaf instead of a loop of row writes over the slots (kernel
-# launches against bytes); rounds_graphs: XLA:GPU's command buffers also
-# take conditionals and while loops (CUDA graphs with on-device control
-# flow), so that a scan segment's conditionals need not read their
-# predicates back to the host; steps: one client's step, the plain
-# vmapped step at two lane counts per model (8 and 39 Transformer lanes,
-# 51 and 100 CNN lanes: a step's fixed cost in lane-steps, which
-# lanes.AUTO_STEP_COST_LANES puts at 4), the transition step and the
-# segment; steps_scatter times the idle
-# lane-step (its conditional, the starts) against the masked step;
+# 21M Transformer on Shakespeare, 2 rounds of 100 clients);
+# rounds_ratio_lanes: the rounds on the lanes of the rule before (the most
+# lanes planning <= 1.10x the useful steps), against rounds' lanes of the
+# cost rule (bench_lane_plans.py); profile_cnn also copies its trace,
+# whose host_calls show which program calls block the host; the phases'
+# "wait inputs" is the caller waiting for the prefetch thread;
+# rounds_graphs: XLA:GPU's command buffers also take conditionals and
+# while loops (CUDA graphs with on-device control flow), so that a scan
+# segment's conditionals need not read their predicates back to the host;
+# steps: one client's step, the plain vmapped step at two lane counts per
+# model (8 and 39 Transformer lanes, 51 and 100 CNN lanes: a step's fixed
+# cost in lane-steps, which lanes.AUTO_STEP_COST_LANES puts at 4), the
+# transition step and the segment; steps_scatter times the idle lane-step
+# (its conditional, the starts) against the masked step;
 # rounds_bf16_noautotune: round800_bf16 with XLA:GPU's GEMM autotuning off,
 # how much of the 800-client round's compiling is autotuning;
 # rounds_bf16_notriton: the same with XLA:GPU's Triton GEMMs off, cuBLAS
@@ -88,6 +92,11 @@ stage() {  # name cap command...
   timeout "$cap" "$@" >>"$LOG" 2>&1
   echo "== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
 }
+# The A/B stages' variants (bench_rounds.py --variants): each against the
+# defaults in the same process, on the same cohorts.
+AB_CNN="data_on_device=off;segment_steps=16;segment_loop=fixed;\
+lane_starts=scatter;conv_implementation=lax;prefetch=false;segment_loop=while"
+AB_LM="segment_loop=fixed;lane_starts=scatter"
 P=benchmarks/profile_rounds.py
 B=benchmarks/bench_rounds.py
 run_stage() {
@@ -122,40 +131,22 @@ run_stage() {
     rounds) stage rounds 160 python3 $B --models=femnist,transformer_large \
       --engines=vmap,fedjax_jit --cohorts=100 --rounds=5 --extra= \
       --no-fixed_cost --output="$OUT/rounds.md" ;;
-    rounds_fixed) stage rounds_fixed 120 python3 $B \
-      --models=femnist,transformer_large --engines=vmap --cohorts=100 \
-      --rounds=5 --extra= --no-fixed_cost --segment_loop=fixed \
-      --output="$OUT/rounds_fixed.md" ;;
-    rounds_scatter) stage rounds_scatter 120 python3 $B \
-      --models=femnist,transformer_large --engines=vmap --cohorts=100 \
-      --rounds=5 --extra= --no-fixed_cost --lane_starts=scatter \
-      --output="$OUT/rounds_scatter.md" ;;
+    ab_cnn) stage ab_cnn 170 python3 $B --models=femnist --engines=vmap \
+      --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
+      --variants="$AB_CNN" --output="$OUT/ab_femnist.md" ;;
+    ab_lm) stage ab_lm 170 python3 $B --models=transformer_large \
+      --engines=vmap --cohorts=100 --rounds=4 --extra= --no-fixed_cost \
+      --variants="$AB_LM" --output="$OUT/ab_transformer_large.md" ;;
     rounds_graphs) stage rounds_graphs 120 env XLA_FLAGS="${XLA_FLAGS:-} \
 --xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" python3 $B \
       --models=femnist,transformer_large --engines=vmap --cohorts=100 \
       --rounds=5 --extra= --no-fixed_cost --output="$OUT/rounds_graphs.md" ;;
-    rounds_host_batches) stage rounds_host_batches 50 python3 $B \
-      --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
-      --no-fixed_cost --data_on_device=off \
-      --output="$OUT/rounds_host_batches.md" ;;
-    rounds_rows_s16) stage rounds_rows_s16 50 python3 $B --models=femnist \
-      --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
-      --segment_steps=16 --output="$OUT/rounds_rows_s16.md" ;;
     round_inputs) stage round_inputs 60 python3 \
       benchmarks/bench_round_inputs.py --cohort=100 --lanes_per_device=50 \
       --output="$OUT/round_inputs.json" ;;
-    rounds_noprefetch) stage rounds_noprefetch 50 python3 $B \
-      --models=femnist --engines=vmap --cohorts=100 --rounds=5 --extra= \
-      --no-fixed_cost --no-prefetch --output="$OUT/rounds_noprefetch.md" ;;
     rounds50_cnn) stage rounds50_cnn 100 python3 $B --models=femnist \
       --engines=vmap,fedjax_jit --cohorts=100 --rounds=50 --extra= \
       --no-fixed_cost --output="$OUT/rounds50_femnist.md" ;;
-    rounds_lax_conv) stage rounds_lax_conv 60 python3 $B --models=femnist \
-      --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
-      --conv_implementation=lax --output="$OUT/rounds_lax_conv.md" ;;
-    rounds_while) stage rounds_while 50 python3 $B --models=femnist \
-      --engines=vmap --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
-      --segment_loop=while --output="$OUT/rounds_while.md" ;;
     rounds_bf16) stage rounds_bf16 90 python3 $B \
       --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
       --compute_dtype=bfloat16 --extra= --no-fixed_cost \
@@ -196,7 +187,7 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_cnn rounds rounds_bf16 round800_bf16 steps}"; do
+for s in "${@:-profile_cnn rounds ab_cnn rounds_bf16 round800_bf16}"; do
   for t in $s; do run_stage "$t"; done
 done
 grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40

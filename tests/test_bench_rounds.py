@@ -277,11 +277,74 @@ def test_conv_implementation_reaches_the_model(repo_root):
       segment_steps=4, segment_loop='auto', compute_dtype='float32',
       conv_implementation='lax', max_examples=0, seed=0, data_dir=None,
       fixed_cost=False, prefetch=True, lane_starts='rows',
-      data_on_device='auto')
+      data_on_device='auto', variants='')
   assert '--conv_implementation=lax' in bench._worker_cmd(args, 'femnist',
                                                           'vmap')
   with pytest.raises(SystemExit):
     bench.main(['--conv_implementation=fft'])
+
+
+def test_variants_run_in_the_vmap_process(repo_root, tmp_path):
+  """``--variants``: the vmap worker (its own process) runs the flags as
+  given, then each variant, on the same cohorts: every row is written with
+  its label and the settings it ran with, and the notes give each
+  variant's s/round against the first row's, as the rows' numbers say."""
+  out_file = tmp_path / 'rounds.md'
+  env = dict(os.environ)
+  env.pop('FEDLITE_DATA_DIR', None)
+  env['PYTHONPATH'] = os.pathsep.join(
+      p for p in (str(repo_root), env.get('PYTHONPATH')) if p)
+  env['JAX_PLATFORMS'] = 'cpu'
+  variants = ('segment_steps=2;lane_starts=scatter,prefetch=false;'
+              'data_on_device=on')
+  cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
+         '--models=lstm_tiny', '--engines=vmap', '--cohorts=2', '--rounds=2',
+         '--max_examples=40', '--lanes_per_device=1', '--segment_steps=1',
+         '--no-fixed_cost', '--extra=', f'--variants={variants}',
+         f'--output={out_file}']
+  proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True,
+                        text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  text = out_file.read_text()
+  rows = json.loads(re.search(r'<!-- rows: (.*) -->', text).group(1))
+  labels = ['', 'segment_steps=2', 'lane_starts=scatter,prefetch=false',
+            'data_on_device=on']
+  assert [r.get('variant', '') for r in rows] == labels
+  assert all('skip' not in r for r in rows), rows
+  assert [r['segment_steps'] for r in rows] == [1, 2, 1, 1]
+  assert [r['rows_on_device'] for r in rows] == [False, False, False, True]
+  # The same cohorts: the same useful steps in every row.
+  assert len({r['useful_steps'] for r in rows}) == 1
+  for r in rows[1:]:
+    engine = f'vmap [{r["variant"]}]'
+    assert f'| lstm_tiny | {engine} | float32 | 2 |' in text
+    ratio = rows[0]['s_per_round'] / r['s_per_round']
+    assert f'lstm_tiny cohort 2 [{r["variant"]}] {ratio:.2f}x' in text
+  assert '--variants=' + variants in text
+
+
+def test_bad_variants_get_one_line(repo_root):
+  bench = _load(repo_root)
+  assert bench.parse_variants('') == []
+  assert bench.parse_variants(' segment_steps=16 ; prefetch=false,'
+                              'lanes_per_device=auto') == [
+                                  {'segment_steps': 16},
+                                  {'prefetch': False,
+                                   'lanes_per_device': 'auto'}]
+  cases = [('foo=1', "'foo=1' is not option=value"),
+           ('segment_loop', "'segment_loop' is not option=value"),
+           ('segment_loop=bogus', "segment_loop='bogus': allowed values "
+            'are auto, unroll, scan, while, fixed.'),
+           ('prefetch=yes', "prefetch='yes': allowed values are true, "
+            'false.'),
+           ('segment_steps=0', "segment_steps='0': must be an int >= 1."),
+           ('lanes_per_device=many', "lanes_per_device='many': must be "
+            "'auto' or an int >= 1.")]
+  for text, message in cases:
+    with pytest.raises(SystemExit, match=re.escape(message)):
+      bench.parse_variants(text)
+  with pytest.raises(SystemExit, match='--variants: '):
+    bench.main(['--variants=data_on_device=maybe', '--output=-'])
 
 
 def test_cnn_step_flops_count_the_convolutions(repo_root):
