@@ -160,6 +160,8 @@ PEAK_BF16_FLOPS = (
 
 FEMNIST_BATCH = 20
 LM_BATCH = 16
+LM_LENGTH = lm.DEFAULT_MAX_LENGTH
+LM_VOCAB = lm.DEFAULT_VOCAB_SIZE
 
 #: ``--variants`` options (the vmap engine's flags of the same names) and
 #: their allowed values (a type where any value of it is allowed).
@@ -219,8 +221,6 @@ def variant_label(variant: dict[str, Any]) -> str:
   """``'a=x,b=y'`` (``''`` for the flags as given)."""
   return ','.join(f'{k}={str(v).lower() if isinstance(v, bool) else v}'
                   for k, v in variant.items())
-LM_LENGTH = lm.DEFAULT_MAX_LENGTH
-LM_VOCAB = lm.DEFAULT_VOCAB_SIZE
 
 
 # --------------------------------------------------------------------------
@@ -1072,6 +1072,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if e not in ENGINES:
       raise SystemExit(f'--engines: unknown {e!r}; allowed: '
                        f'{", ".join(ENGINES)}.')
+  if args.variants and 'vmap' not in engine_list:
+    raise SystemExit(f'--variants={args.variants} changes vmap rows; '
+                     f'--engines={args.engines} runs no vmap engine.')
   command = 'python benchmarks/bench_rounds.py ' + ' '.join(
       sys.argv[1:] if argv is None else argv)
   header = [f'command: `{command.strip()}`',

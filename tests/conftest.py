@@ -139,6 +139,18 @@ def repo_root() -> pathlib.Path:
   return _REPO
 
 
+def script_env() -> dict[str, str]:
+  """The environment of a benchmark script run as a subprocess on CPU JAX:
+  the repository on ``PYTHONPATH``, ``FEDLITE_DATA_DIR`` removed (the
+  scripts' synthetic data: no files needed)."""
+  env = dict(os.environ)
+  env.pop('FEDLITE_DATA_DIR', None)
+  env['PYTHONPATH'] = os.pathsep.join(
+      p for p in (str(_REPO), env.get('PYTHONPATH')) if p)
+  env['JAX_PLATFORMS'] = 'cpu'
+  return env
+
+
 @contextlib.contextmanager
 def benchmark_modules(*names: str):
   """The scripts ``benchmarks/<name>.py`` imported as modules, with

@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 
+import conftest
 import pytest
 
 ENGINES = ('loop', 'vmap', 'fedjax_jit', 'fedjax_vmap')
@@ -40,11 +41,7 @@ def _load(repo_root: pathlib.Path):
 
 def test_bench_rounds_smoke(repo_root, tmp_path):
   out_file = tmp_path / 'rounds.md'
-  env = dict(os.environ)
-  env.pop('FEDLITE_DATA_DIR', None)  # Synthetic data: no files needed.
-  env['PYTHONPATH'] = os.pathsep.join(
-      p for p in (str(repo_root), env.get('PYTHONPATH')) if p)
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = conftest.script_env()
   # Cohort 2 runs (the first cohort has no estimate: 0 s); cohort 2,000 is
   # estimated from cohort 2's times (positive) and is over a --max_seconds
   # of 1e-9 whatever the machine's speed: it is skipped with a reason.
@@ -290,11 +287,7 @@ def test_variants_run_in_the_vmap_process(repo_root, tmp_path):
   its label and the settings it ran with, and the notes give each
   variant's s/round against the first row's, as the rows' numbers say."""
   out_file = tmp_path / 'rounds.md'
-  env = dict(os.environ)
-  env.pop('FEDLITE_DATA_DIR', None)
-  env['PYTHONPATH'] = os.pathsep.join(
-      p for p in (str(repo_root), env.get('PYTHONPATH')) if p)
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = conftest.script_env()
   variants = ('segment_steps=2;lane_starts=scatter,prefetch=false;'
               'data_on_device=on')
   cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
@@ -345,6 +338,9 @@ def test_bad_variants_get_one_line(repo_root):
       bench.parse_variants(text)
   with pytest.raises(SystemExit, match='--variants: '):
     bench.main(['--variants=data_on_device=maybe', '--output=-'])
+  with pytest.raises(SystemExit, match='runs no vmap engine'):
+    bench.main(['--engines=loop', '--variants=segment_steps=2',
+                '--output=-'])
 
 
 def test_cnn_step_flops_count_the_convolutions(repo_root):

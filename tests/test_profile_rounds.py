@@ -12,11 +12,11 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
+import conftest
 import pytest
 
 
@@ -218,11 +218,7 @@ def test_summary_needs_round_windows(repo_root):
 
 def test_profile_rounds_cpu_run(repo_root, tmp_path):
   out = tmp_path / 'profile.json'
-  env = dict(os.environ)
-  env.pop('FEDLITE_DATA_DIR', None)  # Synthetic data: no files needed.
-  env['PYTHONPATH'] = os.pathsep.join(
-      p for p in (str(repo_root), env.get('PYTHONPATH')) if p)
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = conftest.script_env()
   cmd = [sys.executable, str(repo_root / 'benchmarks' / 'profile_rounds.py'),
          '--model=lstm_tiny', '--engine=vmap', '--cohort=2',
          '--max_examples=40', '--lanes_per_device=1', '--segment_steps=1',
