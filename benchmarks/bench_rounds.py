@@ -173,6 +173,7 @@ VARIANT_OPTIONS: dict[str, Any] = {
     'lane_starts': streaming.STARTS,
     'data_on_device': device_rows.SETTINGS,
     'conv_implementation': ('auto',) + layers.CONV_IMPLEMENTATIONS,
+    'compute_dtype': ('float32', 'bfloat16'),
 }
 
 
@@ -575,12 +576,7 @@ def run_worker(args, emit: bool = False,
   ``on_row(row)`` is called as each row is finished."""
   name, engine = args.models, args.engines
   batch_size = FEMNIST_BATCH if name == 'femnist' else LM_BATCH
-  dtype = 'float32' if engine == 'fedjax_jit' else args.compute_dtype
   kind = jax.devices()[0].device_kind
-  peak = peak_flops_table(kind, dtype)
-  peak_source = f'table ({kind}, {dtype})'
-  if peak is None:
-    peak, peak_source = _cpu_reference_flops(), 'measured f32 matmul'
   clock = HostClock()
   rows = []
   flops = None
@@ -589,6 +585,11 @@ def run_worker(args, emit: bool = False,
                      else [])
   for variant in variants:
     vargs = argparse.Namespace(**{**vars(args), **variant})
+    dtype = 'float32' if engine == 'fedjax_jit' else vargs.compute_dtype
+    peak = peak_flops_table(kind, dtype)
+    peak_source = f'table ({kind}, {dtype})'
+    if peak is None:
+      peak, peak_source = _cpu_reference_flops(), 'measured f32 matmul'
     model = _model(name, engine, dtype, conv=vargs.conv_implementation)
     params = model.init(jax.random.PRNGKey(args.seed))
     flops = _run_variant(vargs, variant, model, params, batch_size, dtype,
@@ -817,7 +818,8 @@ def _run_isolated(args, model: str, engine: str, budget: float,
         continue
       rows.append({'model': model, 'engine': engine, 'cohort': c,
                    'dtype': 'float32' if engine == 'fedjax_jit' else
-                   args.compute_dtype, 'skip': why})
+                   variant.get('compute_dtype', args.compute_dtype),
+                   'skip': why})
       if label:
         rows[-1]['variant'] = label
       if on_row:

@@ -15,33 +15,33 @@
 #   cp -r "$FEDLITE_DATA_DIR/femnist105" "$FEDLITE_DATA_DIR/shakespeare" .dev/data/
 #
 # Stages: profile_lm profile_cnn steps steps_scatter phases phases_fixed
-# phases_noprefetch rounds ab_cnn ab_lm rounds_graphs rounds_bf16
-# round800_bf16 rounds_bf16_noautotune rounds_bf16_notriton compile_cache
+# phases_noprefetch rounds_cnn rounds_lm rounds_graphs round800_bf16
+# rounds_bf16_noautotune rounds_bf16_notriton compile_cache
 # rounds_ratio_lanes rounds50_cnn rounds_cnn_compile_flags round_inputs
-# (default: profile_cnn rounds ab_cnn rounds_bf16 round800_bf16, ~600 s
-# of caps, stages in order of importance, a stage cut by the call's limit
-# keeps its finished rows: the profile, the rounds against FedJAX's jit,
-# the FEMNIST rounds' unmeasured defaults against their alternatives, the
-# bfloat16 rounds, the 800-client bfloat16 run whose first round holds its
-# compiling; a second call, as the device time left allows: steps ab_lm
-# rounds50_cnn round_inputs (~500 s of caps: the lane-step's device time
-# over the plain vmapped step first), then rounds_ratio_lanes
-# rounds_graphs compile_cache (~500 s).
-# ab_cnn: the FEMNIST rounds with each unmeasured default changed, one
-# at a time, in the process of the defaults' rows and on their cohorts
-# (bench_rounds.py --variants=$AB_CNN; the notes give each variant's
-# s/round against the defaults'): the batches cut, stacked and sent by the
-# host (data_on_device=off; the default on a GPU gathers them on the
-# device from rows), segments of 16 steps (about one call per round, now
-# that a segment's inputs are rows), segments without conditionals
-# (segment_loop=fixed; XLA:GPU reads a conditional's predicate back to the
-# host), the slots' starts as one scatter per state leaf (kernel launches
-# against bytes: the default writes rows in a loop over the slots), lax
-# convolutions (vmapped: cuDNN's grouped convolutions) instead of im2col
-# matmuls (the engine's choice, made on CPU; im2col's concatenations and
-# transposes held ~26% of the kernel time), no prefetch threads, and a
-# loop with a run-time trip count (segment_loop=while); ab_lm: the same
-# for the 21M Transformer with fixed segments and scatter starts;
+# (default: profile_cnn rounds_cnn rounds_lm, ~520 s of caps, in order of
+# importance; a stage cut by the call's limit keeps its finished rows: the
+# FEMNIST profile, then the issue's round targets with, in the same
+# process and on the same cohorts, each default that no GPU has measured
+# against its alternatives (bench_rounds.py --variants; the notes give
+# each variant's s/round against the defaults'); a second call, as the
+# device time left allows: round800_bf16 steps rounds50_cnn round_inputs
+# (~370 s of caps), then rounds_ratio_lanes rounds_graphs compile_cache
+# (~500 s)).
+# rounds_cnn: the FEMNIST rounds against FedJAX's jit ($AB_CNN): the
+# batches cut, stacked and sent by the host (data_on_device=off; the
+# default on a GPU gathers them on the device from rows), segments of 16
+# steps (about one call per round, now that a segment's inputs are rows),
+# segments without conditionals (segment_loop=fixed; XLA:GPU reads a
+# conditional's predicate back to the host), the slots' starts as one
+# scatter per state leaf (the default writes rows in a loop over the
+# slots: slots x leaves small kernels per lane-step on a GPU, unless XLA
+# fuses them), lax convolutions (vmapped: cuDNN's grouped convolutions)
+# instead of im2col matmuls (the engine's choice, made on CPU; im2col's
+# concatenations and transposes held ~26% of the kernel time), no
+# prefetch threads, and a loop with a run-time trip count
+# (segment_loop=while); rounds_lm: the 21M Transformer against FedJAX's
+# jit ($AB_LM): scatter starts, fixed segments, and bfloat16 with either
+# start (the bfloat16 target);
 # round_inputs: the host time of a round's lane inputs both ways, with a
 # client update that only sums its batches; rounds50_cnn: the FEMNIST
 # target's 50-round run with its compiling, against FedJAX's jit;
@@ -92,11 +92,12 @@ stage() {  # name cap command...
   timeout "$cap" "$@" >>"$LOG" 2>&1
   echo "== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
 }
-# The A/B stages' variants (bench_rounds.py --variants): each against the
-# defaults in the same process, on the same cohorts.
+# The rounds stages' variants (bench_rounds.py --variants): each against
+# the defaults in the same process, on the same cohorts.
 AB_CNN="data_on_device=off;segment_steps=16;segment_loop=fixed;\
 lane_starts=scatter;conv_implementation=lax;prefetch=false;segment_loop=while"
-AB_LM="segment_loop=fixed;lane_starts=scatter"
+AB_LM="lane_starts=scatter;segment_loop=fixed;compute_dtype=bfloat16;\
+compute_dtype=bfloat16,lane_starts=scatter"
 P=benchmarks/profile_rounds.py
 B=benchmarks/bench_rounds.py
 run_stage() {
@@ -128,15 +129,13 @@ run_stage() {
       benchmarks/round_phases.py --model=femnist --engine=vmap --cohort=100 \
       --warmup_rounds=2 --rounds=3 --no-prefetch \
       --output="$OUT/phases_femnist_noprefetch.json" ;;
-    rounds) stage rounds 160 python3 $B --models=femnist,transformer_large \
+    rounds_cnn) stage rounds_cnn 170 python3 $B --models=femnist \
       --engines=vmap,fedjax_jit --cohorts=100 --rounds=5 --extra= \
-      --no-fixed_cost --output="$OUT/rounds.md" ;;
-    ab_cnn) stage ab_cnn 170 python3 $B --models=femnist --engines=vmap \
-      --cohorts=100 --rounds=5 --extra= --no-fixed_cost \
-      --variants="$AB_CNN" --output="$OUT/ab_femnist.md" ;;
-    ab_lm) stage ab_lm 170 python3 $B --models=transformer_large \
-      --engines=vmap --cohorts=100 --rounds=4 --extra= --no-fixed_cost \
-      --variants="$AB_LM" --output="$OUT/ab_transformer_large.md" ;;
+      --no-fixed_cost --variants="$AB_CNN" --output="$OUT/rounds_femnist.md" ;;
+    rounds_lm) stage rounds_lm 280 python3 $B --models=transformer_large \
+      --engines=vmap,fedjax_jit --cohorts=100 --rounds=4 --extra= \
+      --no-fixed_cost --variants="$AB_LM" \
+      --output="$OUT/rounds_transformer_large.md" ;;
     rounds_graphs) stage rounds_graphs 120 env XLA_FLAGS="${XLA_FLAGS:-} \
 --xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" python3 $B \
       --models=femnist,transformer_large --engines=vmap --cohorts=100 \
@@ -147,10 +146,6 @@ run_stage() {
     rounds50_cnn) stage rounds50_cnn 100 python3 $B --models=femnist \
       --engines=vmap,fedjax_jit --cohorts=100 --rounds=50 --extra= \
       --no-fixed_cost --output="$OUT/rounds50_femnist.md" ;;
-    rounds_bf16) stage rounds_bf16 90 python3 $B \
-      --models=transformer_large --engines=vmap --cohorts=100 --rounds=4 \
-      --compute_dtype=bfloat16 --extra= --no-fixed_cost \
-      --output="$OUT/rounds_bf16.md" ;;
     round800_bf16) stage round800_bf16 110 python3 $B \
       --models=transformer_large --engines=vmap --cohorts=800 --rounds=2 \
       --compute_dtype=bfloat16 --extra= --no-fixed_cost \
@@ -187,7 +182,8 @@ run_stage() {
     *) echo "unknown stage $1" | tee -a "$LOG" ;;
   esac
 }
-for s in "${@:-profile_cnn rounds ab_cnn rounds_bf16 round800_bf16}"; do
+for s in "${@:-profile_cnn rounds_cnn rounds_lm}"; do
   for t in $s; do run_stage "$t"; done
 done
-grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)" "$LOG" | tail -40
+grep -E "^ +(transformer|femnist)|^round |^\| (femnist|transformer)|^variants" \
+  "$LOG" | tail -40

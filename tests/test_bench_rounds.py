@@ -289,7 +289,7 @@ def test_variants_run_in_the_vmap_process(repo_root, tmp_path):
   out_file = tmp_path / 'rounds.md'
   env = conftest.script_env()
   variants = ('segment_steps=2;lane_starts=scatter,prefetch=false;'
-              'data_on_device=on')
+              'data_on_device=on;compute_dtype=bfloat16')
   cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
          '--models=lstm_tiny', '--engines=vmap', '--cohorts=2', '--rounds=2',
          '--max_examples=40', '--lanes_per_device=1', '--segment_steps=1',
@@ -301,16 +301,18 @@ def test_variants_run_in_the_vmap_process(repo_root, tmp_path):
   text = out_file.read_text()
   rows = json.loads(re.search(r'<!-- rows: (.*) -->', text).group(1))
   labels = ['', 'segment_steps=2', 'lane_starts=scatter,prefetch=false',
-            'data_on_device=on']
+            'data_on_device=on', 'compute_dtype=bfloat16']
   assert [r.get('variant', '') for r in rows] == labels
   assert all('skip' not in r for r in rows), rows
-  assert [r['segment_steps'] for r in rows] == [1, 2, 1, 1]
-  assert [r['rows_on_device'] for r in rows] == [False, False, False, True]
+  assert [r['segment_steps'] for r in rows] == [1, 2, 1, 1, 1]
+  assert [r['rows_on_device'] for r in rows] == [False, False, False, True,
+                                                 False]
+  assert [r['dtype'] for r in rows] == ['float32'] * 4 + ['bfloat16']
   # The same cohorts: the same useful steps in every row.
   assert len({r['useful_steps'] for r in rows}) == 1
   for r in rows[1:]:
     engine = f'vmap [{r["variant"]}]'
-    assert f'| lstm_tiny | {engine} | float32 | 2 |' in text
+    assert f'| lstm_tiny | {engine} | {r["dtype"]} | 2 |' in text
     ratio = rows[0]['s_per_round'] / r['s_per_round']
     assert f'lstm_tiny cohort 2 [{r["variant"]}] {ratio:.2f}x' in text
   assert '--variants=' + variants in text
@@ -331,6 +333,8 @@ def test_bad_variants_get_one_line(repo_root):
            ('prefetch=yes', "prefetch='yes': allowed values are true, "
             'false.'),
            ('segment_steps=0', "segment_steps='0': must be an int >= 1."),
+           ('compute_dtype=float16', "compute_dtype='float16': allowed "
+            'values are float32, bfloat16.'),
            ('lanes_per_device=many', "lanes_per_device='many': must be "
             "'auto' or an int >= 1.")]
   for text, message in cases:
@@ -404,3 +408,13 @@ def test_gpu_check_stages_are_the_ones_it_lists():
   assert set(default) <= cases, default
   for path in set(re.findall(r'benchmarks/[a-z_]+\.py', text)):
     assert (root / path).is_file(), path
+  # The rounds stages' --variants parse (a typo would fail only there).
+  names = re.findall(r'^(AB_[A-Z]+)=', text, re.M)
+  assert names, 'no AB_* variants in gpu_check.sh'
+  defs = '\n'.join(re.findall(r'^AB_[A-Z]+="[^"]*"', text, re.M))
+  values = subprocess.run(
+      ['bash', '-c', defs + '\n' + ''.join(f'echo "${n}"\n' for n in names)],
+      check=True, capture_output=True, text=True).stdout.splitlines()
+  bench = _load(root)
+  for name, value in zip(names, values):
+    assert len(bench.parse_variants(value)) >= 2, (name, value)
