@@ -30,7 +30,18 @@ XLA:CPU's ``cost_analysis()`` of the optimized programs:
 * compile seconds of the segment / of the ``S`` unrolled plain steps it
   replaces;
 * the optimized HLO's copies, gathers, scatters (and those without
-  ``unique_indices``), selects and top-level instructions.
+  ``unique_indices``), selects and top-level instructions;
+* kernels per step (:func:`executed_kernels`): what one run of the plain
+  step, of an idle lane-step and of a transition lane-step executes
+  outside fusions, loops times their trip counts: on a GPU each is a
+  launch, so the count stands in for launch overhead, which cost analysis
+  does not see. XLA:CPU's fusion stands in for XLA:GPU's, an upper bound:
+  XLA:GPU also fuses small independent kernels side by side (horizontal
+  fusion), and XLA:CPU runs the threefry key split as a loop.
+
+``--starts=scatter`` measures the lane-steps that start the slots'
+clients by one scatter per state leaf (``LaneStreams.starts``) instead of
+a loop of row writes over the slots.
 
 Models: ``transformer_large`` (Ro et al. 2022, Table 1, 21M parameters;
 batch 16 x 30 tokens, vocabulary 4,096) on 39 lanes and 8 finalization
@@ -191,6 +202,74 @@ def idle_branch_copy_bytes(text: str) -> int:
       r'= (\S+) copy\(', body))
 
 
+#: Instructions that run no kernel of their own (views, tuples, constants).
+_NOT_KERNELS = frozenset({
+    'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast',
+    'after-all', 'partition-id', 'replica-id', 'opt-barrier'})
+
+
+def executed_kernels(text: str) -> int:
+  """Kernels one run of an optimized HLO module executes: its instructions
+  outside fusions, a fusion counted once, a ``while`` loop's body times its
+  ``known_trip_count`` (unknown: once, its condition included), a
+  ``conditional`` as its costlier branch. On a GPU each is a launch (a
+  kernel, a library call or a copy), so the count is a proxy for a
+  program's launch overhead: of XLA:CPU's programs, an upper bound for
+  XLA:GPU's, which also fuses small independent kernels side by side.
+
+  Raises:
+    ValueError: no ENTRY computation, or a called computation not found.
+  """
+  comps: dict[str, list[str]] = {}
+  entry = None
+  for block in re.split(r'\n(?=\S)', text):
+    head = re.match(r'(ENTRY )?%?([\w.\-]+) ', block)
+    if head is None:
+      continue
+    comps[head.group(2)] = [l for l in block.splitlines()[1:]
+                            if ' = ' in l]
+    if head.group(1):
+      entry = head.group(2)
+  if entry is None:
+    raise ValueError('no ENTRY computation in the HLO text.')
+  memo: dict[str, int] = {}
+
+  def called(line: str, key: str) -> list[str]:
+    found = re.search(key + r'=\{?([^}\s,]+(?:, *%?[\w.\-]+)*)\}?', line)
+    return [n.strip().lstrip('%') for n in found.group(1).split(',')] \
+        if found else []
+
+  def count(name: str) -> int:
+    if name in memo:
+      return memo[name]
+    if name not in comps:
+      raise ValueError(f'computation {name!r} not found.')
+    total = 0
+    for line in comps[name]:
+      line = re.sub(r'/\*.*?\*/', '', line)  # /*index=5*/ in tuple shapes
+      op = re.search(r' = [^=]*?\s?([a-z][\w\-]*)\(', line)
+      op = op.group(1) if op else ''
+      if op in _NOT_KERNELS:
+        continue
+      if op == 'while':
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        body = count(called(line, 'body')[0])
+        total += (int(trips.group(1)) * body if trips else
+                  body + count(called(line, 'condition')[0]))
+      elif op == 'conditional':
+        branches = (called(line, 'branch_computations') or
+                    called(line, 'true_computation') +
+                    called(line, 'false_computation'))
+        total += max(count(b) for b in branches)
+      elif op == 'call':
+        total += count(called(line, 'to_apply')[0])
+      else:
+        total += 1
+    memo[name] = total
+    return total
+  return count(entry)
+
+
 def _compile(fn: Callable, *args) -> tuple[Any, float]:
   lowered = jax.jit(fn).lower(*args) if not hasattr(fn, 'lower') else \
       fn.lower(*args)
@@ -246,8 +325,10 @@ def starts_cost(program, shared, states, acc, step_inputs
 
 
 def measure(name: str, lanes: int, slots: int, segment_steps: int,
-            loop: str, dtype: str = 'float32') -> dict:
-  """One model's lane segment against its plain steps (see module doc)."""
+            loop: str, dtype: str = 'float32', starts: str = 'rows') -> dict:
+  """One model's lane segment against its plain steps (see module doc);
+  ``starts``: how the lane-steps write the slots' next clients
+  (``streaming.STARTS``)."""
   model = build_model(name, dtype)
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
@@ -291,6 +372,7 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
       fin_weight=jax.ShapeDtypeStruct((slots, S), jnp.float32),
       start_input=_lead(client_input, slots, S),
       start_on=jax.ShapeDtypeStruct((slots, S), jnp.bool_))
+  streams.starts = starts
   segment = streams._build(S, loop)[1]  # pylint: disable=protected-access
   seg, seg_s = _compile(segment, shared, states, acc, inputs,
                         jax.ShapeDtypeStruct((), jnp.int32), None)
@@ -303,19 +385,22 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   carried = lambda fn, donate=(1,): jax.jit(fn, donate_argnums=donate)
   # The slots' starts run in an on-device loop, which cost analysis counts
   # once: the other slots' iterations are the starts unrolled minus rolled.
-  rolled, unrolled = starts_cost(program, shared, states, acc, step_inputs)
-  more_starts = {k: unrolled[k] - rolled[k] for k in ('flops', 'bytes')}
+  if starts == 'rows':
+    rolled, unrolled = starts_cost(program, shared, states, acc, step_inputs)
+    more_starts = {k: unrolled[k] - rolled[k] for k in ('flops', 'bytes')}
+  else:  # One scatter per leaf: no loop.
+    more_starts = {'flops': 0.0, 'bytes': 0.0}
   # A transition step: the lane-step as a segment runs it (cost analysis
   # charges its lax.cond the costlier branch, the finalization).
   in_cond, lone_s = _compile(
       carried(streaming.lane_step(program.init, step, program.final,
-                                  skip_idle=True), (1, 2)),
+                                  skip_idle=True, starts=starts), (1, 2)),
       shared, states, acc, step_inputs)
   # An idle step: the idle branch (its copies, read from the HLO), the
   # starts (every slot writes its lane's row back) and the masked step.
   idle_copy = idle_branch_copy_bytes(in_cond.as_text())
-  idle, _ = _compile(carried(idle_lane_step(program)), shared, states, acc,
-                     step_inputs)
+  idle, _ = _compile(carried(idle_lane_step(program, starts)), shared, states,
+                     acc, step_inputs)
   # A fixed segment transitions at every step (it holds no lax.cond).
   share = 1.0 if loop == 'fixed' else transition_share(name, lanes, slots,
                                                         S, loop)
@@ -337,7 +422,14 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
     planned = dict(seg_per_step)
   return {
       'model': name, 'dtype': dtype, 'loop': loop, 'lanes': lanes,
-      'slots': slots, 'segment_steps': S,
+      'slots': slots, 'segment_steps': S, 'starts': starts,
+      # Launches per lane-step (executed_kernels): the plain step, a step
+      # where no client ends, one where clients end, the segment's mean.
+      'kernels': {
+          'plain_step': executed_kernels(one.as_text()),
+          'idle_step': executed_kernels(idle.as_text()),
+          'transition_step': executed_kernels(in_cond.as_text()),
+          'segment_per_step': executed_kernels(seg.as_text()) / S},
       'params': int(sum(np.prod(s.shape) for s in jax.tree.leaves(params))),
       'plain_step_flops': per['one']['flops'],
       'plain_step_bytes': per['one']['bytes'],
@@ -399,7 +491,10 @@ def _row(m: dict) -> str:
           f"{h['gather']} / {p['gather']} | "
           f"{h['scatter']} ({h['scatter_not_unique']}) / {p['scatter']} "
           f"({p['scatter_not_unique']}) | {h['select']} / {p['select']} | "
-          f"{h['entry_instructions']} / {p['entry_instructions']} |")
+          f"{h['entry_instructions']} / {p['entry_instructions']} | "
+          + (f"{k['plain_step']} / {k['idle_step']} / "
+             f"{k['transition_step']} | " if (k := m.get('kernels')) else
+             ' |') + f"{m.get('starts', 'rows')} |")
 
 
 HEADER = (
@@ -407,9 +502,10 @@ HEADER = (
     'step | segment bytes / plain step | transition step bytes | idle step '
     'bytes | transition share | planned FLOPs | planned bytes | compile s: '
     'segment / S plain steps | copies | GB copied | gathers | scatters '
-    '(not unique) | selects | entry instructions |\n'
+    '(not unique) | selects | entry instructions | kernels per step: plain '
+    '/ idle / transition | starts |\n'
     '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
-    '---:|---:|---:|---:|---:|---:|')
+    '---:|---:|---:|---:|---:|---:|---:|---|')
 
 
 def main(argv=None) -> None:
@@ -418,6 +514,9 @@ def main(argv=None) -> None:
   ap.add_argument('--loops', default='unroll,scan')
   ap.add_argument('--segment_steps', type=int, default=4)
   ap.add_argument('--compute_dtype', default='float32')
+  ap.add_argument('--starts', default='rows', choices=streaming.STARTS,
+                  help='how lane-steps write the next clients into the '
+                  'lane states (LaneStreams.starts)')
   ap.add_argument('--output', default='')
   args = ap.parse_args(argv)
   rows = []
@@ -435,7 +534,7 @@ def main(argv=None) -> None:
     lanes, slots = CONFIGS[name]
     for loop in args.loops.split(','):
       m = measure(name, lanes, slots, args.segment_steps, loop,
-                  args.compute_dtype)
+                  args.compute_dtype, args.starts)
       rows.append(m)
       print(_row(m), flush=True)
       if args.output:
@@ -464,7 +563,11 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
             'program / S plain steps unrolled in one program. HLO columns: '
             'segment / S plain steps (scatters without unique indices in '
             'parentheses; GB copied: what the copies outside fusions read '
-            'and write, XLA\'s copies of carried buffers).\n\n')
+            'and write, XLA\'s copies of carried buffers). Kernels per step: '
+            'the instructions one run executes outside fusions (a loop\'s '
+            'body times its trip count, a conditional its costlier branch), '
+            'each a launch on a GPU: the plain step, an idle step, a '
+            'transition step (XLA:CPU\'s fusion, a proxy for XLA:GPU\'s).\n\n')
     f.write(f'<!-- rows: {json.dumps(rows)} -->\n')
 
 

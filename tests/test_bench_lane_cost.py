@@ -59,6 +59,67 @@ def test_copied_bytes_leave_out_fusions(bench):
   assert bench.copied_bytes(hlo) == 2 * 4 * 4
 
 
+def test_executed_kernels_follow_loops_and_branches(bench):
+  """A loop's body counts its trip count times, a conditional its costlier
+  branch, a fusion once whatever it holds, views and tuples not at all;
+  a loop of unknown trip count counts once, its condition included."""
+  hlo = (
+      '%fused (p: f32[4]) -> f32[4] {\n'
+      '  %p = f32[4]{0} parameter(0)\n'
+      '  %a = f32[4]{0} add(%p, %p)\n'
+      '  ROOT %m = f32[4]{0} multiply(%a, %a)\n}\n\n'
+      '%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {\n'
+      '  %t = (s32[], f32[4]{0}) parameter(0)\n'
+      '  %x = f32[4]{0} get-tuple-element(%t), index=1\n'
+      '  %i = s32[] get-tuple-element(%t), index=0\n'
+      '  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused\n'
+      '  %c = f32[4]{0} copy(%f)\n'
+      '  ROOT %r = (s32[], /*index=1*/f32[4]{0}) tuple(%i, %c)\n}\n\n'
+      '%cond (t: (s32[], f32[4])) -> pred[] {\n'
+      '  %t = (s32[], f32[4]{0}) parameter(0)\n'
+      '  %i = s32[] get-tuple-element(%t), index=0\n'
+      '  %k = s32[] constant(3)\n'
+      '  ROOT %lt = pred[] compare(%i, %k), direction=LT\n}\n\n'
+      '%small (x: f32[4]) -> f32[4] {\n'
+      '  %x = f32[4]{0} parameter(0)\n'
+      '  ROOT %n = f32[4]{0} negate(%x)\n}\n\n'
+      '%big (x: f32[4]) -> f32[4] {\n'
+      '  %x = f32[4]{0} parameter(0)\n'
+      '  %e = f32[4]{0} exponential(%x)\n'
+      '  ROOT %l = f32[4]{0} log(%e)\n}\n\n'
+      'ENTRY %main (x: f32[4], b: s32[]) -> f32[4] {\n'
+      '  %x = f32[4]{0} parameter(0)\n'
+      '  %b = s32[] parameter(1)\n'
+      '  %z = s32[] constant(0)\n'
+      '  %t = (s32[], /*index=1*/f32[4]{0}) tuple(%z, %x)\n'
+      '  %w = (s32[], /*index=1*/f32[4]{0}) while(%t), condition=%cond, '
+      'body=%body, backend_config={"known_trip_count":{"n":"3"}}\n'
+      '  %u = (s32[], /*index=1*/f32[4]{0}) while(%w), condition=%cond, '
+      'body=%body\n'
+      '  %y = f32[4]{0} get-tuple-element(%u), index=1\n'
+      '  %v = f32[4]{0} conditional(%b, %y, %y), '
+      'branch_computations={%small, %big}\n'
+      '  ROOT %o = f32[4]{0} call(%v), to_apply=%small\n}\n')
+  # 3 x (fusion + copy) + (fusion + copy + compare) + max(1, 2) + 1.
+  assert bench.executed_kernels(hlo) == 6 + 3 + 2 + 1
+  with pytest.raises(ValueError, match='no ENTRY'):
+    bench.executed_kernels('%f (x: f32[]) -> f32[] {\n}\n')
+
+
+def test_scatter_starts_launch_fewer_kernels(bench):
+  """Starting the slots' clients by one scatter per state leaf runs fewer
+  kernels per lane-step than the loop of row writes over the slots, which
+  writes every leaf once per slot; both run more than the plain step."""
+  got = {starts: bench.measure('transformer_tiny', lanes=4, slots=3,
+                               segment_steps=2, loop='scan',
+                               starts=starts)['kernels']
+         for starts in ('rows', 'scatter')}
+  for k in got.values():
+    assert k['plain_step'] < k['idle_step'] <= k['transition_step'], got
+  assert got['scatter']['idle_step'] < got['rows']['idle_step'], got
+  assert got['rows']['plain_step'] == got['scatter']['plain_step'], got
+
+
 def test_idle_branch_copy_needs_the_lane_steps_conditional(bench):
   hlo = ('ENTRY %main (p: f32[4]) -> f32[4] {\n'
          '  %p = f32[4]{0} parameter(0)\n'
