@@ -18,6 +18,7 @@ import importlib
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Mapping, Sequence
@@ -149,6 +150,19 @@ def script_env() -> dict[str, str]:
       p for p in (str(_REPO), env.get('PYTHONPATH')) if p)
   env['JAX_PLATFORMS'] = 'cpu'
   return env
+
+
+def run_script(name: str, *flags: str, timeout: int = 900
+               ) -> subprocess.CompletedProcess:
+  """``benchmarks/<name>.py flags...`` run on CPU JAX (:func:`script_env`)
+  from the repository root; fails the test, with the end of its stderr,
+  unless it exits 0."""
+  proc = subprocess.run(
+      [sys.executable, str(_REPO / 'benchmarks' / f'{name}.py'), *flags],
+      cwd=_REPO, env=script_env(), capture_output=True, text=True,
+      timeout=timeout, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return proc
 
 
 @contextlib.contextmanager

@@ -45,15 +45,11 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
   # Cohort 2 runs (the first cohort has no estimate: 0 s); cohort 2,000 is
   # estimated from cohort 2's times (positive) and is over a --max_seconds
   # of 1e-9 whatever the machine's speed: it is skipped with a reason.
-  cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
-         '--models=lstm_tiny', f'--engines={",".join(ENGINES)}',
-         '--cohorts=2,2000', '--rounds=2', '--max_examples=40',
-         '--max_seconds=1e-9', '--lanes_per_device=1', '--segment_steps=1',
-         '--no-isolate',
-         f'--output={out_file}']
-  proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True,
-                        text=True, timeout=900, check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  proc = conftest.run_script(
+      'bench_rounds', '--models=lstm_tiny', f'--engines={",".join(ENGINES)}',
+      '--cohorts=2,2000', '--rounds=2', '--max_examples=40',
+      '--max_seconds=1e-9', '--lanes_per_device=1', '--segment_steps=1',
+      '--no-isolate', f'--output={out_file}')
   out = proc.stdout
   text = out_file.read_text()
   assert 'command: `python benchmarks/bench_rounds.py --models=lstm_tiny' \
@@ -287,17 +283,13 @@ def test_variants_run_in_the_vmap_process(repo_root, tmp_path):
   its label and the settings it ran with, and the notes give each
   variant's s/round against the first row's, as the rows' numbers say."""
   out_file = tmp_path / 'rounds.md'
-  env = conftest.script_env()
   variants = ('segment_steps=2;lane_starts=scatter,prefetch=false;'
               'data_on_device=on;compute_dtype=bfloat16')
-  cmd = [sys.executable, str(repo_root / 'benchmarks' / 'bench_rounds.py'),
-         '--models=lstm_tiny', '--engines=vmap', '--cohorts=2', '--rounds=2',
-         '--max_examples=40', '--lanes_per_device=1', '--segment_steps=1',
-         '--no-fixed_cost', '--extra=', f'--variants={variants}',
-         f'--output={out_file}']
-  proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True,
-                        text=True, timeout=900, check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  conftest.run_script(
+      'bench_rounds', '--models=lstm_tiny', '--engines=vmap', '--cohorts=2',
+      '--rounds=2', '--max_examples=40', '--lanes_per_device=1',
+      '--segment_steps=1', '--no-fixed_cost', '--extra=',
+      f'--variants={variants}', f'--output={out_file}')
   text = out_file.read_text()
   rows = json.loads(re.search(r'<!-- rows: (.*) -->', text).group(1))
   labels = ['', 'segment_steps=2', 'lane_starts=scatter,prefetch=false',

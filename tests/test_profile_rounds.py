@@ -13,7 +13,6 @@ import gzip
 import importlib.util
 import json
 import pathlib
-import subprocess
 import sys
 
 import conftest
@@ -218,15 +217,11 @@ def test_summary_needs_round_windows(repo_root):
 
 def test_profile_rounds_cpu_run(repo_root, tmp_path):
   out = tmp_path / 'profile.json'
-  env = conftest.script_env()
-  cmd = [sys.executable, str(repo_root / 'benchmarks' / 'profile_rounds.py'),
-         '--model=lstm_tiny', '--engine=vmap', '--cohort=2',
-         '--max_examples=40', '--lanes_per_device=1', '--segment_steps=1',
-         '--warmup_rounds=1', '--rounds=1', f'--trace_dir={tmp_path / "tr"}',
-         f'--output={out}']
-  proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True,
-                        text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  proc = conftest.run_script(
+      'profile_rounds', '--model=lstm_tiny', '--engine=vmap', '--cohort=2',
+      '--max_examples=40', '--lanes_per_device=1', '--segment_steps=1',
+      '--warmup_rounds=1', '--rounds=1', f'--trace_dir={tmp_path / "tr"}',
+      f'--output={out}', timeout=600)
   result = json.loads(out.read_text())
   assert result['status'] == 'done'
   assert len(result['warmup_round_s']) == 1
