@@ -19,9 +19,9 @@ XLA:CPU's ``cost_analysis()`` of the optimized programs:
   every step: its transition share is 1), so it also prints the two kinds
   of step: a transition step (``streaming.lane_step`` compiled alone: cost
   analysis charges its conditional the costlier branch, the finalization)
-  and an idle step (the starts, whose idle slots write their rows back,
-  the masked step, and what the conditional's idle branch copies, read
-  from the optimized HLO: the weighted sums it passes through), the share
+  and an idle step (the masked step, and what the conditional's idle
+  branch copies, read from the optimized HLO: it passes the lane states
+  and sums through; the starts run in the transition branch), the share
   of a planned round's steps that are transitions (100 clients of
   ``bench_rounds``' population: real FEMNIST under ``$FEDLITE_DATA_DIR``,
   else synthetic example counts; one epoch), and the planned mean of the
@@ -61,7 +61,7 @@ import platform
 import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 import fedjax
@@ -208,11 +208,12 @@ _NOT_KERNELS = frozenset({
     'after-all', 'partition-id', 'replica-id', 'opt-barrier'})
 
 
-def executed_kernels(text: str) -> int:
+def executed_kernels(text: str, branch: Optional[int] = None) -> int:
   """Kernels one run of an optimized HLO module executes: its instructions
   outside fusions, a fusion counted once, a ``while`` loop's body times its
   ``known_trip_count`` (unknown: once, its condition included), a
-  ``conditional`` as its costlier branch. On a GPU each is a launch (a
+  ``conditional`` as its costlier branch (``branch``: as its branch of that
+  index instead; ``lax.cond``'s false branch is 0). On a GPU each is a launch (a
   kernel, a library call or a copy), so the count is a proxy for a
   program's launch overhead: of XLA:CPU's programs, an upper bound for
   XLA:GPU's, which also fuses small independent kernels side by side.
@@ -260,7 +261,8 @@ def executed_kernels(text: str) -> int:
         branches = (called(line, 'branch_computations') or
                     called(line, 'true_computation') +
                     called(line, 'false_computation'))
-        total += max(count(b) for b in branches)
+        total += (max(count(b) for b in branches) if branch is None
+                  else count(branches[branch]))
       elif op == 'call':
         total += count(called(line, 'to_apply')[0])
       else:
@@ -278,16 +280,13 @@ def _compile(fn: Callable, *args) -> tuple[Any, float]:
   return compiled, time.perf_counter() - t
 
 
-def idle_lane_step(program, starts: str = 'rows') -> Callable:
+def idle_lane_step(program) -> Callable:
   """``(shared, states, acc, inputs) -> states``: what a lane-step runs
-  besides its conditional's idle branch where no client ends: the slots'
-  starts (``starts``: ``streaming.STARTS``; rows unrolled, so that cost
-  analysis counts every slot) and the masked vmapped step."""
-  start_all = streaming.start_slots(program.init, unroll=starts == 'rows',
-                                    method=starts)
-
+  besides its conditional's idle branch where no client ends (the slots'
+  finalizations and starts are in the other branch): the masked vmapped
+  step."""
   def idle_step(shared, states, acc, x):
-    states = start_all(shared, states, acc, x)
+    del shared, acc
     stepped = jax.vmap(program.carried_step)(states, x.batch)
     return jax.tree.map(
         lambda n, o: jnp.where(
@@ -396,10 +395,10 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
       carried(streaming.lane_step(program.init, step, program.final,
                                   skip_idle=True, starts=starts), (1, 2)),
       shared, states, acc, step_inputs)
-  # An idle step: the idle branch (its copies, read from the HLO), the
-  # starts (every slot writes its lane's row back) and the masked step.
+  # An idle step: the idle branch (its copies, read from the HLO) and the
+  # masked step; the starts run in the transition branch.
   idle_copy = idle_branch_copy_bytes(in_cond.as_text())
-  idle, _ = _compile(carried(idle_lane_step(program, starts)), shared, states,
+  idle, _ = _compile(carried(idle_lane_step(program)), shared, states,
                      acc, step_inputs)
   # A fixed segment transitions at every step (it holds no lax.cond).
   share = 1.0 if loop == 'fixed' else transition_share(name, lanes, slots,
@@ -427,7 +426,10 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
       # where no client ends, one where clients end, the segment's mean.
       'kernels': {
           'plain_step': executed_kernels(one.as_text()),
-          'idle_step': executed_kernels(idle.as_text()),
+          # The lane-step with its conditional's idle branch (lax.cond's
+          # false branch, index 0); a fixed segment's every step transitions.
+          'idle_step': executed_kernels(in_cond.as_text(),
+                                        branch=None if loop == 'fixed' else 0),
           'transition_step': executed_kernels(in_cond.as_text()),
           'segment_per_step': executed_kernels(seg.as_text()) / S},
       'params': int(sum(np.prod(s.shape) for s in jax.tree.leaves(params))),
@@ -553,7 +555,7 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
             'a lax.cond counted as its costlier branch; the loop over the '
             'slots\' starts counted in full). Transition / idle '
             'step: the lane-step compiled alone, its states and sums donated '
-            '(its conditional counted as the finalization) / the starts and '
+            '(its conditional counted as the finalization and the starts) / '
             'the masked step compiled alone plus what the lane-step\'s idle '
             'branch copies (read and written). '
             'Transition share: steps of a planned 100-client '
@@ -566,7 +568,8 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
             'and write, XLA\'s copies of carried buffers). Kernels per step: '
             'the instructions one run executes outside fusions (a loop\'s '
             'body times its trip count, a conditional its costlier branch), '
-            'each a launch on a GPU: the plain step, an idle step, a '
+            'each a launch on a GPU: the plain step, an idle step (the '
+            'lane-step, its conditional counted as the idle branch), a '
             'transition step (XLA:CPU\'s fusion, a proxy for XLA:GPU\'s).\n\n')
     f.write(f'<!-- rows: {json.dumps(rows)} -->\n')
 

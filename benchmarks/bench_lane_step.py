@@ -18,9 +18,9 @@ and reads each compiled program's FLOPs and bytes from the backend's own
   ``streaming``'s per-lane ``where``);
 * ``idle_cond``: the engine's lane-step where no client ends, as a segment
   runs it (``streaming.lane_step`` with its ``lax.cond``, the idle branch
-  taken, the slots writing their rows back): against ``idle`` (measured
+  taken: no finalization, no starts): against ``idle`` (measured
   with it) it times the lane-step's bookkeeping on a step without
-  transitions; its cost columns are those of the starts and the masked
+  transitions; its cost columns are those of the masked
   step compiled alone, plus the idle branch's copy read from the optimized
   HLO (cost analysis charges a conditional its costlier branch); measured
   last;
@@ -233,8 +233,8 @@ def measure(name: str, dtype: str, lanes: tuple[int, ...], kinds: tuple,
           fin_lane=jnp.full_like(x.fin_lane, -1),
           fin_weight=jnp.zeros_like(x.fin_weight))
     # Cost analysis charges a conditional its costlier branch: count the
-    # starts and the masked step, and the copy that the idle branch makes.
-    idle_only = jax.jit(blc.idle_lane_step(program, starts),
+    # masked step, and the copy that the idle branch makes.
+    idle_only = jax.jit(blc.idle_lane_step(program),
                         donate_argnums=(1,)).lower(
         shared, states, acc, no_ends(batches[0])).compile()
     row('idle_cond', L, in_cond,

@@ -28,15 +28,16 @@ def test_a_scan_lane_step_costs_the_plain_step(bench, tmp_path):
   assert 0.5 < m['idle_bytes_ratio'] <= m['body_bytes_ratio'], m
   assert 0 < m['transition_share'] <= 1, m
   assert m['planned_bytes_ratio'] <= 1.10, m
-  # No copy of the lane states. XLA's copies outside fusions in a segment
-  # are the weighted sums (one client's parameters) that its two
-  # conditionals pass through: under one read and write of the lanes'
-  # float32 parameters, which it also copied when the starts rewrote the
-  # states and the updates waited for no gradient. The idle branch itself
-  # copies (next to) nothing.
-  params_bytes = 4 * m['lanes'] * m['params']
-  assert m['hlo_segment']['copy_bytes'] < 2 * params_bytes, m
-  assert m['idle_copy_bytes'] < 0.1 * 2 * params_bytes, m
+  # No copy of the lane states, nor of the weighted sums: XLA's copies
+  # outside fusions in a segment move less than one read and write of ONE
+  # client's float32 parameters. It copied every lane's when the starts
+  # rewrote the states and the updates waited for no gradient, and the
+  # weighted sums (one client's parameters, at each of the segment's two
+  # conditionals) when the starts ran outside the lane-step's conditional.
+  # The idle branch itself copies (next to) nothing.
+  client_bytes = 4 * m['params']
+  assert m['hlo_segment']['copy_bytes'] < 2 * client_bytes, m
+  assert m['idle_copy_bytes'] < 0.1 * 2 * client_bytes, m
   # The step's own scatters (the embedding gradient), and no others.
   seg, plain = m['hlo_segment'], m['hlo_plain_steps']
   assert seg['scatter_not_unique'] <= plain['scatter_not_unique'] // 2, m
@@ -102,22 +103,68 @@ def test_executed_kernels_follow_loops_and_branches(bench):
       '  ROOT %o = f32[4]{0} call(%v), to_apply=%small\n}\n')
   # 3 x (fusion + copy) + (fusion + copy + compare) + max(1, 2) + 1.
   assert bench.executed_kernels(hlo) == 6 + 3 + 2 + 1
+  # The conditional as its branch 0 (lax.cond's false branch).
+  assert bench.executed_kernels(hlo, branch=0) == 6 + 3 + 1 + 1
   with pytest.raises(ValueError, match='no ENTRY'):
     bench.executed_kernels('%f (x: f32[]) -> f32[] {\n}\n')
 
 
 def test_scatter_starts_launch_fewer_kernels(bench):
   """Starting the slots' clients by one scatter per state leaf runs fewer
-  kernels per lane-step than the loop of row writes over the slots, which
-  writes every leaf once per slot; both run more than the plain step."""
+  kernels per transition than the loop of row writes over the slots, which
+  writes every leaf once per slot. A step where no client ends starts
+  nothing: it launches the same kernels with either, more than the plain
+  step (the masked update) and fewer than a transition."""
   got = {starts: bench.measure('transformer_tiny', lanes=4, slots=3,
                                segment_steps=2, loop='scan',
                                starts=starts)['kernels']
          for starts in ('rows', 'scatter')}
   for k in got.values():
-    assert k['plain_step'] < k['idle_step'] <= k['transition_step'], got
-  assert got['scatter']['idle_step'] < got['rows']['idle_step'], got
+    assert k['plain_step'] < k['idle_step'] < k['transition_step'], got
+  assert got['scatter']['transition_step'] < got['rows']['transition_step'], \
+      got
+  assert got['scatter']['idle_step'] == got['rows']['idle_step'], got
   assert got['rows']['plain_step'] == got['scatter']['plain_step'], got
+
+
+def test_an_idle_lane_step_does_not_grow_with_the_slots(bench):
+  """The lane-step's idle branch holds neither the finalizations nor the
+  starts: its kernels for 1 and 5 slots differ by at most the predicate's
+  few (``any(fin_lane >= 0)`` over 1 or 5 slots), where a transition runs
+  one row write per state leaf per slot more (rows starts)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  model = bench.build_model('transformer_tiny')
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  program, shared = bench.client_program(model, params)
+  lanes = 4
+  states = jax.eval_shape(jax.vmap(program.init, in_axes=(None, 0)), shared,
+                          bench._lead({'rng': key}, lanes))  # pylint: disable=protected-access
+  acc = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct((1,) + s.shape, s.dtype),
+      jax.eval_shape(program.final, shared, jax.tree.map(
+          lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), states))[0])
+  step = lambda st, b: (program.carried_step(st, b), None)
+  kernels = {}
+  for slots in (1, 5):
+    x = streaming.StepInputs(
+        batch=bench.batch_shape('transformer_tiny', lanes),
+        active=jax.ShapeDtypeStruct((lanes,), jnp.bool_),
+        fin_lane=jax.ShapeDtypeStruct((slots,), jnp.int32),
+        fin_weight=jax.ShapeDtypeStruct((slots,), jnp.float32),
+        start_input=bench._lead({'rng': key}, slots),  # pylint: disable=protected-access
+        start_on=jax.ShapeDtypeStruct((slots,), jnp.bool_))
+    fn = streaming.lane_step(program.init, step, program.final,
+                             skip_idle=True, starts='rows')
+    text = jax.jit(fn, donate_argnums=(1, 2)).lower(
+        shared, states, acc, x).compile().as_text()
+    kernels[slots] = (bench.executed_kernels(text, branch=0),
+                      bench.executed_kernels(text))
+  assert abs(kernels[1][0] - kernels[5][0]) <= 3, kernels
+  leaves = len(jax.tree.leaves(states))
+  assert kernels[5][1] - kernels[1][1] >= 4 * leaves, kernels
 
 
 def test_idle_branch_copy_needs_the_lane_steps_conditional(bench):
