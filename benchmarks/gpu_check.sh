@@ -34,8 +34,8 @@
 # segments without conditionals (segment_loop=fixed; XLA:GPU reads a
 # conditional's predicate back to the host), the slots' starts as one
 # scatter per state leaf (the default writes rows in a loop over the
-# slots: slots x leaves small kernels per lane-step on a GPU, unless XLA
-# fuses them), lax convolutions (vmapped: cuDNN's grouped convolutions)
+# slots: slots x leaves small kernels per lane-step where clients end on a
+# GPU, unless XLA fuses them), lax convolutions (vmapped: cuDNN's grouped convolutions)
 # instead of im2col matmuls (the engine's choice, made on CPU; im2col's
 # concatenations and transposes held ~26% of the kernel time), no
 # prefetch threads, and a loop with a run-time trip count
@@ -60,7 +60,7 @@
 # model (8 and 39 Transformer lanes, 51 and 100 CNN lanes: a step's fixed
 # cost in lane-steps, which lanes.AUTO_STEP_COST_LANES puts at 4), the
 # transition step and the segment; steps_scatter times the idle lane-step
-# (its conditional, the starts) against the masked step;
+# (its conditional; no finalization, no starts) against the masked step;
 # rounds_bf16_noautotune: round800_bf16 with XLA:GPU's GEMM autotuning off,
 # how much of the 800-client round's compiling is autotuning;
 # rounds_bf16_notriton: the same with XLA:GPU's Triton GEMMs off, cuBLAS
