@@ -74,6 +74,7 @@ from fedlite_jax import models
 from fedlite_jax.algorithms import fedopt
 from fedlite_jax.algorithms import rounds_common as rc
 from fedlite_jax.models import lm
+from fedlite_jax.rounds import sharding
 from fedlite_jax.rounds import streaming
 
 #: (lanes, slots, batch builder) per model.
@@ -82,6 +83,59 @@ CONFIGS = {
     'transformer_tiny': (8, 2),
     'femnist': (100, 8),
 }
+
+#: Compile targets besides XLA:CPU: XLA:GPU compiling without a device
+#: (JAX's deviceless ahead-of-time compilation, ``jax.experimental.
+#: topologies``) for a ``GpuTargetConfig`` text proto under
+#: ``benchmarks/targets/``.
+TARGETS = ('cpu', 'h200')
+
+#: Where ``_compile`` places its abstract arguments and the lane programs
+#: their mesh: empty for XLA:CPU; set by :func:`use_target`.
+_PLACEMENT: dict[str, Any] = {}
+
+
+def use_target(target: str) -> str:
+  """Compiles what follows for ``target`` (:data:`TARGETS`, or a path to
+  a ``GpuTargetConfig`` text proto) and returns its description.
+
+  A GPU target needs the CUDA plugin of this JAX
+  (``pip install --target=<dir> jax-cuda12-plugin==<jax version>
+  jax-cuda12-pjrt==<jax version>``, ``<dir>`` on ``PYTHONPATH``); no GPU
+  and no driver: XLA:GPU's compiler runs on the CPU. It cannot time
+  kernels, so it picks GEMM tilings without autotuning, and its programs
+  carry no cost analysis.
+
+  Raises:
+    SystemExit: one line, when the config file or the plugin is missing.
+  """
+  _PLACEMENT.clear()
+  if target == 'cpu':
+    return 'XLA:CPU'
+  import os  # pylint: disable=g-import-not-at-top
+  path = target if os.path.exists(target) else os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), 'targets',
+      f'{target}.txtpb')
+  if not os.path.exists(path):
+    raise SystemExit(f'--target={target}: no such target; use one of '
+                     f'{", ".join(TARGETS)} or a GpuTargetConfig file.')
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_platforms', 'cpu')  # no GPU backend to start
+  try:
+    topology = topologies.get_topology_desc(
+        platform='cuda', target_config=open(path).read(), topology='1x1x1')
+  except Exception as e:  # pylint: disable=broad-except
+    raise SystemExit(
+        f'--target={target}: XLA:GPU without a device needs '
+        f'jax-cuda12-plugin=={jax.__version__} and jax-cuda12-pjrt=='
+        f'{jax.__version__} on PYTHONPATH ({type(e).__name__}: '
+        f'{str(e).splitlines()[0] if str(e) else ""})') from None
+  mesh = Mesh(np.asarray(topology.devices), (sharding.AXIS,))
+  _PLACEMENT['sharding'] = NamedSharding(mesh, PartitionSpec())
+  _PLACEMENT['mesh'] = sharding.ClientMesh(mesh)
+  return (f'XLA:GPU for {topology.devices[0].device_kind} without a device '
+          f'({os.path.basename(path)}; no autotuning, no cost analysis)')
 FEMNIST_BATCH = 20
 LM_BATCH = 16
 
@@ -114,9 +168,12 @@ def _lead(tree, *dims):
 
 
 def _cost(compiled) -> dict:
+  """FLOPs and bytes accessed of a compiled program (NaN where the
+  compiler has no cost analysis: XLA:GPU without a device)."""
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0]
+  cost = cost or {}
   return {'flops': float(cost.get('flops', np.nan)),
           'bytes': float(cost.get('bytes accessed', np.nan))}
 
@@ -208,7 +265,8 @@ _NOT_KERNELS = frozenset({
     'after-all', 'partition-id', 'replica-id', 'opt-barrier'})
 
 
-def executed_kernels(text: str, branch: Optional[int] = None) -> int:
+def executed_kernels(text: str, branch: Optional[int] = None,
+                     copied: bool = False) -> int:
   """Kernels one run of an optimized HLO module executes: its instructions
   outside fusions, a fusion counted once, a ``while`` loop's body times its
   ``known_trip_count`` (unknown: once, its condition included), a
@@ -217,6 +275,8 @@ def executed_kernels(text: str, branch: Optional[int] = None) -> int:
   kernel, a library call or a copy), so the count is a proxy for a
   program's launch overhead: of XLA:CPU's programs, an upper bound for
   XLA:GPU's, which also fuses small independent kernels side by side.
+  ``copied``: instead, the bytes that those runs' ``copy`` kernels read
+  and write (XLA's copies of buffers it cannot update in place).
 
   Raises:
     ValueError: no ENTRY computation, or a called computation not found.
@@ -233,19 +293,23 @@ def executed_kernels(text: str, branch: Optional[int] = None) -> int:
       entry = head.group(2)
   if entry is None:
     raise ValueError('no ENTRY computation in the HLO text.')
-  memo: dict[str, int] = {}
+  memo: dict[str, tuple[int, int]] = {}
 
   def called(line: str, key: str) -> list[str]:
-    found = re.search(key + r'=\{?([^}\s,]+(?:, *%?[\w.\-]+)*)\}?', line)
+    # A list ends before the next attribute: ``true_computation=%a,
+    # false_computation=%b`` (XLA:GPU's text) is two keys.
+    found = re.search(
+        key + r'=\{?([^}\s,]+(?:, *%?[\w.\-]+(?![\w.\-]*=))*)\}?', line)
     return [n.strip().lstrip('%') for n in found.group(1).split(',')] \
         if found else []
 
-  def count(name: str) -> int:
+  def count(name: str) -> tuple[int, int]:
+    """(kernels, bytes copied) of one run of computation ``name``."""
     if name in memo:
       return memo[name]
     if name not in comps:
       raise ValueError(f'computation {name!r} not found.')
-    total = 0
+    kernels = copies = 0
     for line in comps[name]:
       line = re.sub(r'/\*.*?\*/', '', line)  # /*index=5*/ in tuple shapes
       op = re.search(r' = [^=]*?\s?([a-z][\w\-]*)\(', line)
@@ -255,24 +319,40 @@ def executed_kernels(text: str, branch: Optional[int] = None) -> int:
       if op == 'while':
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
         body = count(called(line, 'body')[0])
-        total += (int(trips.group(1)) * body if trips else
-                  body + count(called(line, 'condition')[0]))
+        n, extra = ((int(trips.group(1)), (0, 0)) if trips else
+                    (1, count(called(line, 'condition')[0])))
+        kernels += n * body[0] + extra[0]
+        copies += n * body[1] + extra[1]
       elif op == 'conditional':
-        branches = (called(line, 'branch_computations') or
-                    called(line, 'true_computation') +
-                    called(line, 'false_computation'))
-        total += (max(count(b) for b in branches) if branch is None
-                  else count(branches[branch]))
+        # A predicated conditional's false branch is index 0, as an
+        # indexed one's (``lax.cond``); the costlier: the most kernels.
+        branches = [count(b) for b in (
+            called(line, 'branch_computations') or
+            called(line, 'false_computation') +
+            called(line, 'true_computation'))]
+        got = max(branches) if branch is None else branches[branch]
+        kernels += got[0]
+        copies += got[1]
       elif op == 'call':
-        total += count(called(line, 'to_apply')[0])
+        got = count(called(line, 'to_apply')[0])
+        kernels += got[0]
+        copies += got[1]
       else:
-        total += 1
-    memo[name] = total
-    return total
-  return count(entry)
+        kernels += 1
+        if op == 'copy':
+          copies += 2 * _shape_bytes(line.split(' = ', 1)[1].split(
+              ' copy(')[0])
+    memo[name] = kernels, copies
+    return memo[name]
+  return count(entry)[1 if copied else 0]
 
 
 def _compile(fn: Callable, *args) -> tuple[Any, float]:
+  if 'sharding' in _PLACEMENT:  # on the target's device
+    args = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       sharding=_PLACEMENT['sharding'])
+        if isinstance(a, jax.ShapeDtypeStruct) else a, args)
   lowered = jax.jit(fn).lower(*args) if not hasattr(fn, 'lower') else \
       fn.lower(*args)
   t = time.perf_counter()
@@ -280,13 +360,18 @@ def _compile(fn: Callable, *args) -> tuple[Any, float]:
   return compiled, time.perf_counter() - t
 
 
-def idle_lane_step(program) -> Callable:
+def idle_lane_step(program, starts: str = 'rows') -> Callable:
   """``(shared, states, acc, inputs) -> states``: what a lane-step runs
-  besides its conditional's idle branch where no client ends (the slots'
-  finalizations and starts are in the other branch): the masked vmapped
-  step."""
+  besides its conditional's idle branch where no client ends: the masked
+  vmapped step, after the slots' starts where they run outside the
+  conditional (``starts='scatter'``; with ``'rows'`` they are in the other
+  branch)."""
+  start = (streaming.start_slots(program.init, method='scatter')
+           if starts == 'scatter' else None)
+
   def idle_step(shared, states, acc, x):
-    del shared, acc
+    if start is not None:
+      states = start(shared, states, acc, x)
     stepped = jax.vmap(program.carried_step)(states, x.batch)
     return jax.tree.map(
         lambda n, o: jnp.where(
@@ -357,7 +442,7 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   program, shared = client_program(model, params)
   streams = streaming.LaneStreams(
       program.init, lambda st, b: (program.carried_step(st, b), None),
-      program.final)
+      program.final, mesh=_PLACEMENT.get('mesh'))
   client_input = {'rng': key}
   states = jax.eval_shape(
       jax.vmap(program.init, in_axes=(None, 0)), shared,
@@ -373,8 +458,16 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
       start_on=jax.ShapeDtypeStruct((slots, S), jnp.bool_))
   streams.starts = starts
   segment = streams._build(S, loop)[1]  # pylint: disable=protected-access
-  seg, seg_s = _compile(segment, shared, states, acc, inputs,
-                        jax.ShapeDtypeStruct((), jnp.int32), None)
+  s_arg = jax.ShapeDtypeStruct((), jnp.int32)
+  host = loop == 'host'
+  if host:  # No segment program: one program per step, of two kinds.
+    host_idle, host_idle_s = _compile(segment.programs['lanes_step'],
+                                      shared, states, inputs, s_arg, None)
+    seg, seg_s = _compile(segment.programs['lanes_transition'], shared,
+                          states, acc, inputs, s_arg, None)
+    seg_s += host_idle_s
+  else:
+    seg, seg_s = _compile(segment, shared, states, acc, inputs, s_arg, None)
   step_inputs = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype),
       inputs)
@@ -391,15 +484,19 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
     more_starts = {'flops': 0.0, 'bytes': 0.0}
   # A transition step: the lane-step as a segment runs it (cost analysis
   # charges its lax.cond the costlier branch, the finalization).
-  in_cond, lone_s = _compile(
-      carried(streaming.lane_step(program.init, step, program.final,
-                                  skip_idle=True, starts=starts), (1, 2)),
-      shared, states, acc, step_inputs)
-  # An idle step: the idle branch (its copies, read from the HLO) and the
-  # masked step; the starts run in the transition branch.
-  idle_copy = idle_branch_copy_bytes(in_cond.as_text())
-  idle, _ = _compile(carried(idle_lane_step(program)), shared, states,
-                     acc, step_inputs)
+  # A host loop's steps are its two programs (no conditional, no copy).
+  if host:
+    in_cond, lone_s, idle, idle_copy = seg, seg_s, host_idle, 0
+  else:
+    in_cond, lone_s = _compile(
+        carried(streaming.lane_step(program.init, step, program.final,
+                                    skip_idle=True, starts=starts), (1, 2)),
+        shared, states, acc, step_inputs)
+    # An idle step: the idle branch (its copies, read from the HLO) and the
+    # masked step; the starts run in the transition branch.
+    idle_copy = idle_branch_copy_bytes(in_cond.as_text())
+    idle, _ = _compile(carried(idle_lane_step(program, starts)), shared,
+                       states, acc, step_inputs)
   # A fixed segment transitions at every step (it holds no lax.cond).
   share = 1.0 if loop == 'fixed' else transition_share(name, lanes, slots,
                                                         S, loop)
@@ -419,19 +516,46 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
                   for k, v in per['seg'].items()}
   if loop == 'fixed':  # Every step is the loop body (with its loop copies).
     planned = dict(seg_per_step)
+  if host:  # A step is one of the two programs, as planned.
+    seg_per_step = dict(planned)
+  # Per step of a segment: a loop's body (a while loop's counted once),
+  # an unrolled segment's share, a host loop's planned mean.
+  per_step = lambda n, idle_n: (
+      share * n + (1 - share) * idle_n if host else
+      n / (1 if loop == 'while' else S))
+  texts = {'seg': seg.as_text(), 'in_cond': in_cond.as_text(),
+           'idle': idle.as_text()}
+  idle_branch = None if loop == 'fixed' else 0
   return {
       'model': name, 'dtype': dtype, 'loop': loop, 'lanes': lanes,
       'slots': slots, 'segment_steps': S, 'starts': starts,
       # Launches per lane-step (executed_kernels): the plain step, a step
       # where no client ends, one where clients end, the segment's mean.
+      # (A host loop: its step program, its transition program.)
       'kernels': {
           'plain_step': executed_kernels(one.as_text()),
           # The lane-step with its conditional's idle branch (lax.cond's
           # false branch, index 0); a fixed segment's every step transitions.
-          'idle_step': executed_kernels(in_cond.as_text(),
-                                        branch=None if loop == 'fixed' else 0),
-          'transition_step': executed_kernels(in_cond.as_text()),
-          'segment_per_step': executed_kernels(seg.as_text()) / S},
+          'idle_step': executed_kernels(
+              texts['idle' if host else 'in_cond'], branch=idle_branch),
+          'transition_step': executed_kernels(texts['in_cond']),
+          'segment_per_step': per_step(
+              executed_kernels(texts['seg']),
+              executed_kernels(texts['idle']) if host else 0)},
+      # GB that XLA's copies read and write per lane-step: an idle and a
+      # transition step (the lane-step alone), and a segment's step on its
+      # path of the most kernels (the loop's own copies of its carried
+      # states included).
+      'copied_gb': {
+          'idle_step': executed_kernels(
+              texts['idle' if host else 'in_cond'], branch=idle_branch,
+              copied=True) / 1e9,
+          'transition_step': executed_kernels(texts['in_cond'],
+                                              copied=True) / 1e9,
+          'segment_per_step': per_step(
+              executed_kernels(texts['seg'], copied=True),
+              executed_kernels(texts['idle'], copied=True) if host else 0)
+                              / 1e9},
       'params': int(sum(np.prod(s.shape) for s in jax.tree.leaves(params))),
       'plain_step_flops': per['one']['flops'],
       'plain_step_bytes': per['one']['bytes'],
@@ -478,14 +602,19 @@ def transition_share(name: str, lanes: int, slots: int, segment_steps: int,
   return float(busy.mean())
 
 
+def _x(v: float) -> str:
+  """A ratio, or n/a where the compiler gave no cost analysis."""
+  return 'n/a' if np.isnan(v) else f'{v:.3f}x'
+
+
 def _row(m: dict) -> str:
   h, p = m['hlo_segment'], m['hlo_plain_steps']
   return (f"| {m['model']} | {m['dtype']} | {m['loop']} | {m['lanes']} | "
           f"{m['slots']} | {m['segment_steps']} | "
-          f"{m['flops_ratio']:.3f}x | {m['bytes_ratio']:.3f}x | "
-          f"{m['body_bytes_ratio']:.3f}x | {m['idle_bytes_ratio']:.3f}x | "
-          f"{m['transition_share']:.2f} | {m['planned_flops_ratio']:.3f}x | "
-          f"{m['planned_bytes_ratio']:.3f}x | "
+          f"{_x(m['flops_ratio'])} | {_x(m['bytes_ratio'])} | "
+          f"{_x(m['body_bytes_ratio'])} | {_x(m['idle_bytes_ratio'])} | "
+          f"{m['transition_share']:.2f} | {_x(m['planned_flops_ratio'])} | "
+          f"{_x(m['planned_bytes_ratio'])} | "
           f"{m['segment_compile_s']:.1f} / {m['plain_steps_compile_s']:.1f}"
           f" = {m['compile_ratio']:.2f}x | "
           f"{h['copy']} / {p['copy']} | "
@@ -496,7 +625,10 @@ def _row(m: dict) -> str:
           f"{h['entry_instructions']} / {p['entry_instructions']} | "
           + (f"{k['plain_step']} / {k['idle_step']} / "
              f"{k['transition_step']} | " if (k := m.get('kernels')) else
-             ' |') + f"{m.get('starts', 'rows')} |")
+             ' |')
+          + (f"{c['idle_step']:.3f} / {c['transition_step']:.3f} / "
+             f"{c['segment_per_step']:.3f} | " if (c := m.get('copied_gb'))
+             else ' |') + f"{m.get('starts', 'rows')} |")
 
 
 HEADER = (
@@ -505,9 +637,10 @@ HEADER = (
     'bytes | transition share | planned FLOPs | planned bytes | compile s: '
     'segment / S plain steps | copies | GB copied | gathers | scatters '
     '(not unique) | selects | entry instructions | kernels per step: plain '
-    '/ idle / transition | starts |\n'
+    '/ idle / transition | GB copied per step: idle / transition / '
+    'segment | starts |\n'
     '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
-    '---:|---:|---:|---:|---:|---:|---:|---|')
+    '---:|---:|---:|---:|---:|---:|---:|---:|---|')
 
 
 def main(argv=None) -> None:
@@ -516,31 +649,51 @@ def main(argv=None) -> None:
   ap.add_argument('--loops', default='unroll,scan')
   ap.add_argument('--segment_steps', type=int, default=4)
   ap.add_argument('--compute_dtype', default='float32')
-  ap.add_argument('--starts', default='rows', choices=streaming.STARTS,
+  ap.add_argument('--starts', default='rows',
                   help='how lane-steps write the next clients into the '
-                  'lane states (LaneStreams.starts)')
+                  'lane states (LaneStreams.starts), comma-separated: '
+                  + ', '.join(streaming.STARTS))
+  ap.add_argument('--shapes', default='',
+                  help='model:lanes:slots,... in place of CONFIGS (e.g. '
+                  'femnist:50:32, the lanes and slots of an H200 plan)')
+  ap.add_argument('--target', default='cpu',
+                  help='what to compile for: cpu, h200 (XLA:GPU without '
+                  'a device; see use_target) or a GpuTargetConfig file')
   ap.add_argument('--output', default='')
   args = ap.parse_args(argv)
+  target = use_target(args.target)
   rows = []
   import os  # pylint: disable=g-import-not-at-top
   lines = [f'command: `python benchmarks/bench_lane_cost.py '
            f'{" ".join(argv if argv is not None else sys.argv[1:])}`',
-           f'jax {jax.__version__}, XLA:CPU cost analysis, '
+           f'jax {jax.__version__}, {target}, '
            f'{platform.machine()}, {os.cpu_count()} CPU threads',
            'transition shares: femnist from '
            + ('real FEMNIST writers' if os.environ.get('FEDLITE_DATA_DIR')
               else 'synthetic example counts')
            + ', language models from synthetic example counts']
+  if args.target != 'cpu':
+    lines.append(
+        'XLA:GPU compiled on this CPU machine: jax-cuda12-plugin and '
+        f'jax-cuda12-pjrt {jax.__version__} on PYTHONPATH, no GPU; its '
+        'programs carry no cost analysis (the ratio columns are n/a); '
+        'kernels, copies and compile seconds are XLA:GPU\'s (no GEMM '
+        'autotuning without a device)')
   print(HEADER)
+  shapes = dict(CONFIGS)
+  for item in filter(None, args.shapes.split(',')):
+    name, lanes, slots = item.split(':')
+    shapes[name] = (int(lanes), int(slots))
   for name in args.models.split(','):
-    lanes, slots = CONFIGS[name]
-    for loop in args.loops.split(','):
-      m = measure(name, lanes, slots, args.segment_steps, loop,
-                  args.compute_dtype, args.starts)
-      rows.append(m)
-      print(_row(m), flush=True)
-      if args.output:
-        _write(args.output, lines, rows)
+    lanes, slots = shapes[name]
+    for starts in args.starts.split(','):
+      for loop in args.loops.split(','):
+        m = measure(name, lanes, slots, args.segment_steps, loop,
+                    args.compute_dtype, starts)
+        rows.append(m)
+        print(_row(m), flush=True)
+        if args.output:
+          _write(args.output, lines, rows)
 
 
 def _write(path: str, lines: list[str], rows: list[dict]) -> None:
@@ -570,7 +723,11 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
             'body times its trip count, a conditional its costlier branch), '
             'each a launch on a GPU: the plain step, an idle step (the '
             'lane-step, its conditional counted as the idle branch), a '
-            'transition step (XLA:CPU\'s fusion, a proxy for XLA:GPU\'s).\n\n')
+            'transition step (XLA:CPU\'s fusion, a proxy for XLA:GPU\'s). '
+            'GB copied per step: what the copies outside fusions read and '
+            'write in one run of an idle and a transition lane-step '
+            '(compiled alone) and of a segment\'s step on its costliest '
+            'path (its loop\'s copies of the carried states included).\n\n')
     f.write(f'<!-- rows: {json.dumps(rows)} -->\n')
 
 

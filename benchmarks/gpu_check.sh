@@ -27,21 +27,25 @@
 # device time left allows: round800_bf16 steps rounds50_cnn round_inputs
 # (~370 s of caps), then rounds_ratio_lanes rounds_graphs compile_cache
 # (~500 s)).
-# rounds_cnn: the FEMNIST rounds against FedJAX's jit ($AB_CNN): the
-# batches cut, stacked and sent by the host (data_on_device=off; the
-# default on a GPU gathers them on the device from rows), segments of 16
-# steps (about one call per round, now that a segment's inputs are rows),
-# segments without conditionals (segment_loop=fixed; XLA:GPU reads a
-# conditional's predicate back to the host), the slots' starts as one
-# scatter per state leaf (the default writes rows in a loop over the
-# slots: slots x leaves small kernels per lane-step where clients end on a
-# GPU, unless XLA fuses them), lax convolutions (vmapped: cuDNN's grouped convolutions)
-# instead of im2col matmuls (the engine's choice, made on CPU; im2col's
-# concatenations and transposes held ~26% of the kernel time), no
-# prefetch threads, and a loop with a run-time trip count
-# (segment_loop=while); rounds_lm: the 21M Transformer against FedJAX's
-# jit ($AB_LM): scatter starts, fixed segments, and bfloat16 with either
-# start (the bfloat16 target);
+# rounds_cnn: the FEMNIST rounds against FedJAX's jit ($AB_CNN): first
+# the host loop with scatter starts (one program call per step, no
+# conditional and no device loop: XLA:GPU's optimized HLO, compiled here
+# without a GPU, copies no lane state and launches 46 kernels where no
+# client ends, against 85-90 and 0.98 GB copied per step for a scan
+# segment, bench_lane_cost.py --target=h200), then the batches cut,
+# stacked and sent by the host (data_on_device=off; the default on a GPU
+# gathers them on the device from rows), a while loop with scatter starts
+# (no state copied either; its predicate read back every step), segments
+# of 16 steps, segments without conditionals (segment_loop=fixed), the
+# slots' starts as one scatter per state leaf after the conditional (the
+# default writes rows in a loop over the slots inside it: 590 kernels at
+# a transition against 105), lax convolutions (vmapped: cuDNN's grouped
+# convolutions) instead of im2col matmuls (im2col's concatenations and
+# transposes held ~26% of the kernel time), and the host loop with row
+# starts; rounds_lm: the 21M Transformer against FedJAX's jit ($AB_LM):
+# the host loop with scatter starts (a scan segment copies 13.5 GB per
+# step there, ~2.8 ms at 4.8 TB/s), scatter starts alone, bfloat16, and
+# bfloat16 with the host loop and scatter starts (the bfloat16 target);
 # round_inputs: the host time of a round's lane inputs both ways, with a
 # client update that only sums its batches; rounds50_cnn: the FEMNIST
 # target's 50-round run with its compiling, against FedJAX's jit;
@@ -84,6 +88,11 @@ fi
 nvidia-smi >>"$LOG" 2>&1
 python3 -c 'import jax, fedjax; print(jax.__version__, jax.devices())' \
   >>"$LOG" 2>&1
+# The GPU's own GpuTargetConfig, for bench_lane_cost.py --target=<file>
+# (XLA:GPU compiling for this GPU on a machine without one).
+python3 -c 'import jax; from jax._src.lib import xla_client as xc
+print(xc.get_topology_for_devices(jax.devices()).target_config)' \
+  >"$OUT/target_config.txtpb" 2>>"$LOG"
 
 stage() {  # name cap command...
   local name=$1 cap=$2; shift 2
@@ -94,10 +103,12 @@ stage() {  # name cap command...
 }
 # The rounds stages' variants (bench_rounds.py --variants): each against
 # the defaults in the same process, on the same cohorts.
-AB_CNN="data_on_device=off;segment_steps=16;segment_loop=fixed;\
-lane_starts=scatter;conv_implementation=lax;prefetch=false;segment_loop=while"
-AB_LM="lane_starts=scatter;segment_loop=fixed;compute_dtype=bfloat16;\
-compute_dtype=bfloat16,lane_starts=scatter"
+AB_CNN="segment_loop=host,lane_starts=scatter;data_on_device=off;\
+segment_loop=while,lane_starts=scatter;segment_steps=16;segment_loop=fixed;\
+lane_starts=scatter;conv_implementation=lax;segment_loop=host"
+AB_LM="segment_loop=host,lane_starts=scatter;lane_starts=scatter;\
+compute_dtype=bfloat16;compute_dtype=bfloat16,segment_loop=host,\
+lane_starts=scatter"
 P=benchmarks/profile_rounds.py
 B=benchmarks/bench_rounds.py
 run_stage() {

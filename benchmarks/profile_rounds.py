@@ -17,7 +17,9 @@ trace (``perfetto_trace.json.gz``):
   share of the rounds' wall time;
 * time outside ``lanes_segment``: the rounds' wall time minus the union of
   the ``jit_lanes_segment`` executions (from the first to the last op of
-  each ``(hlo_module, run_id)``): ``lanes_begin``, ``lanes_finish``, the
+  each ``(hlo_module, run_id)``; with ``--segment_loop=host``, of the
+  ``jit_lanes_step`` and ``jit_lanes_transition`` executions):
+  ``lanes_begin``, ``lanes_finish``, the
   server update, the download, host work and idle time.
 
 Which events are ops (``sources`` in the output says which applied):
@@ -93,7 +95,8 @@ CLASS_RULES = (
 )
 #: Marks of the traced rounds (``TraceAnnotation`` names).
 ROUND_MARK = 'profile_rounds:round'
-#: The program whose executions are the lane segments.
+#: The program whose executions are the lane segments (with a ``'host'``
+#: loop, also its step programs: ``streaming.STEP_PROGRAM_NAMES``).
 SEGMENT_PROGRAM = 'lanes_segment'
 
 
@@ -357,7 +360,7 @@ def summarize(events: list[dict], windows: Optional[list] = None,
   for p in programs.values():
     p['span_s'] = _union(_clip(p.pop('spans'), windows)) / 1e6
   segment = sum(p['span_s'] for m, p in programs.items()
-                if m.removeprefix('jit_') == SEGMENT_PROGRAM)
+                if m.removeprefix('jit_') in streaming.STEP_PROGRAM_NAMES)
   # Ops without hlo_module: which program ran them is unknown.
   known = not inside or set(programs) != {'?'}
   return {

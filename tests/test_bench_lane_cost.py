@@ -11,6 +11,12 @@ does not hold).
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+
 import conftest
 import pytest
 
@@ -109,12 +115,68 @@ def test_executed_kernels_follow_loops_and_branches(bench):
     bench.executed_kernels('%f (x: f32[]) -> f32[] {\n}\n')
 
 
+def test_executed_kernels_read_xla_gpu_conditionals(bench):
+  """XLA:GPU prints a two-way conditional as ``true_computation=...,
+  false_computation=...``: two branches (the list does not run on into
+  the next attribute), branch 0 the false one as ``lax.cond``'s; and
+  ``copied=True`` weighs a run's copies by the bytes they read and write
+  (a copy in a loop body its trip count times, in a fusion not at all),
+  along the same path (a conditional's branch of the most kernels)."""
+  hlo = (
+      '%fused (p: f32[4]) -> f32[4] {\n'
+      '  %p = f32[4]{0} parameter(0)\n'
+      '  ROOT %c = f32[4]{0} copy(%p)\n}\n\n'
+      '%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {\n'
+      '  %t = (s32[], f32[8]{0}) parameter(0)\n'
+      '  %x = f32[8]{0} get-tuple-element(%t), index=1\n'
+      '  %i = s32[] get-tuple-element(%t), index=0\n'
+      '  %c = f32[8]{0} copy(%x)\n'
+      '  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %c)\n}\n\n'
+      '%cond (t: (s32[], f32[8])) -> pred[] {\n'
+      '  %t = (s32[], f32[8]{0}) parameter(0)\n'
+      '  ROOT %p = pred[] constant(true)\n}\n\n'
+      '%pass (x: f32[4]) -> f32[4] {\n'
+      '  %x = f32[4]{0} parameter(0)\n'
+      '  ROOT %c = f32[4]{0} copy(%x)\n}\n\n'
+      '%work (x: f32[4]) -> f32[4] {\n'
+      '  %x = f32[4]{0} parameter(0)\n'
+      '  %e = f32[4]{0} exponential(%x)\n'
+      '  %f = f32[4]{0} fusion(%e), kind=kLoop, calls=%fused\n'
+      '  ROOT %l = f32[4]{0} log(%f)\n}\n\n'
+      'ENTRY %main (x: f32[4], b: pred[], y: f32[8]) -> f32[4] {\n'
+      '  %x = f32[4]{0} parameter(0)\n'
+      '  %b = pred[] parameter(1)\n'
+      '  %y = f32[8]{0} parameter(2)\n'
+      '  %z = s32[] constant(0)\n'
+      '  %t = (s32[], f32[8]{0}) tuple(%z, %y)\n'
+      '  %w = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%body, '
+      'backend_config={"known_trip_count":{"n":"5"}}\n'
+      '  ROOT %v = f32[4]{0} conditional(%b, %x, %x), '
+      'true_computation=%work, false_computation=%pass, '
+      'metadata={op_name="cond"}\n}\n')
+  assert bench.executed_kernels(hlo) == 5 + 3
+  assert bench.executed_kernels(hlo, branch=0) == 5 + 1
+  assert bench.executed_kernels(hlo, branch=1) == 5 + 3
+  # The loop's copies, 5 x (8 floats read and written); then the branch.
+  loop = 5 * 2 * 8 * 4
+  assert bench.executed_kernels(hlo, branch=0, copied=True) == loop + 32
+  assert bench.executed_kernels(hlo, branch=1, copied=True) == loop
+  # Unnamed, a conditional counts as its branch of the most kernels.
+  assert bench.executed_kernels(hlo, copied=True) == loop
+
+
 def test_scatter_starts_launch_fewer_kernels(bench):
   """Starting the slots' clients by one scatter per state leaf runs fewer
   kernels per transition than the loop of row writes over the slots, which
-  writes every leaf once per slot. A step where no client ends starts
-  nothing: it launches the same kernels with either, more than the plain
-  step (the masked update) and fewer than a transition."""
+  writes every leaf once per slot. Where no client ends, the row starts
+  run nothing (they are in the conditional's other branch); the scatters
+  run after the conditional at every step, which returns the sums'
+  increment: on XLA:CPU at most 4 kernels per state leaf (the new rows,
+  their order after the finalization, the indices, the scatter) and a
+  zero fill and an add per sum leaf more, far from a transition's. Both
+  launch more than the plain step (the masked update) and fewer than a
+  transition."""
+  import jax  # pylint: disable=g-import-not-at-top
   got = {starts: bench.measure('transformer_tiny', lanes=4, slots=3,
                                segment_steps=2, loop='scan',
                                starts=starts)['kernels']
@@ -123,7 +185,15 @@ def test_scatter_starts_launch_fewer_kernels(bench):
     assert k['plain_step'] < k['idle_step'] < k['transition_step'], got
   assert got['scatter']['transition_step'] < got['rows']['transition_step'], \
       got
-  assert got['scatter']['idle_step'] == got['rows']['idle_step'], got
+  model = bench.build_model('transformer_tiny')
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+  program, shared = bench.client_program(model, params)
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  states = jax.eval_shape(program.init, shared, {'rng': key})
+  sums = jax.eval_shape(program.final, shared, states)[0]
+  more = 4 * len(jax.tree.leaves(states)) + 2 * len(jax.tree.leaves(sums))
+  assert (got['rows']['idle_step'] < got['scatter']['idle_step'] <=
+          got['rows']['idle_step'] + more), (got, more)
   assert got['rows']['plain_step'] == got['scatter']['plain_step'], got
 
 
@@ -204,3 +274,48 @@ def test_the_starts_loop_costs_one_slot_per_iteration(bench):
                                        sd((), jnp.float32), x)
   assert 0 < rolled['bytes'] < 2 * unrolled['bytes'] / slots, (rolled,
                                                                 unrolled)
+
+
+_PLUGIN_DIR = os.environ.get('FEDLITE_XLA_GPU_PLUGIN_DIR', '')
+
+
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(_PLUGIN_DIR, 'jax_plugins')),
+    reason='needs XLA:GPU\'s compiler (no GPU): set '
+    'FEDLITE_XLA_GPU_PLUGIN_DIR to a folder made by pip install '
+    '--target=<folder> jax-cuda12-plugin==<jax version> '
+    'jax-cuda12-pjrt==<jax version>')
+def test_xla_gpu_copies_lane_states_through_conditionals_not_host_steps(
+    tmp_path):
+  """XLA:GPU, compiling for an H200 without a device (``--target=h200``):
+  a scan segment copies every lane's state at each step (its conditionals
+  pass the carried states through; reference: the states' bytes), a host
+  loop's step programs copy nothing, its step where no client ends
+  launches about the plain step's kernels, and scatter starts launch fewer
+  kernels at a transition than row starts. Reruns a small case of
+  ``benchmarks/results/lane_cost_h200_deviceless.md``."""
+  out = tmp_path / 'gpu.md'
+  env = conftest.script_env()
+  env['PYTHONPATH'] += os.pathsep + _PLUGIN_DIR
+  proc = subprocess.run(
+      [sys.executable, 'benchmarks/bench_lane_cost.py',
+       '--models=transformer_tiny', '--loops=scan,host',
+       '--starts=rows,scatter', '--target=h200',
+       '--shapes=transformer_tiny:8:2', f'--output={out}'],
+      cwd=conftest._REPO, env=env, capture_output=True, text=True,  # pylint: disable=protected-access
+      timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'XLA:GPU for NVIDIA H200 without a device' in out.read_text()
+  rows = json.loads(re.search(r'<!-- rows: (.*) -->',
+                              out.read_text()).group(1))
+  got = {(r['loop'], r['starts']): r for r in rows}
+  state_gb = 8 * 4 * rows[0]['params'] / 1e9  # 8 lanes, float32
+  for starts in ('rows', 'scatter'):
+    scan, host = got['scan', starts], got['host', starts]
+    assert scan['copied_gb']['segment_per_step'] >= 2 * state_gb, scan
+    assert host['copied_gb']['segment_per_step'] < 0.01 * state_gb, host
+    assert host['copied_gb']['transition_step'] < 0.01 * state_gb, host
+    k = host['kernels']
+    assert k['idle_step'] <= 1.1 * k['plain_step'] < k['transition_step'], k
+  assert (got['host', 'scatter']['kernels']['transition_step'] <
+          got['host', 'rows']['kernels']['transition_step']), got

@@ -321,7 +321,7 @@ def test_bad_variants_get_one_line(repo_root):
   cases = [('foo=1', "'foo=1' is not option=value"),
            ('segment_loop', "'segment_loop' is not option=value"),
            ('segment_loop=bogus', "segment_loop='bogus': allowed values "
-            'are auto, unroll, scan, while, fixed.'),
+            'are auto, unroll, scan, while, fixed, host.'),
            ('prefetch=yes', "prefetch='yes': allowed values are true, "
             'false.'),
            ('segment_steps=0', "segment_steps='0': must be an int >= 1."),

@@ -141,7 +141,7 @@ def _work(clients, table, seed):
   return out
 
 
-@pytest.mark.parametrize('loop', ['scan', 'unroll', 'fixed'])
+@pytest.mark.parametrize('loop', ['scan', 'unroll', 'fixed', 'host'])
 def test_vmap_round_on_device_rows_equals_host_batches(loop):
   """Two rounds, 3 lanes, 2 slots: the same sums and diagnostics, bit for
   bit, and the stats say which way the batches went."""

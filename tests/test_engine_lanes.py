@@ -320,7 +320,8 @@ def test_delta_program_steps_are_bit_equal():
     (1, 'auto', 'unroll'), (3, 1, 'unroll'), (3, 2, 'unroll'),
     (5, 'auto', 'unroll'), (13, 3, 'unroll'), ('auto', 'auto', 'unroll'),
     (1, 'auto', 'scan'), (3, 1, 'scan'), (5, 2, 'scan'), (13, 3, 'scan'),
-    (1, 'auto', 'fixed'), (3, 2, 'fixed'), (13, 3, 'fixed')])
+    (1, 'auto', 'fixed'), (3, 2, 'fixed'), (13, 3, 'fixed'),
+    (1, 'auto', 'host'), (3, 2, 'host'), (13, 3, 'host')])
 def test_vmap_engine_equals_the_loop_engine(lanes, slots, loop):
   work = _cohort(13)
   shared = {'w': np.ones(3, np.float32)}
@@ -349,7 +350,8 @@ def test_vmap_engine_equals_the_loop_engine(lanes, slots, loop):
 
 
 @pytest.mark.parametrize('lanes,slots,loop', [
-    (3, 2, 'scan'), (13, 3, 'scan'), (5, 2, 'fixed'), (3, 1, 'unroll')])
+    (3, 2, 'scan'), (13, 3, 'scan'), (5, 2, 'fixed'), (3, 1, 'unroll'),
+    (3, 2, 'while'), (5, 2, 'host')])
 def test_scatter_starts_equal_the_loop_engine(lanes, slots, loop,
                                               monkeypatch):
   """Starts by scatter (LaneStreams.starts='scatter') give the loop engine's
@@ -370,7 +372,7 @@ def test_scatter_starts_equal_the_loop_engine(lanes, slots, loop,
     streaming.start_slots(lambda s, c: c, method='scattered')
 
 
-@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed'])
+@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed', 'host'])
 def test_one_program_for_every_cohort(loop):
   """Cohorts of other sizes and step counts reuse the first round's programs
   (counted by JAX's compile events): the first round compiles each lane
@@ -383,7 +385,9 @@ def test_one_program_for_every_cohort(loop):
                         segment_loop=loop)
   with stats.counting_compilations() as first:
     engine(shared, _cohort(9, seed=0))
-  for name in ('lanes_segment', 'lanes_begin', 'lanes_finish'):
+  steps = (('lanes_step', 'lanes_transition') if loop == 'host' else
+           ('lanes_segment',))
+  for name in steps + ('lanes_begin', 'lanes_finish'):
     assert first.count(name) == 1, first.by_program
   with stats.counting_compilations() as later:
     outs = [engine(shared, work) for work in cohorts]
@@ -492,6 +496,91 @@ def test_lane_programs_have_no_scatter(loop, starts):
   assert (conds == 0) == (loop == 'fixed'), (loop, conds)
 
 
+@pytest.mark.parametrize('starts', ['rows', 'scatter'])
+def test_host_loop_programs_hold_no_loop_nor_conditional(starts):
+  """A 'host' loop's two step programs hold no conditional and no device
+  loop over steps (XLA:GPU reads no predicate back and copies no lane
+  state through a branch): the step where no client ends holds neither
+  finalization nor starts (no loop at all); the transition's only loop is
+  the rows starts' loop over the slots. Each step is one call of one of
+  them, as the plan says: the host loop gives the scan segment's sums and
+  diagnostics bit for bit."""
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  program = _program()
+  lanes, slots, steps = 5, 2, 4
+  streams = streaming.LaneStreams(
+      program.init, lambda s, b: (program.carried_step(s, b), None),
+      program.final)
+  streams.starts = starts
+  segment = streams._build(steps, 'host')[1]  # pylint: disable=protected-access
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  shared = {'w': f32(3)}
+  states = {'w': f32(lanes, 3), 'seen': f32(lanes)}
+  acc = {'delta': f32(1, 3)}
+  inputs = streaming.StepInputs(
+      batch={'x': f32(lanes, steps, 4, 3), 'y': f32(lanes, steps, 4)},
+      active=jax.ShapeDtypeStruct((lanes, steps), jnp.bool_),
+      fin_lane=jax.ShapeDtypeStruct((slots, steps), jnp.int32),
+      fin_weight=f32(slots, steps),
+      start_input={'scale': f32(slots, steps)},
+      start_on=jax.ShapeDtypeStruct((slots, steps), jnp.bool_))
+  s = jax.ShapeDtypeStruct((), jnp.int32)
+  idle = segment.programs['lanes_step'].lower(
+      shared, states, inputs, s, None).compile().as_text()
+  ends = segment.programs['lanes_transition'].lower(
+      shared, states, acc, inputs, s, None).compile().as_text()
+  for text in (idle, ends):
+    assert not re.search(r'\sconditional\(', text), text
+  assert not re.search(r'\swhile\(', idle), idle
+  trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', ends)
+  assert trips == ([str(slots)] if starts == 'rows' else []), trips
+  assert len(re.findall(r'\swhile\(', ends)) == len(trips), ends
+  work = _cohort(11, seed=4, max_steps=9)
+  out = {}
+  for loop in ('scan', 'host'):
+    with stats.recording_stats() as rec:
+      out[loop] = E.VmapEngine(_program(), lanes_per_device=3,
+                               segment_steps=steps, slots=slots,
+                               segment_loop=loop)(
+                                   {'w': np.ones(3, np.float32)}, work)
+      rec.take()
+  np.testing.assert_array_equal(out['host'].weighted_sum['delta'],
+                                out['scan'].weighted_sum['delta'])
+  for a, b in zip(out['host'].diagnostics, out['scan'].diagnostics):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_host_loop_collects_the_scan_segments_outputs():
+  """Collecting (per-client outputs and step results, as the FedJAX
+  backend does), the host loop returns a scan segment's, bit for bit."""
+  from fedlite_jax.rounds import lanes as lanes_lib  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  program = _program()
+
+  def step(state, batch):
+    return program.step(state, batch), jnp.sum(batch['x'])
+  work = _cohort(7, seed=6, max_steps=7)
+  counts = [len(w.batches) for w in work]
+  plan = lanes_lib.plan_lanes(counts, 3, 2, 2, 1, dynamic_steps=True)
+  runs = {}
+  for loop in ('scan', 'host'):
+    lanes = streaming.LaneStreams(program.init, step, program.final,
+                                  collect=True)
+    runs[loop] = lanes.run({'w': np.ones(3, np.float32)}, plan,
+                           [w.batches for w in work],
+                           [w.client_input for w in work],
+                           [w.weight for w in work],
+                           (work[0].batches[0], work[0].client_input),
+                           loop=loop)
+  for a, b in zip(runs['host'].outputs, runs['scan'].outputs):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for a, b in zip(runs['host'].step_results, runs['scan'].step_results):
+    assert len(a) == len(b) > 0
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 class _Recorded(list):
   """A client's batches that record the thread reading each one, and raise
   ``RuntimeError`` at batch ``fail_at``."""
@@ -508,7 +597,7 @@ class _Recorded(list):
     return super().__getitem__(i)
 
 
-@pytest.mark.parametrize('loop', ['scan', 'fixed'])
+@pytest.mark.parametrize('loop', ['scan', 'fixed', 'host'])
 def test_prefetch_reads_batches_on_its_thread_with_equal_results(loop):
   """Segment inputs made ahead on the worker thread (each batch read there,
   never on the caller's) give the bits of inputs made between calls."""

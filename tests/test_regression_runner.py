@@ -131,12 +131,13 @@ def test_vmap_engine_on_lanes_matches_recorded_baseline(name, data_dir,
   _check_training_rows(tmp_path / name)
 
 
-@pytest.mark.parametrize('loop', ['unroll', 'scan'])
+@pytest.mark.parametrize('loop', ['unroll', 'scan', 'host'])
 @pytest.mark.parametrize('name', SEGMENT_CASES)
 def test_segments_of_four_steps_match_recorded_baseline(name, loop, data_dir,
                                                         tmp_path):
-  """The vmap engine at 4 steps per segment, unrolled or looped on the
-  device, gives the loop engine's recorded loss (rel 1e-5) and bytes."""
+  """The vmap engine at 4 steps per segment, unrolled, looped on the
+  device or stepped by the host, gives the loop engine's recorded loss
+  (rel 1e-5) and bytes."""
   if not (data_dir / 'femnist105').is_dir():
     pytest.skip('needs femnist105/ under FEDLITE_DATA_DIR')
   golden = json.loads(GOLDEN.read_text())[name]

@@ -247,9 +247,12 @@ class VmapEngine:
     segment_loop: ``streaming.LOOPS``: 'unroll' (every segment runs
       ``segment_steps`` steps), 'scan' (an on-device loop that runs only the
       planned steps), 'while' (a loop of the planned count), 'fixed' (an
-      on-device loop of ``segment_steps`` steps without conditionals) or
-      'auto' (scan; on CPU unroll for a client step with a convolution,
-      :func:`streaming.resolve_loop`, at the first round).
+      on-device loop of ``segment_steps`` steps without conditionals),
+      'host' (one program call per planned step, no device loop and no
+      conditional; the ``segments`` statistic still counts segments of
+      ``segment_steps`` steps) or 'auto' (scan; on CPU unroll for a client
+      step with a convolution, :func:`streaming.resolve_loop`, at the
+      first round).
 
   Raises:
     ValueError: a bad option.

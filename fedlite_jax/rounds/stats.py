@@ -163,9 +163,11 @@ def counting_compilations() -> Iterator[CompileCounter]:
       _COUNTERS.remove(counter)
 
 
-#: Programs that run the client updates: the vmap engine's and the loop
-#: engine's (``jit(name)`` in the compile events).
+#: Programs that run the client updates: the vmap engine's (a ``'host'``
+#: segment loop's step programs included) and the loop engine's
+#: (``jit(name)`` in the compile events).
 CLIENT_PROGRAMS = ('lanes_begin', 'lanes_segment', 'lanes_finish',
+                   'lanes_step', 'lanes_transition',
                    'loop_init', 'loop_step', 'loop_final')
 
 

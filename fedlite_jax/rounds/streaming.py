@@ -9,8 +9,11 @@ next clients' initial states into those rows in place, then takes one
 masked vmapped step. The segment's steps are an on-device loop of ``S`` steps
 that skips the steps past the plan (``loop='scan'``), a loop with a run-time
 trip count (``'while'``), a loop of ``S`` steps with no conditional at all
-(``'fixed'``: nothing is read back to the host), or unrolled (``'unroll'``:
-XLA:CPU with ``lax`` convolutions). The programs run per
+(``'fixed'``: nothing is read back to the host), unrolled (``'unroll'``:
+XLA:CPU with ``lax`` convolutions), or no program at all (``'host'``: the
+host calls ``lanes_step``, the masked step, at each step where no client
+ends, and ``lanes_transition``, the whole lane-step, where clients end).
+The programs run per
 device under ``shard_map``; state and sums stay on the devices between
 calls. When every client's batches are rows of one
 ``device_rows.RowTable``, a segment receives the rows and each lane-step
@@ -44,6 +47,10 @@ Batch = dict
 #: Names of the compiled programs (``jit(<name>)`` in JAX's compile events).
 PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 
+#: The programs that run lane-steps: a segment's, or the two of a ``'host'``
+#: loop (a step where no client ends, a step where clients end).
+STEP_PROGRAM_NAMES = ('lanes_segment', 'lanes_step', 'lanes_transition')
+
 #: How a segment runs its steps: ``'unroll'`` (a Python loop traced into one
 #: program); ``'scan'`` (an on-device loop of ``S`` steps, each step past the
 #: planned count skipped by a ``lax.cond``: one traced step, so compiling
@@ -66,14 +73,22 @@ PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 #: while the device runs this one; unmeasured on a GPU); or ``'auto'``: scan,
 #: except unroll on CPU for a client step with a convolution (XLA:CPU runs
 #: convolutions in a ``while`` loop ~13x slower, jax-ml/jax#12868; im2col
-#: convolutions are matmuls and scan there).
-LOOPS = ('auto', 'unroll', 'scan', 'while', 'fixed')
+#: convolutions are matmuls and scan there); ``'host'`` (no loop and no
+#: conditional on the device: the host calls one program per planned step,
+#: the masked step where no client ends and the transition (finalization,
+#: starts, step) where clients end, as the plan says, so that XLA:GPU never
+#: reads a predicate back and never copies the lane states through a
+#: conditional's branches (it does, in a ``scan`` or ``while`` segment:
+#: ``bench_lane_cost.py --target=h200``); two programs hold the step, and
+#: each step is a call (about 1 us of host time per array argument on
+#: XLA:CPU); unmeasured on a GPU).
+LOOPS = ('auto', 'unroll', 'scan', 'while', 'fixed', 'host')
 
 
 def runs_planned_steps(loop: str) -> bool:
   """Whether a resolved ``loop`` computes only the plan's steps in the
   round's last segment (:attr:`LanePlan.dynamic_steps`)."""
-  return loop in ('scan', 'while')
+  return loop in ('scan', 'while', 'host')
 
 
 def has_convolution(fn: Callable, *args) -> bool:
@@ -125,6 +140,20 @@ def _where_rows(mask, new, old):
   return jax.tree.map(
       lambda n, o: jnp.where(mask.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
       new, old)
+
+
+def _at(x: 'StepInputs', s, table) -> 'StepInputs':
+  """Step ``s`` (static or traced) of a segment's ``[rows, S]`` inputs;
+  with a row table, the lanes' batches gathered from it."""
+  if isinstance(s, int):
+    x = jax.tree.map(lambda a: a[:, s], x)
+  else:
+    x = jax.tree.map(
+        lambda a: lax.dynamic_index_in_dim(a, s, 1, keepdims=False), x)
+  if table is None:
+    return x
+  return dataclasses.replace(x, batch=jax.tree.map(
+      lambda t: jnp.take(t, x.batch, axis=0, mode='clip'), table))
 
 
 def _weighted_sum(weights, outputs):
@@ -225,8 +254,11 @@ jax.tree_util.register_dataclass(
 #: scatter per leaf with unique indices, a slot that starts nothing out of
 #: bounds and dropped: one kernel per leaf for all slots, where the loop
 #: launches ``slots`` per leaf; cost analysis charges a fused scatter its
-#: whole operand). Both update in place and give the same states; which is
-#: faster on a GPU is unmeasured.
+#: whole operand). The rows run in the lane-step's conditional, where a
+#: client ends; the scatters after it, at every step (so that no lane
+#: state passes through the conditional: :func:`lane_step`). Both update
+#: in place and give the same states; which is faster on a GPU is
+#: unmeasured.
 STARTS = ('rows', 'scatter')
 
 
@@ -314,9 +346,16 @@ def lane_step(init: Callable, step: Callable, final: Callable,
     and ``output`` ``[slots, ...]`` of the finalized clients (``output``
     None unless collecting); ``result`` ``[lanes, ...]`` the step results.
     The finalization reads the slots' rows of the states, then the starts
-    write only those rows (:func:`start_slots`), in place; both branches
-    of the conditional alias the states and sums to its operand, so it
-    copies neither (XLA:CPU's optimized HLO: a Transformer segment of 39
+    write only those rows (:func:`start_slots`), in place. With
+    ``starts='scatter'`` the conditional holds the finalization alone and
+    returns the sums' increment: nothing passes through its branches,
+    which XLA:GPU copies (its optimized HLO, compiled without a device for
+    an H200: a step of 39 Transformer lanes copies 6.9 GB with the rows
+    starts inside, 0.13 GB with the scatter after it;
+    ``bench_lane_cost.py --target=h200``). With ``'rows'`` the starts run
+    in the conditional's transition branch; both branches alias the
+    states and sums to its operand, so on XLA:CPU it copies neither
+    (XLA:CPU's optimized HLO: a Transformer segment of 39
     lanes copies 2.6 MB, against 0.34 GB of weighted sums when the starts
     ran at every step, outside the conditional, and a step where no
     client ends launches about half the kernels: 909 against 1,878,
@@ -330,15 +369,22 @@ def lane_step(init: Callable, step: Callable, final: Callable,
   """
   start = start_slots(init, method=starts)
 
-  def finalize(shared, states, acc, x: StepInputs):
-    """Finalizes the slots' clients."""
+  def finalized(shared, states, x: StepInputs):
+    """Finalizes the slots' clients: ``(increment of the sums, diag,
+    out)``, the increment None when collecting, ``out`` None when not."""
     num_slots = x.fin_lane.shape[0]
     out, diag = jax.vmap(final, in_axes=(None, 0), axis_size=num_slots)(
         shared, _rows(states, jnp.maximum(x.fin_lane, 0)))
+    if collect:
+      return None, diag, out
+    return jax.tree.map(lambda o: o[None],
+                        _weighted_sum(x.fin_weight, out)), diag, None
+
+  def finalize(shared, states, acc, x: StepInputs):
+    """Finalizes the slots' clients into the sums."""
+    increment, diag, out = finalized(shared, states, x)
     if not collect:
-      acc = jax.tree.map(lambda a, o: a + o[None], acc,
-                         _weighted_sum(x.fin_weight, out))
-      out = None
+      acc = jax.tree.map(jnp.add, acc, increment)
     return acc, diag, out
 
   def transition(shared, states, acc, x: StepInputs):
@@ -348,7 +394,19 @@ def lane_step(init: Callable, step: Callable, final: Callable,
 
   def body(shared, states, acc, x: StepInputs):
     num_lanes = x.active.shape[0]
-    if skip_idle:
+    if skip_idle and starts == 'scatter':
+      # Nothing passes through the conditional: its branches return the
+      # sums' increment (zeros where no client ends), not the sums, and
+      # the starts run after it.
+      shapes = jax.eval_shape(finalized, shared, states, x)
+      idle_fin = lambda shared, states, x: jax.tree.map(
+          lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      delta, diag, out = lax.cond(jnp.any(x.fin_lane >= 0), finalized,
+                                  idle_fin, shared, states, x)
+      if not collect:
+        acc = jax.tree.map(jnp.add, acc, delta)
+      states = start(shared, states, (acc, diag, out), x)
+    elif skip_idle:
       shapes = jax.eval_shape(finalize, shared, states, acc, x)[1:]
       idle = lambda shared, states, acc, x: (states, acc) + jax.tree.map(
           lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -454,18 +512,7 @@ class LaneStreams:
       return states, acc
 
     def lanes_segment(shared, states, acc, inputs, num_steps, table):
-      def at(x: StepInputs, s) -> StepInputs:
-        """Step ``s`` (static or traced) of the segment's ``[rows, S]``
-        inputs; with a row table, the lanes' batches gathered from it."""
-        if isinstance(s, int):
-          x = jax.tree.map(lambda a: a[:, s], x)
-        else:
-          x = jax.tree.map(
-              lambda a: lax.dynamic_index_in_dim(a, s, 1, keepdims=False), x)
-        if table is None:
-          return x
-        return dataclasses.replace(x, batch=jax.tree.map(
-            lambda t: jnp.take(t, x.batch, axis=0, mode='clip'), table))
+      at = lambda x, s: _at(x, s, table)
 
       if loop == 'unroll':  # XLA:CPU: no while loop around the step.
         diags, outputs, results = [], [], []
@@ -526,13 +573,64 @@ class LaneStreams:
       return jax.jit(mapped, donate_argnums=donate)
 
     begin = shard(lanes_begin, (P(), lanes_in, lanes_in), (lanes_in, lanes_in))
+    finish = shard(lanes_finish, (P(),) + (lanes_in,) * 3,
+                   (lanes_in,) * 3, donate=() if collect else (2,))
+    if loop == 'host':
+      return begin, self._host_steps(shard), finish
     # The sums are donated where they are updated (not when collecting).
     segment = shard(lanes_segment,
                     (P(), lanes_in, lanes_in, lanes_in, P(), P()),
                     (lanes_in,) * 5, donate=(1,) if collect else (1, 2))
-    finish = shard(lanes_finish, (P(),) + (lanes_in,) * 3,
-                   (lanes_in,) * 3, donate=() if collect else (2,))
     return begin, segment, finish
+
+  def _host_steps(self, shard: Callable) -> Callable:
+    """A ``'host'`` segment: ``segment(shared, states, acc, inputs,
+    num_steps, table, ends)`` calls, for each of its ``num_steps`` steps,
+    ``lanes_transition`` where ``ends[s]`` (some slot finalizes a client)
+    and ``lanes_step`` elsewhere, and returns what a device loop's segment
+    returns, its per-step outputs as lists over the steps (None where no
+    client ends)."""
+    init, step, final = self._fns
+    collect = self.collect
+    transition = lane_step(init, step, final, collect, skip_idle=False,
+                           starts=self.starts)
+
+    def lanes_step(shared, states, inputs, s, table):
+      del shared
+      x = _at(inputs, s, table)
+      stepped, result = jax.vmap(step, axis_size=x.active.shape[0])(
+          states, x.batch)
+      return _where_rows(x.active, stepped, states), (
+          result if collect else None)
+
+    def lanes_transition(shared, states, acc, inputs, s, table):
+      states, acc, diag, out, result = transition(
+          shared, states, acc, _at(inputs, s, table))
+      return states, acc, diag, out, result if collect else None
+
+    lanes_in = P(sharding.AXIS)
+    idle = shard(lanes_step, (P(), lanes_in, lanes_in, P(), P()),
+                 (lanes_in, lanes_in), donate=(1,))
+    ends_step = shard(lanes_transition,
+                      (P(), lanes_in, lanes_in, lanes_in, P(), P()),
+                      (lanes_in,) * 5, donate=(1,) if collect else (1, 2))
+
+    def segment(shared, states, acc, inputs, num_steps, table, ends):
+      diags, outputs, results = [], [], []
+      for s in range(int(num_steps)):
+        if ends[s]:
+          states, acc, diag, out, result = ends_step(
+              shared, states, acc, inputs, np.int32(s), table)
+        else:
+          states, result = idle(shared, states, inputs, np.int32(s), table)
+          diag = out = None
+        diags.append(diag)
+        outputs.append(out)
+        results.append(result)
+      return (states, acc, diags, outputs if collect else None,
+              results if collect else None)
+    segment.programs = {'lanes_step': idle, 'lanes_transition': ends_step}
+    return segment
 
   def run(self, shared: PyTree, plan: lanes_lib.LanePlan,
           batches: Sequence[Sequence[Batch]], inputs: Sequence[PyTree],
@@ -602,8 +700,9 @@ class LaneStreams:
     weight_of = lambda c: np.where(c >= 0, weight[np.maximum(c, 0)],
                                    0.).astype(np.float32)
 
-    def prepare(k: int) -> tuple[StepInputs, np.int32]:
-      """Segment ``k``'s inputs, on the devices, and its planned steps."""
+    def prepare(k: int) -> tuple[StepInputs, np.int32, np.ndarray]:
+      """Segment ``k``'s inputs, on the devices, its planned steps, and
+      at which of its steps some client ends (``bool[S]``)."""
       t = slice(k * S, (k + 1) * S)
       who = plan.client[t, lanes].T          # [lanes, S]
       which = plan.batch[t, lanes].T
@@ -620,7 +719,8 @@ class LaneStreams:
           fin_weight=put(weight_of(fin_client), num_slots),
           start_input=put(pick(started), num_slots),
           start_on=put(started >= 0, num_slots))
-      return inputs_k, np.int32(min(S, plan.sequential_steps - k * S))
+      ends = np.any(plan.finalize[t] >= 0, axis=(1, 2))
+      return inputs_k, np.int32(min(S, plan.sequential_steps - k * S)), ends
 
     # Segment k + 1's inputs are made (batches cut, stacked, sent) on a
     # worker thread while segment k's call runs; the call releases Python's
@@ -646,13 +746,14 @@ class LaneStreams:
     seg_diags, seg_outputs, seg_results = [], [], []
     for k in range(plan.num_segments):
       if ahead:
-        inputs_k, steps_k = self._ready(pending)
+        inputs_k, steps_k, ends_k = self._ready(pending)
         if k + 1 < plan.num_segments:
           pending = self._worker().submit(prepare, k + 1)
       else:
-        inputs_k, steps_k = prepare(k)
+        inputs_k, steps_k, ends_k = prepare(k)
       states, acc, diags, outputs, results = segment(
-          shared, states, acc, inputs_k, steps_k, rows)
+          shared, states, acc, inputs_k, steps_k, rows,
+          *((ends_k,) if loop == 'host' else ()))
       seg_diags.append(diags)
       seg_outputs.append(outputs)
       seg_results.append(results)
@@ -689,6 +790,12 @@ class LaneStreams:
     got = mesh.gather((seg_diags, fin_diags))
     seg_diags, fin_diags = got
     S, F = plan.segment_steps, plan.slots
+    # A 'host' segment's outputs are lists over its steps of [rows] arrays,
+    # a device loop's [rows, S] arrays.
+    if seg_diags and isinstance(seg_diags[0], list):
+      at = lambda tree, row, s: jax.tree.map(lambda x: x[row], tree[s])
+    else:
+      at = lambda tree, row, s: jax.tree.map(lambda x: x[row, s], tree)
     diags: list[Any] = [None] * num_clients
     outputs: Optional[list[Any]] = [None] * num_clients if self.collect \
         else None
@@ -699,10 +806,9 @@ class LaneStreams:
             c = plan.finalize_client[k * S + s, dev, f]
             if c >= 0:
               row = dev * F + f
-              diags[c] = jax.tree.map(lambda x: x[row, s], d)
+              diags[c] = at(d, row, s)
               if outputs is not None:
-                outputs[c] = jax.tree.map(lambda x: x[row, s],
-                                          seg_outputs[k])
+                outputs[c] = at(seg_outputs[k], row, s)
     for lane, c in enumerate(plan.finish):
       if c >= 0:
         diags[c] = jax.tree.map(lambda x: x[lane], fin_diags)
@@ -717,5 +823,5 @@ class LaneStreams:
           for lane in range(plan.lanes):
             c = plan.client[k * S + s, lane]
             if c >= 0:
-              results[c].append(jax.tree.map(lambda x: x[lane, s], r))
+              results[c].append(at(r, lane, s))
     return diags, outputs, results
