@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import re
 import sys
@@ -460,11 +461,11 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   segment = streams._build(S, loop)[1]  # pylint: disable=protected-access
   s_arg = jax.ShapeDtypeStruct((), jnp.int32)
   host = loop == 'host'
-  if host:  # No segment program: one program per step, of two kinds.
+  if host:  # No segment program: the step, and the transitions before it.
     host_idle, host_idle_s = _compile(segment.programs['lanes_step'],
                                       shared, states, inputs, s_arg, None)
     seg, seg_s = _compile(segment.programs['lanes_transition'], shared,
-                          states, acc, inputs, s_arg, None)
+                          states, acc, inputs, s_arg)
     seg_s += host_idle_s
   else:
     seg, seg_s = _compile(segment, shared, states, acc, inputs, s_arg, None)
@@ -503,6 +504,9 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
 
   per = {'seg': _cost(seg), 'one': _cost(one), 'plain': _cost(plain),
          'body': _cost(in_cond), 'idle': _cost(idle)}
+  if host:  # A transition step calls both programs.
+    for k in ('seg', 'body'):
+      per[k] = {m: per[k][m] + per['idle'][m] for m in ('flops', 'bytes')}
   for k in ('flops', 'bytes'):
     per['body'][k] += more_starts[k]
     # Cost analysis counts a while loop's body once; an unrolled segment
@@ -526,6 +530,12 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
   texts = {'seg': seg.as_text(), 'in_cond': in_cond.as_text(),
            'idle': idle.as_text()}
   idle_branch = None if loop == 'fixed' else 0
+
+  def transition_count(copied: bool = False) -> float:
+    """A transition step's kernels (or copies): a host loop calls its
+    transition program, then its step."""
+    n = executed_kernels(texts['in_cond'], copied=copied)
+    return n + executed_kernels(texts['idle'], copied=copied) if host else n
   return {
       'model': name, 'dtype': dtype, 'loop': loop, 'lanes': lanes,
       'slots': slots, 'segment_steps': S, 'starts': starts,
@@ -538,21 +548,22 @@ def measure(name: str, lanes: int, slots: int, segment_steps: int,
           # false branch, index 0); a fixed segment's every step transitions.
           'idle_step': executed_kernels(
               texts['idle' if host else 'in_cond'], branch=idle_branch),
-          'transition_step': executed_kernels(texts['in_cond']),
+          'transition_step': transition_count(),
           'segment_per_step': per_step(
-              executed_kernels(texts['seg']),
+              transition_count() if host else executed_kernels(texts['seg']),
               executed_kernels(texts['idle']) if host else 0)},
       # GB that XLA's copies read and write per lane-step: an idle and a
       # transition step (the lane-step alone), and a segment's step on its
       # path of the most kernels (the loop's own copies of its carried
       # states included).
       'copied_gb': {
+          'plain_step': executed_kernels(one.as_text(), copied=True) / 1e9,
           'idle_step': executed_kernels(
               texts['idle' if host else 'in_cond'], branch=idle_branch,
               copied=True) / 1e9,
-          'transition_step': executed_kernels(texts['in_cond'],
-                                              copied=True) / 1e9,
+          'transition_step': transition_count(copied=True) / 1e9,
           'segment_per_step': per_step(
+              transition_count(copied=True) if host else
               executed_kernels(texts['seg'], copied=True),
               executed_kernels(texts['idle'], copied=True) if host else 0)
                               / 1e9},
@@ -626,7 +637,8 @@ def _row(m: dict) -> str:
           + (f"{k['plain_step']} / {k['idle_step']} / "
              f"{k['transition_step']} | " if (k := m.get('kernels')) else
              ' |')
-          + (f"{c['idle_step']:.3f} / {c['transition_step']:.3f} / "
+          + (f"{c.get('plain_step', math.nan):.3f} / "
+             f"{c['idle_step']:.3f} / {c['transition_step']:.3f} / "
              f"{c['segment_per_step']:.3f} | " if (c := m.get('copied_gb'))
              else ' |') + f"{m.get('starts', 'rows')} |")
 
@@ -637,8 +649,8 @@ HEADER = (
     'bytes | transition share | planned FLOPs | planned bytes | compile s: '
     'segment / S plain steps | copies | GB copied | gathers | scatters '
     '(not unique) | selects | entry instructions | kernels per step: plain '
-    '/ idle / transition | GB copied per step: idle / transition / '
-    'segment | starts |\n'
+    '/ idle / transition | GB copied per step: plain / idle / transition '
+    '/ segment | starts |\n'
     '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
     '---:|---:|---:|---:|---:|---:|---:|---:|---|')
 
@@ -725,9 +737,10 @@ def _write(path: str, lines: list[str], rows: list[dict]) -> None:
             'lane-step, its conditional counted as the idle branch), a '
             'transition step (XLA:CPU\'s fusion, a proxy for XLA:GPU\'s). '
             'GB copied per step: what the copies outside fusions read and '
-            'write in one run of an idle and a transition lane-step '
-            '(compiled alone) and of a segment\'s step on its costliest '
-            'path (its loop\'s copies of the carried states included).\n\n')
+            'write in one run of the plain step, of an idle and a transition '
+            'lane-step (compiled alone) and of a segment\'s step on its path '
+            'of the most kernels (its loop\'s copies of the carried states '
+            'included; host: the planned mean of its programs\' runs).\n\n')
     f.write(f'<!-- rows: {json.dumps(rows)} -->\n')
 
 

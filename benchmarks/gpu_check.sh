@@ -28,8 +28,9 @@
 # (~370 s of caps), then rounds_ratio_lanes rounds_graphs compile_cache
 # (~500 s)).
 # rounds_cnn: the FEMNIST rounds against FedJAX's jit ($AB_CNN): first
-# the host loop with scatter starts (one program call per step, no
-# conditional and no device loop: XLA:GPU's optimized HLO, compiled here
+# the host loop with scatter starts (the masked step called at every
+# step, the finalizations and starts before it where clients end; no
+# conditional and no device loop: XLA:GPU's optimized HLO, compiled
 # without a GPU, copies no lane state and launches 46 kernels where no
 # client ends, against 85-90 and 0.98 GB copied per step for a scan
 # segment, bench_lane_cost.py --target=h200), then the batches cut,
@@ -43,7 +44,7 @@
 # convolutions) instead of im2col matmuls (im2col's concatenations and
 # transposes held ~26% of the kernel time), and the host loop with row
 # starts; rounds_lm: the 21M Transformer against FedJAX's jit ($AB_LM):
-# the host loop with scatter starts (a scan segment copies 13.5 GB per
+# the host loop with scatter starts (a scan segment copies 13.3 GB per
 # step there, ~2.8 ms at 4.8 TB/s), scatter starts alone, bfloat16, and
 # bfloat16 with the host loop and scatter starts (the bfloat16 target);
 # round_inputs: the host time of a round's lane inputs both ways, with a

@@ -498,12 +498,13 @@ def test_lane_programs_have_no_scatter(loop, starts):
 
 @pytest.mark.parametrize('starts', ['rows', 'scatter'])
 def test_host_loop_programs_hold_no_loop_nor_conditional(starts):
-  """A 'host' loop's two step programs hold no conditional and no device
-  loop over steps (XLA:GPU reads no predicate back and copies no lane
-  state through a branch): the step where no client ends holds neither
-  finalization nor starts (no loop at all); the transition's only loop is
-  the rows starts' loop over the slots. Each step is one call of one of
-  them, as the plan says: the host loop gives the scan segment's sums and
+  """A 'host' loop's two programs hold no conditional and no device loop
+  over steps (XLA:GPU reads no predicate back and copies no lane state
+  through a branch): the step (``lanes_step``) holds neither
+  finalization nor starts (no loop at all); the transition
+  (``lanes_transition``, called before the step where clients end, as
+  the plan says) holds no step, and its only loop is the rows starts'
+  loop over the slots. The host loop gives the scan segment's sums and
   diagnostics bit for bit."""
   from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
   program = _program()
@@ -528,10 +529,11 @@ def test_host_loop_programs_hold_no_loop_nor_conditional(starts):
   idle = segment.programs['lanes_step'].lower(
       shared, states, inputs, s, None).compile().as_text()
   ends = segment.programs['lanes_transition'].lower(
-      shared, states, acc, inputs, s, None).compile().as_text()
+      shared, states, acc, inputs, s).compile().as_text()
   for text in (idle, ends):
     assert not re.search(r'\sconditional\(', text), text
   assert not re.search(r'\swhile\(', idle), idle
+  assert ' dot(' in idle and ' dot(' not in ends, ends  # the step's
   trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', ends)
   assert trips == ([str(slots)] if starts == 'rows' else []), trips
   assert len(re.findall(r'\swhile\(', ends)) == len(trips), ends

@@ -276,3 +276,24 @@ def test_data_on_device_on_two_devices_equals_host_batches(tmp_path):
       print('OK', got['on']['final_eval'])
       ''', 2, tmp_path)
   assert 'OK' in out, out
+
+
+def test_host_loop_on_two_devices_equals_scan(tmp_path):
+  """The vmap engine on 2 devices stepped by the host (--segment_loop=host:
+  one program call per step, shard_mapped over the devices) ends with the
+  same parameters, bit for bit, as its scan segments."""
+  kw = dict(COMMON, algorithm='fedavg', segment_steps=2)
+  out = _run_script(f'''
+      kw = {kw!r}
+      for loop in ('host', 'scan'):
+        got = run(pathlib.Path(loop), num_devices=2, segment_loop=loop,
+                  **kw)
+        assert got['round_engine'] == 'vmap', got
+        assert got['placement']['num_devices'] == 2, got['placement']
+      (ra, la), (rb, lb) = final_leaves('host'), final_leaves('scan')
+      assert ra == rb and len(la) == len(lb) > 0
+      for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+      print('OK')
+      ''', 2, tmp_path)
+  assert 'OK' in out, out

@@ -248,9 +248,11 @@ class VmapEngine:
       ``segment_steps`` steps), 'scan' (an on-device loop that runs only the
       planned steps), 'while' (a loop of the planned count), 'fixed' (an
       on-device loop of ``segment_steps`` steps without conditionals),
-      'host' (one program call per planned step, no device loop and no
-      conditional; the ``segments`` statistic still counts segments of
-      ``segment_steps`` steps) or 'auto' (scan; on CPU unroll for a client
+      'host' (the masked step called once per planned step, the
+      finalizations and starts called before it where clients end; no
+      device loop and no conditional; the ``segments`` statistic still
+      counts segments of ``segment_steps`` steps) or 'auto' (scan; on CPU
+      unroll for a client
       step with a convolution, :func:`streaming.resolve_loop`, at the
       first round).
 

@@ -10,10 +10,10 @@ masked vmapped step. The segment's steps are an on-device loop of ``S`` steps
 that skips the steps past the plan (``loop='scan'``), a loop with a run-time
 trip count (``'while'``), a loop of ``S`` steps with no conditional at all
 (``'fixed'``: nothing is read back to the host), unrolled (``'unroll'``:
-XLA:CPU with ``lax`` convolutions), or no program at all (``'host'``: the
-host calls ``lanes_step``, the masked step, at each step where no client
-ends, and ``lanes_transition``, the whole lane-step, where clients end).
-The programs run per
+XLA:CPU with ``lax`` convolutions), or no segment program at all
+(``'host'``: the host calls ``lanes_step``, the masked step, at every
+step, after ``lanes_transition``, the finalizations and starts, at the
+steps where clients end). The programs run per
 device under ``shard_map``; state and sums stay on the devices between
 calls. When every client's batches are rows of one
 ``device_rows.RowTable``, a segment receives the rows and each lane-step
@@ -48,7 +48,8 @@ Batch = dict
 PROGRAM_NAMES = ('lanes_begin', 'lanes_segment', 'lanes_finish')
 
 #: The programs that run lane-steps: a segment's, or the two of a ``'host'``
-#: loop (a step where no client ends, a step where clients end).
+#: loop (the masked step; the finalizations and starts before it where
+#: clients end).
 STEP_PROGRAM_NAMES = ('lanes_segment', 'lanes_step', 'lanes_transition')
 
 #: How a segment runs its steps: ``'unroll'`` (a Python loop traced into one
@@ -74,14 +75,13 @@ STEP_PROGRAM_NAMES = ('lanes_segment', 'lanes_step', 'lanes_transition')
 #: except unroll on CPU for a client step with a convolution (XLA:CPU runs
 #: convolutions in a ``while`` loop ~13x slower, jax-ml/jax#12868; im2col
 #: convolutions are matmuls and scan there); ``'host'`` (no loop and no
-#: conditional on the device: the host calls one program per planned step,
-#: the masked step where no client ends and the transition (finalization,
-#: starts, step) where clients end, as the plan says, so that XLA:GPU never
-#: reads a predicate back and never copies the lane states through a
-#: conditional's branches (it does, in a ``scan`` or ``while`` segment:
-#: ``bench_lane_cost.py --target=h200``); two programs hold the step, and
-#: each step is a call (about 1 us of host time per array argument on
-#: XLA:CPU); unmeasured on a GPU).
+#: conditional on the device: the host calls the masked step once per
+#: planned step, and before it the finalizations and starts where the plan
+#: says clients end, so that XLA:GPU never reads a predicate back and never
+#: copies the lane states through a conditional's branches (it does, in a
+#: ``scan`` or ``while`` segment: ``bench_lane_cost.py --target=h200``);
+#: the step is compiled once, alone; each call costs host time (about 1 us
+#: per array argument on XLA:CPU); slower on XLA:CPU, unmeasured on a GPU).
 LOOPS = ('auto', 'unroll', 'scan', 'while', 'fixed', 'host')
 
 
@@ -325,6 +325,46 @@ def start_slots(init: Callable, unroll: bool = False,
   return start
 
 
+def _finalizer(final: Callable, collect: bool) -> Callable:
+  """``finalized(shared, states, x) -> (increment, diag, out)``: the slots'
+  clients finalized from their lanes' rows; the weighted increment of the
+  sums (None when collecting), ``out`` None unless collecting."""
+  def finalized(shared, states, x: StepInputs):
+    num_slots = x.fin_lane.shape[0]
+    out, diag = jax.vmap(final, in_axes=(None, 0), axis_size=num_slots)(
+        shared, _rows(states, jnp.maximum(x.fin_lane, 0)))
+    if collect:
+      return None, diag, out
+    return jax.tree.map(lambda o: o[None],
+                        _weighted_sum(x.fin_weight, out)), diag, None
+  return finalized
+
+
+def lane_transition(init: Callable, final: Callable, collect: bool = False,
+                    starts: str = 'rows') -> Callable:
+  """What a lane-step does where clients end, before its step: finalizes
+  the slots' clients into the sums, then starts their next ones in place
+  (:func:`start_slots`, ``starts``: :data:`STARTS`).
+
+  Returns:
+    ``transition(shared, states, acc, x) -> (states, acc, diag, output)``
+    (as :func:`lane_step`'s, without the step; ``x`` a
+    :class:`StepInputs`).
+
+  Raises:
+    ValueError: ``starts`` not in :data:`STARTS`.
+  """
+  start = start_slots(init, method=starts)
+  finalized = _finalizer(final, collect)
+
+  def transition(shared, states, acc, x: StepInputs):
+    increment, diag, out = finalized(shared, states, x)
+    if not collect:
+      acc = jax.tree.map(jnp.add, acc, increment)
+    return start(shared, states, (acc, diag, out), x), acc, diag, out
+  return transition
+
+
 def lane_step(init: Callable, step: Callable, final: Callable,
               collect: bool = False, skip_idle: bool = True,
               starts: str = 'rows') -> Callable:
@@ -368,29 +408,8 @@ def lane_step(init: Callable, step: Callable, final: Callable,
     ``benchmarks/bench_lane_cost.py``).
   """
   start = start_slots(init, method=starts)
-
-  def finalized(shared, states, x: StepInputs):
-    """Finalizes the slots' clients: ``(increment of the sums, diag,
-    out)``, the increment None when collecting, ``out`` None when not."""
-    num_slots = x.fin_lane.shape[0]
-    out, diag = jax.vmap(final, in_axes=(None, 0), axis_size=num_slots)(
-        shared, _rows(states, jnp.maximum(x.fin_lane, 0)))
-    if collect:
-      return None, diag, out
-    return jax.tree.map(lambda o: o[None],
-                        _weighted_sum(x.fin_weight, out)), diag, None
-
-  def finalize(shared, states, acc, x: StepInputs):
-    """Finalizes the slots' clients into the sums."""
-    increment, diag, out = finalized(shared, states, x)
-    if not collect:
-      acc = jax.tree.map(jnp.add, acc, increment)
-    return acc, diag, out
-
-  def transition(shared, states, acc, x: StepInputs):
-    """Finalizes the slots' clients, then starts their next ones."""
-    acc, diag, out = finalize(shared, states, acc, x)
-    return start(shared, states, (acc, diag, out), x), acc, diag, out
+  finalized = _finalizer(final, collect)
+  transition = lane_transition(init, final, collect, starts)
 
   def body(shared, states, acc, x: StepInputs):
     num_lanes = x.active.shape[0]
@@ -407,7 +426,7 @@ def lane_step(init: Callable, step: Callable, final: Callable,
         acc = jax.tree.map(jnp.add, acc, delta)
       states = start(shared, states, (acc, diag, out), x)
     elif skip_idle:
-      shapes = jax.eval_shape(finalize, shared, states, acc, x)[1:]
+      shapes = jax.eval_shape(transition, shared, states, acc, x)[2:]
       idle = lambda shared, states, acc, x: (states, acc) + jax.tree.map(
           lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       states, acc, diag, out = lax.cond(jnp.any(x.fin_lane >= 0),
@@ -585,15 +604,15 @@ class LaneStreams:
 
   def _host_steps(self, shard: Callable) -> Callable:
     """A ``'host'`` segment: ``segment(shared, states, acc, inputs,
-    num_steps, table, ends)`` calls, for each of its ``num_steps`` steps,
-    ``lanes_transition`` where ``ends[s]`` (some slot finalizes a client)
-    and ``lanes_step`` elsewhere, and returns what a device loop's segment
-    returns, its per-step outputs as lists over the steps (None where no
-    client ends)."""
+    num_steps, table, clients_end)`` calls, for each of its ``num_steps``
+    steps, ``lanes_transition`` (finalizations and starts) where
+    ``clients_end[s]`` (some slot finalizes a client), then ``lanes_step``
+    (the masked step), and returns what a device loop's segment returns,
+    its per-step outputs as lists over the steps (None where no client
+    ends). The step is compiled once, in ``lanes_step``."""
     init, step, final = self._fns
     collect = self.collect
-    transition = lane_step(init, step, final, collect, skip_idle=False,
-                           starts=self.starts)
+    transition = lane_transition(init, final, collect, self.starts)
 
     def lanes_step(shared, states, inputs, s, table):
       del shared
@@ -603,33 +622,35 @@ class LaneStreams:
       return _where_rows(x.active, stepped, states), (
           result if collect else None)
 
-    def lanes_transition(shared, states, acc, inputs, s, table):
-      states, acc, diag, out, result = transition(
-          shared, states, acc, _at(inputs, s, table))
-      return states, acc, diag, out, result if collect else None
+    def lanes_transition(shared, states, acc, inputs, s):
+      x = jax.tree.map(
+          lambda a: lax.dynamic_index_in_dim(a, s, 1, keepdims=False),
+          dataclasses.replace(inputs, batch=None, active=None))
+      return transition(shared, states, acc, x)
 
     lanes_in = P(sharding.AXIS)
     idle = shard(lanes_step, (P(), lanes_in, lanes_in, P(), P()),
                  (lanes_in, lanes_in), donate=(1,))
-    ends_step = shard(lanes_transition,
-                      (P(), lanes_in, lanes_in, lanes_in, P(), P()),
-                      (lanes_in,) * 5, donate=(1,) if collect else (1, 2))
+    ends = shard(lanes_transition, (P(), lanes_in, lanes_in, lanes_in, P()),
+                 (lanes_in,) * 4, donate=(1,) if collect else (1, 2))
 
-    def segment(shared, states, acc, inputs, num_steps, table, ends):
+    index: list[jax.Array] = []  # the step indices, sent once
+
+    def segment(shared, states, acc, inputs, num_steps, table, clients_end):
+      while len(index) < int(num_steps):
+        index.append(self.mesh.put_replicated(np.int32(len(index))))
       diags, outputs, results = [], [], []
       for s in range(int(num_steps)):
-        if ends[s]:
-          states, acc, diag, out, result = ends_step(
-              shared, states, acc, inputs, np.int32(s), table)
-        else:
-          states, result = idle(shared, states, inputs, np.int32(s), table)
-          diag = out = None
+        diag = out = None
+        if clients_end[s]:
+          states, acc, diag, out = ends(shared, states, acc, inputs, index[s])
+        states, result = idle(shared, states, inputs, index[s], table)
         diags.append(diag)
         outputs.append(out)
         results.append(result)
       return (states, acc, diags, outputs if collect else None,
               results if collect else None)
-    segment.programs = {'lanes_step': idle, 'lanes_transition': ends_step}
+    segment.programs = {'lanes_step': idle, 'lanes_transition': ends}
     return segment
 
   def run(self, shared: PyTree, plan: lanes_lib.LanePlan,

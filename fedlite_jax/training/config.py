@@ -133,9 +133,10 @@ class RunConfig:
       '(scan) or of the planned count (while; a GPU call waits for its '
       'end); or fixed: segment_steps steps and no conditional, so a GPU '
       'call never waits for the device (the last segment pads with masked '
-      'steps); or host: one program call per planned step, the '
-      'finalizations and starts only in the calls of steps where clients '
-      'end (no device loop, no conditional); auto = scan, but unroll on '
+      'steps); or host: the step called once per planned step, after a '
+      'call of the finalizations and starts where clients end (no device '
+      'loop, no conditional; the step compiled once); auto = scan, but '
+      'unroll on '
       'CPU for a client step with a lax convolution. Equal to float '
       'rounding.',
       choices=SEGMENT_LOOPS)
