@@ -79,7 +79,7 @@ STEP_PROGRAM_NAMES = ('lanes_segment', 'lanes_step', 'lanes_transition')
 #: planned step, and before it the finalizations and starts where the plan
 #: says clients end, so that XLA:GPU never reads a predicate back and never
 #: copies the lane states through a conditional's branches (it does, in a
-#: ``scan`` or ``while`` segment: ``bench_lane_cost.py --target=h200``);
+#: ``scan`` or ``while`` segment: ``bench_lane_cost.py``, H200 target);
 #: the step is compiled once, alone; each call costs host time (about 1 us
 #: per array argument on XLA:CPU); slower on XLA:CPU, unmeasured on a GPU).
 LOOPS = ('auto', 'unroll', 'scan', 'while', 'fixed', 'host')
@@ -392,7 +392,7 @@ def lane_step(init: Callable, step: Callable, final: Callable,
     which XLA:GPU copies (its optimized HLO, compiled without a device for
     an H200: a step of 39 Transformer lanes copies 6.9 GB with the rows
     starts inside, 0.13 GB with the scatter after it;
-    ``bench_lane_cost.py --target=h200``). With ``'rows'`` the starts run
+    ``bench_lane_cost.py``, H200 target). With ``'rows'`` the starts run
     in the conditional's transition branch; both branches alias the
     states and sums to its operand, so on XLA:CPU it copies neither
     (XLA:CPU's optimized HLO: a Transformer segment of 39
