@@ -438,25 +438,21 @@ def _scatters(hlo_text):
   return len(found), sum('unique_indices=true' not in s for s in found)
 
 
-@pytest.mark.parametrize('starts', ['rows', 'scatter'])
-@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed'])
-def test_lane_programs_have_no_scatter(loop, starts):
-  """Starting and finalizing clients adds no scatter (XLA:GPU writes a
-  scatter with duplicate indices atomically): the lane programs of a client
-  update whose step has none hold none, in the optimized HLO; with scatter
-  starts, only scatters with unique indices, in the segment."""
+def _lane_programs(program, starts, steps, loop):
+  """``(begin, segment, finish)`` of ``program`` on lanes (``_build``)."""
   from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
-  program = _program()
-  lanes, slots, steps = 5, 2, 4
   streams = streaming.LaneStreams(
       program.init, lambda s, b: (program.carried_step(s, b), None),
       program.final)
   streams.starts = starts
-  begin, segment, finish = streams._build(steps, loop)  # pylint: disable=protected-access
+  return streams._build(steps, loop)  # pylint: disable=protected-access
+
+
+def _abstract_lane_args(lanes, slots, steps):
+  """``(f32, shared, states, acc, inputs)``: abstract arguments of
+  ``_program()``'s lane programs (``f32(*shape)`` makes more)."""
+  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  shared = {'w': f32(3)}
-  states = {'w': f32(lanes, 3), 'seen': f32(lanes)}
-  acc = {'delta': f32(1, 3)}
   inputs = streaming.StepInputs(
       batch={'x': f32(lanes, steps, 4, 3), 'y': f32(lanes, steps, 4)},
       active=jax.ShapeDtypeStruct((lanes, steps), jnp.bool_),
@@ -464,6 +460,21 @@ def test_lane_programs_have_no_scatter(loop, starts):
       fin_weight=f32(slots, steps),
       start_input={'scale': f32(slots, steps)},
       start_on=jax.ShapeDtypeStruct((slots, steps), jnp.bool_))
+  return (f32, {'w': f32(3)}, {'w': f32(lanes, 3), 'seen': f32(lanes)},
+          {'delta': f32(1, 3)}, inputs)
+
+
+@pytest.mark.parametrize('starts', ['rows', 'scatter'])
+@pytest.mark.parametrize('loop', ['unroll', 'scan', 'while', 'fixed'])
+def test_lane_programs_have_no_scatter(loop, starts):
+  """Starting and finalizing clients adds no scatter (XLA:GPU writes a
+  scatter with duplicate indices atomically): the lane programs of a client
+  update whose step has none hold none, in the optimized HLO; with scatter
+  starts, only scatters with unique indices, in the segment."""
+  program = _program()
+  lanes, slots, steps = 5, 2, 4
+  begin, segment, finish = _lane_programs(program, starts, steps, loop)
+  f32, shared, states, acc, inputs = _abstract_lane_args(lanes, slots, steps)
   texts = [
       begin.lower(shared, {'scale': f32(lanes)},
                   jax.ShapeDtypeStruct((lanes,), jnp.int32)),
@@ -506,25 +517,10 @@ def test_host_loop_programs_hold_no_loop_nor_conditional(starts):
   the plan says) holds no step, and its only loop is the rows starts'
   loop over the slots. The host loop gives the scan segment's sums and
   diagnostics bit for bit."""
-  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
   program = _program()
   lanes, slots, steps = 5, 2, 4
-  streams = streaming.LaneStreams(
-      program.init, lambda s, b: (program.carried_step(s, b), None),
-      program.final)
-  streams.starts = starts
-  segment = streams._build(steps, 'host')[1]  # pylint: disable=protected-access
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  shared = {'w': f32(3)}
-  states = {'w': f32(lanes, 3), 'seen': f32(lanes)}
-  acc = {'delta': f32(1, 3)}
-  inputs = streaming.StepInputs(
-      batch={'x': f32(lanes, steps, 4, 3), 'y': f32(lanes, steps, 4)},
-      active=jax.ShapeDtypeStruct((lanes, steps), jnp.bool_),
-      fin_lane=jax.ShapeDtypeStruct((slots, steps), jnp.int32),
-      fin_weight=f32(slots, steps),
-      start_input={'scale': f32(slots, steps)},
-      start_on=jax.ShapeDtypeStruct((slots, steps), jnp.bool_))
+  segment = _lane_programs(program, starts, steps, 'host')[1]
+  _, shared, states, acc, inputs = _abstract_lane_args(lanes, slots, steps)
   s = jax.ShapeDtypeStruct((), jnp.int32)
   idle = segment.programs['lanes_step'].lower(
       shared, states, inputs, s, None).compile().as_text()
