@@ -39,18 +39,31 @@ XLA:CPU's ``cost_analysis()`` of the optimized programs:
   XLA:GPU also fuses small independent kernels side by side (horizontal
   fusion), and XLA:CPU runs the threefry key split as a loop.
 
+* GB copied per step: what XLA's ``copy`` kernels read and write in one
+  run of the plain step, an idle and a transition lane-step, and a
+  segment's step (:func:`executed_kernels` with ``copied=True``).
+
 ``--starts=scatter`` measures the lane-steps that start the slots'
 clients by one scatter per state leaf (``LaneStreams.starts``) instead of
-a loop of row writes over the slots.
+a loop of row writes over the slots (a comma-separated list measures
+each). ``--loops=host``: the host-stepped loop's two programs (the masked
+step; the finalizations and starts that precede it where clients end).
 
 Models: ``transformer_large`` (Ro et al. 2022, Table 1, 21M parameters;
 batch 16 x 30 tokens, vocabulary 4,096) on 39 lanes and 8 finalization
 slots (the H200 run's plan), and the EMNIST CNN (``femnist``, 1.2M
 parameters, batch 20, im2col convolutions as the vmap engine builds them)
-on 100 lanes. Costs are XLA:CPU's: a proxy for a GPU, where fusion differs.
+on 100 lanes (``--shapes`` sets others). Costs are XLA:CPU's: a proxy for
+a GPU, where fusion differs. ``--target=h200`` compiles for XLA:GPU
+instead, on this machine, without a GPU (:func:`use_target`): its
+kernels and copies, no cost analysis.
 
   python benchmarks/bench_lane_cost.py \\
       --output=benchmarks/results/lane_cost_cpu.md
+  PYTHONPATH=<plugin folder> python benchmarks/bench_lane_cost.py \\
+      --target=h200 --loops=scan,while,fixed,host --starts=rows,scatter \\
+      --shapes=transformer_large:39:16,femnist:50:32 \\
+      --output=benchmarks/results/lane_cost_h200_deviceless.md
 """
 
 from __future__ import annotations
