@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from fedlite_jax import cpu_allocator
 from fedlite_jax.training import state_io
 from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
@@ -84,6 +85,7 @@ def test_outputs_and_summary(tmp_path):
       sum(r['time/train_seconds'] for r in rows) / 4)
   assert saved['engine']['useful_steps'] == sum(
       r['engine/useful_steps'] for r in rows)
+  assert saved['engine']['cpu_allocator'] == cpu_allocator.STATE
   assert saved['flags']['seed'] == 3 and saved['synthetic_partition']
   assert saved['status'] == 'ok' and saved['failure'] is None
   assert len((out / 'communication.csv').read_text().splitlines()) == 1 + 12
