@@ -97,7 +97,11 @@ def restart_with_huge_pages() -> None:
   """Replaces this process by itself (same PID, arguments and interpreter
   options) with :data:`HUGE_PAGES_TUNABLE` added, where
   :func:`restart_env` says it helps; returns otherwise. Call it first
-  thing in a program's main."""
+  thing in a program's main.
+
+  Raises:
+    OSError: the interpreter could not be started again (``os.execve``).
+  """
   env = restart_env(os.environ, thp_mode(), glibc_version())
   if env is not None:
     sys.stdout.flush()
