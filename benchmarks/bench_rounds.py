@@ -42,7 +42,9 @@ cohorts, example counts and PRNG keys are the same in every process, from
   lane plan's steps), mean over rounds; executed/useful: lane-steps run,
   masked ones included, over useful steps.
 * peak memory: ``device.memory_stats()['peak_bytes_in_use']`` (GPU/TPU), the
-  process's peak RSS (CPU); the peak up to that cohort.
+  process's peak RSS (CPU); the peak up to that cohort's timed rounds,
+  read before its profiled round (``--fixed_cost``), whose trace buffers
+  are the profiler's (a smaller cohort's profiled round before it counts).
 * host share: seconds preparing client batches on the host (FedJAX's
   batching, and stacking a segment's batches) / the round's wall seconds.
 * MFU: FLOPs of one client step x useful steps / wall seconds / the
@@ -109,6 +111,7 @@ import numpy as np
 import optax
 from jax.experimental.compilation_cache import compilation_cache
 
+from fedlite_jax import cpu_allocator
 from fedlite_jax import datasets
 from fedlite_jax import models
 from fedlite_jax.algorithms import batching as batching_lib
@@ -678,6 +681,9 @@ def _run_variant(args, variant: dict, model, params, batch_size: int,
               time.time() + walls[-1] > deadline):
             break
       row['run_s'] = time.perf_counter() - start
+      # Before the profiled round: the profiler's trace buffers are not the
+      # engine's memory (a 50-client FEMNIST round's trace added ~0.5 GB).
+      mem, mem_source = peak_memory_bytes()
       if args.fixed_cost and engine in LANE_ENGINES:
         # An extra round, untimed above: its cohort is round `rounds`'.
         row.update(fixed_cost(alg, state, fresh_cohort(
@@ -690,7 +696,6 @@ def _run_variant(args, variant: dict, model, params, batch_size: int,
     steady = walls[1:] or walls
     wall = statistics.median(steady)
     last = (cohort, wall, compiles.total_seconds)
-    mem, mem_source = peak_memory_bytes()
     mean_useful = float(np.mean(useful))
     row.update(
         rounds=len(walls), s_per_round=wall, rounds_per_s=1 / wall,
@@ -902,8 +907,10 @@ def _machine() -> str:
   except OSError:
     pass
   devs = jax.devices()
+  allocator = (f', CPU allocator {cpu_allocator.STATE}'
+               if jax.default_backend() == 'cpu' else '')
   return (f'{len(devs)} x {devs[0].device_kind} ({jax.default_backend()}); '
-          f'host {cpu}, {os.cpu_count()} CPU threads')
+          f'host {cpu}, {os.cpu_count()} CPU threads{allocator}')
 
 
 def _defaults(args) -> None:
@@ -1274,4 +1281,8 @@ def read_report(path: str) -> list[tuple[list[str], list[dict]]]:
 
 
 if __name__ == '__main__':
+  # As the experiment binary with the vmap engine: glibc's huge pages for
+  # XLA:CPU's buffers, here and in the configurations' processes
+  # (FEDLITE_CPU_HUGE_PAGES=0: glibc's defaults); the machine line says which.
+  cpu_allocator.restart_with_huge_pages()
   main()

@@ -95,15 +95,19 @@ def restart_env(environ: Mapping[str, str], thp_mode: str,
 
 def restart_with_huge_pages() -> None:
   """Replaces this process by itself (same PID, arguments and interpreter
-  options) with :data:`HUGE_PAGES_TUNABLE` added, where
-  :func:`restart_env` says it helps; returns otherwise. Call it first
-  thing in a program's main.
+  options) with :data:`HUGE_PAGES_TUNABLE` added, where JAX's default
+  backend is the CPU and :func:`restart_env` says it helps; returns
+  otherwise (GPU/TPU buffers do not come from glibc). Call it first thing
+  in a program's main.
 
   Raises:
     OSError: the interpreter could not be started again (``os.execve``).
   """
   env = restart_env(os.environ, thp_mode(), glibc_version())
-  if env is not None:
+  if env is None:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() == 'cpu':
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)

@@ -161,14 +161,16 @@ def script_env() -> dict[str, str]:
   return env
 
 
-def run_script(name: str, *flags: str, timeout: int = 900
+def run_script(name: str, *flags: str, timeout: int = 900,
+               env: dict[str, str] | None = None
                ) -> subprocess.CompletedProcess:
-  """``benchmarks/<name>.py flags...`` run on CPU JAX (:func:`script_env`)
-  from the repository root; fails the test, with the end of its stderr,
-  unless it exits 0."""
+  """``benchmarks/<name>.py flags...`` run on CPU JAX (``env``, default
+  :func:`script_env`) from the repository root; fails the test, with the
+  end of its stderr, unless it exits 0."""
   proc = subprocess.run(
       [sys.executable, str(_REPO / 'benchmarks' / f'{name}.py'), *flags],
-      cwd=_REPO, env=script_env(), capture_output=True, text=True,
+      cwd=_REPO, env=script_env() if env is None else env,
+      capture_output=True, text=True,
       timeout=timeout, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return proc

@@ -28,6 +28,8 @@ import sys
 import conftest
 import pytest
 
+from fedlite_jax import cpu_allocator
+
 ENGINES = ('loop', 'vmap', 'fedjax_jit', 'fedjax_vmap')
 
 
@@ -41,7 +43,12 @@ def _load(repo_root: pathlib.Path):
 
 def test_bench_rounds_smoke(repo_root, tmp_path):
   out_file = tmp_path / 'rounds.md'
+  # Started without glibc's huge pages, as from a shell: on CPU the script
+  # starts itself again with them where they apply (as the binary does).
   env = conftest.script_env()
+  env.pop('GLIBC_TUNABLES', None)
+  restarts = cpu_allocator.restart_env(
+      env, cpu_allocator.thp_mode(), cpu_allocator.glibc_version()) is not None
   # Cohort 2 runs (the first cohort has no estimate: 0 s); cohort 2,000 is
   # estimated from cohort 2's times (positive) and is over a --max_seconds
   # of 1e-9 whatever the machine's speed: it is skipped with a reason.
@@ -49,12 +56,15 @@ def test_bench_rounds_smoke(repo_root, tmp_path):
       'bench_rounds', '--models=lstm_tiny', f'--engines={",".join(ENGINES)}',
       '--cohorts=2,2000', '--rounds=2', '--max_examples=40',
       '--max_seconds=1e-9', '--lanes_per_device=1', '--segment_steps=1',
-      '--no-isolate', f'--output={out_file}')
+      '--no-isolate', f'--output={out_file}', env=env)
   out = proc.stdout
   text = out_file.read_text()
   assert 'command: `python benchmarks/bench_rounds.py --models=lstm_tiny' \
       in text
   assert 'jax ' in text and 'machine: ' in text
+  allocator = 'CPU allocator system: default' + (
+      ', huge pages' if restarts else '')
+  assert re.search(rf'machine: .*{allocator}$', text, re.M), text[:600]
   rows = json.loads(re.search(r'<!-- rows: (.*) -->', text).group(1))
   assert sorted((r['engine'], r['cohort']) for r in rows) == sorted(
       (e, c) for e in ENGINES for c in (2, 2000))

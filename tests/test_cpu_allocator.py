@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import conftest
+import jax
 import pytest
 
 from fedlite_jax import cpu_allocator
@@ -124,6 +125,25 @@ def test_restart_keeps_the_process_and_its_arguments():
   assert lines == [f"start {pid} None ['a', '--b=c']",
                    f"start {pid} glibc.malloc.hugetlb=1 ['a', '--b=c']",
                    f'after {pid} system: default, huge pages'], lines
+
+
+@pytest.mark.parametrize('backend,restarts', [('cpu', True), ('gpu', False),
+                                               ('tpu', False)])
+def test_restart_only_where_the_backend_is_the_cpu(monkeypatch, backend,
+                                                   restarts):
+  # GPU/TPU buffers do not come from glibc: no restart (a few seconds of a
+  # device's time) there, whatever the host's glibc and kernel.
+  calls = []
+  monkeypatch.delenv('GLIBC_TUNABLES', raising=False)
+  monkeypatch.delenv(cpu_allocator.HUGE_PAGES_ENV, raising=False)
+  monkeypatch.setattr(cpu_allocator, 'thp_mode', lambda: 'madvise')
+  monkeypatch.setattr(cpu_allocator, 'glibc_version', lambda: (2, 36))
+  monkeypatch.setattr(jax, 'default_backend', lambda: backend)
+  monkeypatch.setattr(os, 'execve', lambda *args: calls.append(args))
+  cpu_allocator.restart_with_huge_pages()
+  assert len(calls) == (1 if restarts else 0), calls
+  if restarts:
+    assert calls[0][2]['GLIBC_TUNABLES'] == cpu_allocator.HUGE_PAGES_TUNABLE
 
 
 def test_late_configure_says_it_cannot_tune():

@@ -189,8 +189,8 @@ def choose_slots(step_counts: Sequence[int], lanes_per_device: int,
 #: a fixed 2.1-2.7 ms, 3.8-4.9 lanes' worth.
 AUTO_STEP_COST_LANES = 4.0
 #: The step cost on XLA:CPU, where a lane adds no parallel hardware and
-#: time follows the lane-steps (FEMNIST CNN, 2 cores: 19 ms per step on
-#: one lane, 46 ms on two; ``benchmarks/results/lanes_cpu.md``): near 0.
+#: time follows the lane-steps (FEMNIST CNN, 2 cores: 10.6 ms per step on
+#: one lane, 21.5 ms on two; ``benchmarks/results/lanes_cpu.md``): near 0.
 #: 0.2 keeps the CPU's choice of before (2 lanes where they execute at
 #: most ~1.09x the useful steps, else 1).
 AUTO_CPU_STEP_COST_LANES = 0.2

@@ -182,10 +182,10 @@ AUTO_LANE_EXTRA_BYTES = 64 * 2**20
 AUTO_MEMORY_FRACTION = 0.5
 AUTO_MAX_LANES = 256
 #: ``'auto'`` on XLA:CPU, where a lane adds no parallel hardware: FEMNIST
-#: CNN, 10 clients, 2 cores, 8 rounds on fresh cohorts: 1 / 2 / 4 / 10 lanes
-#: took 1.30 / 1.66 / 1.42 / 1.52x the loop engine's round in the same
-#: process (benchmarks/results/lanes_cpu.md; one run each on a shared
-#: machine, so the lane counts are not told apart).
+#: CNN, 10 clients, 2 cores, 8 rounds on fresh cohorts, glibc's huge pages:
+#: 1 / 2 / 4 / 10 lanes took 1.02 / 1.07 / 1.18 / 1.22x the loop engine's
+#: round in the same process (benchmarks/results/lanes_cpu.md; two runs,
+#: 1 and 2 lanes not told apart).
 AUTO_CPU_LANES = 2
 
 
