@@ -28,7 +28,6 @@ from absl import logging
 import jax
 
 import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
-from fedlite_jax import cpu_allocator
 from fedlite_jax import datasets
 from fedlite_jax.training import compression_options
 from fedlite_jax.training import config as config_lib
@@ -87,8 +86,9 @@ def _define_option_flags() -> None:
 
 
 #: Removed round-engine flags and the flag that replaces each (the value
-#: carries over).
-REMOVED_ENGINE_FLAGS = {'clients_per_chunk': 'lanes_per_device'}
+#: carries over), or None: ``config_lib.REMOVED_FIELDS`` says why it went.
+REMOVED_ENGINE_FLAGS = {'clients_per_chunk': 'lanes_per_device',
+                        **dict.fromkeys(config_lib.REMOVED_FIELDS)}
 
 #: Every removed flag (not defined, so ``--helpfull`` does not list them):
 #: :func:`parse_flags` takes them out of the command line and its flagfiles,
@@ -159,6 +159,7 @@ def _config_from_flags() -> config_lib.RunConfig:
   removed = {name: given[name] for name in
              compression_options.REMOVED_FLAGS + ('topk_k',) if name in given}
   compression_options.check_removed(removed, FLAGS.algorithm)
+  config_lib.check_removed_fields(given)
   for name, new in REMOVED_ENGINE_FLAGS.items():
     if name in given:
       raise config_lib.ConfigError(
@@ -220,10 +221,6 @@ def _flag_named_in(message: str) -> Optional[str]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if FLAGS.round_engine == 'vmap' and not FLAGS.validate_only:
-    # glibc's huge pages for XLA:CPU's lane buffers (1.2-1.7x faster FEMNIST
-    # rounds on CPU); glibc reads them only when a process starts.
-    cpu_allocator.restart_with_huge_pages()
   try:
     config = checked_config()
     if FLAGS.validate_only:

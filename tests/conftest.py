@@ -44,15 +44,11 @@ if (os.environ.get('FEDLITE_TEST_COMPILATION_CACHE', '1') != '0'
 import pytest  # noqa: E402
 
 import fedlite_jax  # noqa: F401,E402  (applies the FedJAX compatibility fixes)
-from fedlite_jax import cpu_allocator  # noqa: E402
-
 # The processes this session starts (the xdist workers, binaries, notebooks)
-# run with glibc's huge pages, as the experiment binary starts itself: they
-# inherit the setting instead of starting twice.
-_HUGE_PAGES = cpu_allocator.restart_env(
-    os.environ, cpu_allocator.thp_mode(), cpu_allocator.glibc_version())
-if _HUGE_PAGES is not None:
-  os.environ['GLIBC_TUNABLES'] = _HUGE_PAGES['GLIBC_TUNABLES']
+# run with glibc's huge pages (glibc >= 2.35; ignored before), which spare
+# XLA:CPU a page fault per 4 KiB of its large per-call buffers
+# (docs/performance.md).
+os.environ.setdefault('GLIBC_TUNABLES', 'glibc.malloc.hugetlb=1')
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _CI_DATA = _REPO.parent / 'shared' / 'data'

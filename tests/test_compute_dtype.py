@@ -77,21 +77,20 @@ def test_runner_bf16_run_keeps_float32_server_state(tmp_path):
   assert bf16['final_eval']['loss'] != f32['final_eval']['loss']
 
 
-def _lane_segment(model, batch, loop, lanes=3, slots=2, steps=2):
+def _lane_segment(model, batch, lanes=3, slots=2, steps=2):
   """The vmap engine's ``lanes_segment`` of the runner's FedAvg client
   update for ``model``, lowered from abstract shapes."""
   import optax  # pylint: disable=g-import-not-at-top
   from fedlite_jax.algorithms import fedopt  # pylint: disable=g-import-not-at-top
   from fedlite_jax.algorithms import rounds_common as rc  # pylint: disable=g-import-not-at-top
-  from fedlite_jax.rounds import streaming  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.rounds import lane_programs  # pylint: disable=g-import-not-at-top
+  from fedlite_jax.rounds import sharding  # pylint: disable=g-import-not-at-top
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
   r = fedopt.CompressedRound(fedopt.Compression(), 'fedavg', 0, 'examples',
                              'dense', None, 'raise')
   r.setup(params)
   prog = rc.delta_client_program(rc.train_grad(model), optax.sgd(0.1),
                                  r.compress, plan=r.plan)
-  streams = streaming.LaneStreams(
-      prog.init, lambda s, b: (prog.step(s, b), None), prog.final)
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   lead = lambda t, *d: jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(d + s.shape, s.dtype), t)
@@ -101,19 +100,20 @@ def _lane_segment(model, batch, loop, lanes=3, slots=2, steps=2):
   acc = lead(jax.eval_shape(prog.final, shared, jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), states))[0], 1)
   flags = lambda n: jax.ShapeDtypeStruct((n, steps), jnp.bool_)
-  inputs = streaming.StepInputs(
+  inputs = lane_programs.StepInputs(
       batch=lead(batch, lanes, steps), active=flags(lanes),
       fin_lane=jax.ShapeDtypeStruct((slots, steps), jnp.int32),
       fin_weight=jax.ShapeDtypeStruct((slots, steps), jnp.float32),
       start_input=lead({'rng': key}, slots, steps), start_on=flags(slots))
-  segment = streams._build(steps, loop)[1]  # pylint: disable=protected-access
+  segment = lane_programs.build_lane_programs(
+      prog.init, lambda s, b: (prog.step(s, b), None), prog.final,
+      mesh=sharding.make_client_mesh(1), segment_steps=steps).segment
   return segment.lower(shared, states, acc, inputs,
-                       jax.ShapeDtypeStruct((), jnp.int32), None)
+                       jax.ShapeDtypeStruct((), jnp.int32))
 
 
-@pytest.mark.parametrize('loop', ['unroll', 'scan'])
 @pytest.mark.parametrize('kind', ['cnn_im2col', 'transformer_tiny'])
-def test_lane_programs_multiply_in_bf16(kind, loop):
+def test_lane_programs_multiply_in_bf16(kind):
   """Every matmul (dot_general) and convolution of the model's step in the
   vmap engine's lane segment (operands batched over lanes and examples:
   rank >= 3) takes bf16 operands under bf16 compute, and float32 ones
@@ -130,7 +130,7 @@ def test_lane_programs_multiply_in_bf16(kind, loop):
                                       compute_dtype=dtype).model
     batch = {k: jax.ShapeDtypeStruct((4, 10), jnp.int32) for k in 'xy'}
   for dtype, want in ((jnp.bfloat16, 'bf16'), (None, 'f32')):
-    text = _lane_segment(make(dtype), batch, loop).as_text()
+    text = _lane_segment(make(dtype), batch).as_text()
     ops = re.findall(r'stablehlo\.(?:dot_general|convolution)[^\n]*', text)
     operands = [re.findall(r'tensor<([^>]*)>', op)[:2] for op in ops]
     model = [(op, o) for op, o in zip(ops, operands)

@@ -15,7 +15,6 @@ import fedjax
 import jax
 import numpy as np
 
-from fedlite_jax.rounds import device_rows
 from fedlite_jax.rounds import remote
 
 
@@ -59,8 +58,7 @@ def client_batches(dataset: fedjax.ClientDataset,
   Returns:
     A sequence of batches (dicts of NumPy arrays of ``batch_size`` rows):
     :class:`ClientBatches` for a ``fedjax.ClientDataset`` that ends (made
-    on first access; :class:`TableBatches` for a
-    ``device_rows.TableClientDataset``), ``RemoteBatches`` for a
+    on first access), ``RemoteBatches`` for a
     ``RemoteClientDataset`` (another process's client), else a list.
 
   Raises:
@@ -77,8 +75,6 @@ def client_batches(dataset: fedjax.ClientDataset,
   if not isinstance(dataset, fedjax.ClientDataset) or (
       hparams.num_epochs is None and hparams.num_steps is None):
     return list(dataset.shuffle_repeat_batch(hparams))
-  if isinstance(dataset, device_rows.TableClientDataset):
-    return TableBatches(dataset, hparams)
   return ClientBatches(dataset, hparams)
 
 
@@ -136,53 +132,14 @@ class ClientBatches(Sequence[dict]):
             for s in range(steps)]
 
 
-class TableBatches(ClientBatches):
-  """A client's batches as rows of a ``device_rows.RowTable``: the lane
-  engine sends :attr:`rows` and gathers the batches on the device; item
-  ``i`` (for other readers: the loop engine, FedJAX) is the same batch as
-  :class:`ClientBatches`'s, cut from the table's host rows when read.
-
-  Attributes:
-    row_table: the table.
-  """
-
-  def __init__(self, dataset: device_rows.TableClientDataset,
-               hparams: fedjax.ShuffleRepeatBatchHParams):
-    super().__init__(dataset, hparams)
-    self.row_table = dataset.row_table
-    self._start, self._num_examples = dataset.row_start, len(dataset)
-    self._rows: Optional[np.ndarray] = None
-
-  @property
-  def rows(self) -> np.ndarray:
-    """``int32[steps, batch_size]``: the table rows of each batch (the
-    shuffles run on first access, as :meth:`make`)."""
-    if self._rows is None:
-      self.make()
-    return self._rows
-
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      return [self[i] for i in range(len(self))[index]]
-    return {k: v[self.rows[index]] for k, v in self.row_table.host.items()}
-
-  def make(self) -> None:
-    """Computes :attr:`rows` now, once (thread-safe): the shuffles."""
-    with self._lock:
-      if self._rows is None:
-        self._rows = (self._start + batch_indices(
-            self._num_examples, self._hparams)).astype(np.int32)
-        self._dataset = None
-
-
 _THREAD = threading.local()
 
 
 def _random_state(seed: Optional[int]) -> np.random.RandomState:
   """``np.random.RandomState(seed)``'s stream: this thread's RandomState,
   reseeded (``RandomState.seed``). A new RandomState first seeds itself
-  from OS entropy, then from ``seed``: ~70 us, where reseeding takes ~1 us
-  (7 ms of host time in a 100-client round)."""
+  from OS entropy, then from ``seed``, which costs far more than
+  reseeding."""
   state = getattr(_THREAD, 'random_state', None)
   if state is None:
     state = _THREAD.random_state = np.random.RandomState()
@@ -195,9 +152,10 @@ def batch_indices(num_examples: int,
   """``int32[steps, batch_size]``: the example indices of each batch of
   FedJAX 0.0.17's ``ClientDataset.shuffle_repeat_batch(hparams)``, in its
   order (a ``RandomState(seed)`` shuffles one buffer in place per epoch,
-  batches run across epoch ends), computed per epoch instead of per batch
-  (FedJAX's per-batch Python loop took ~45 ms of a 200 ms FEMNIST round
-  on an H200's host).
+  batches run across epoch ends), computed per epoch instead of per batch.
+
+  Returns:
+    ``int32[steps, batch_size]`` indices into the client's examples.
 
   Raises:
     ValueError: both ``num_epochs`` and ``num_steps`` are None (infinite).

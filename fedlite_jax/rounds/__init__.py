@@ -1,8 +1,6 @@
 """Round engines (:func:`make_engine`) and ``for_each_client`` backends."""
 
-from fedlite_jax.rounds import device_rows
 from fedlite_jax.rounds.compressed_backend import CompressedBackend
-from fedlite_jax.rounds.device_rows import RowTable
 from fedlite_jax.rounds.engine import ClientProgram
 from fedlite_jax.rounds.engine import ClientWork
 from fedlite_jax.rounds.engine import ENGINE_NAMES
@@ -18,7 +16,10 @@ from fedlite_jax.rounds.lanes import LanePlan
 from fedlite_jax.rounds.lanes import choose_lanes
 from fedlite_jax.rounds.lanes import choose_slots
 from fedlite_jax.rounds.lanes import plan_lanes
+from fedlite_jax.rounds.lane_programs import StepInputs
+from fedlite_jax.rounds.lane_programs import build_lane_programs
 from fedlite_jax.rounds.remote import RemoteClientDataset
+from fedlite_jax.rounds.settings import LaneSettings
 from fedlite_jax.rounds.sharding import ClientMesh
 from fedlite_jax.rounds.sharding import current_client_mesh
 from fedlite_jax.rounds.sharding import make_client_mesh

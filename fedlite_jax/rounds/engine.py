@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.checks import check_int
 from fedlite_jax.common import PyTree
 from fedlite_jax.rounds import errors
 from fedlite_jax.rounds import lanes as lanes_lib
 from fedlite_jax.rounds import remote
+from fedlite_jax.rounds import settings as settings_lib
 from fedlite_jax.rounds import sharding
 from fedlite_jax.rounds import stats
 from fedlite_jax.rounds import streaming
@@ -48,9 +48,7 @@ class ClientProgram:
       dependences that let XLA update a state carried through an
       on-device loop in place (:mod:`fedlite_jax.rounds.ordering`), for
       the vmap engine's lanes; None: ``step``. The loop engine runs
-      ``step``: there the dependences cost more than the copy they save
-      (FEMNIST CNN on XLA:CPU, a round 0.90x of FedJAX's with them, 1.00x
-      without).
+      ``step``.
   """
   init: Callable[[PyTree, PyTree], PyTree]
   step: Callable[[PyTree, Batch], PyTree]
@@ -99,10 +97,6 @@ def default_engine_name() -> str:
   return 'loop' if jax.default_backend() == 'cpu' else 'vmap'
 
 
-def _masked(new: PyTree, old: PyTree, mask: jax.Array) -> PyTree:
-  return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
-
-
 def _check_cohort(work: Sequence[ClientWork]) -> None:
   if not work:
     raise ValueError('A round needs at least one client; got an empty cohort.')
@@ -118,40 +112,25 @@ def _check_cohort(work: Sequence[ClientWork]) -> None:
 
 
 class LoopEngine:
-  """Python loop over clients; jitted blocks of ``steps_per_call`` steps.
+  """Python loop over clients; one jitted call per local step.
 
   Args:
     program: the client update.
-    steps_per_call: local steps unrolled into one jitted call (>= 1); the
-      last block is padded with masked steps.
   """
 
   name = 'loop'
 
-  def __init__(self, program: ClientProgram, steps_per_call: int = 1):
-    if steps_per_call < 1:
-      raise ValueError(f'steps_per_call must be >= 1, got {steps_per_call}.')
+  def __init__(self, program: ClientProgram):
     self._program = program
-    self._k = steps_per_call
 
     @jax.jit
     def loop_init(shared_input, client_input):
       # A copy: the state must not alias shared_input to be donated.
       return jax.tree.map(jnp.copy, program.init(shared_input, client_input))
 
-    if steps_per_call == 1:
-
-      @functools.partial(jax.jit, donate_argnums=0)
-      def loop_step(state, batch):
-        return program.step(state, batch)
-    else:
-
-      @functools.partial(jax.jit, donate_argnums=0)
-      def loop_step(state, batches, mask):
-        for i in range(steps_per_call):  # Unrolled: no while loop on CPU.
-          batch = jax.tree.map(lambda x, i=i: x[i], batches)
-          state = _masked(program.step(state, batch), state, mask[i])
-        return state
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop_step(state, batch):
+      return program.step(state, batch)
 
     @functools.partial(jax.jit, donate_argnums=2)
     def loop_final(shared_input, state, acc, weight):
@@ -165,22 +144,27 @@ class LoopEngine:
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
+    """Runs one round.
+
+    Args:
+      shared_input: the same for every client (the server model).
+      work: the cohort (>= 1 client, each with >= 1 batch).
+
+    Returns:
+      A :class:`RoundResult`.
+
+    Raises:
+      ValueError: an empty cohort, a client without batches or with a
+        negative or non-finite weight.
+    """
     _check_cohort(work)
     acc = None
     total = 0.
     diags = []
     for w in work:
       state = self._init(shared_input, w.client_input)
-      if self._k == 1:
-        for batch in w.batches:
-          state = self._step(state, batch)
-      else:
-        for start in range(0, len(w.batches), self._k):
-          block = list(w.batches[start:start + self._k])
-          mask = np.arange(self._k) < len(block)
-          block += [block[-1]] * (self._k - len(block))
-          stacked = jax.tree.map(lambda *xs: np.stack(xs), *block)
-          state = self._step(state, stacked, mask)
+      for batch in w.batches:
+        state = self._step(state, batch)
       if acc is None:
         # Committed where the state is, as the sums loop_final returns: an
         # uncommitted first sum compiles loop_final again for the second
@@ -193,11 +177,10 @@ class LoopEngine:
       total += float(w.weight)
       diags.append(diag)
     steps = [len(w.batches) for w in work]
-    padded = [-(-n // self._k) * self._k for n in steps]
     stats.record(self.name, clients=len(work), useful_steps=sum(steps),
-                 executed_steps=sum(padded), sequential_steps=sum(padded),
-                 segments=sum(p // self._k for p in padded), lanes=1,
-                 segment_steps=self._k, longest_client_steps=max(steps))
+                 executed_steps=sum(steps), sequential_steps=sum(steps),
+                 segments=sum(steps), lanes=1, segment_steps=1,
+                 longest_client_steps=max(steps))
     return RoundResult(acc, total, [jax.device_get(d) for d in diags])
 
   def _zeros(self, shapes: PyTree) -> PyTree:
@@ -235,26 +218,11 @@ class VmapEngine:
   Args:
     program: the client update.
     mesh: the :class:`ClientMesh` to split lanes over; None: one device.
-    lanes_per_device: an int >= 1, or 'auto': at most :func:`resolve_lanes`
-      of ``shared_input``'s bytes and the device memory, and of those the
-      lanes whose plan of the first cohort has the least modeled device
-      time, sequential steps x (``lanes.AUTO_STEP_COST_LANES`` + lanes;
-      on CPU ``AUTO_CPU_STEP_COST_LANES``)
-      (:func:`~fedlite_jax.rounds.lanes.choose_lanes`).
-    segment_steps: local steps per compiled segment (>= 1).
-    slots: finalizations per device and step, an int >= 1 or 'auto'
-      (:func:`~fedlite_jax.rounds.lanes.choose_slots` of the first round).
-    segment_loop: ``streaming.LOOPS``: 'unroll' (every segment runs
-      ``segment_steps`` steps), 'scan' (an on-device loop that runs only the
-      planned steps), 'while' (a loop of the planned count), 'fixed' (an
-      on-device loop of ``segment_steps`` steps without conditionals),
-      'host' (the masked step called once per planned step, the
-      finalizations and starts called before it where clients end; no
-      device loop and no conditional; the ``segments`` statistic still
-      counts segments of ``segment_steps`` steps) or 'auto' (scan; on CPU
-      unroll for a client
-      step with a convolution, :func:`streaming.resolve_loop`, at the
-      first round).
+    lanes_per_device, segment_steps, slots: as
+      :class:`~fedlite_jax.rounds.settings.LaneSettings`; with 'auto', the
+      first round's cohort picks the lanes of the least modeled device time
+      (:func:`~fedlite_jax.rounds.lanes.choose_lanes`) and the fewest slots
+      that plan it as fast (:func:`~fedlite_jax.rounds.lanes.choose_slots`).
 
   Raises:
     ValueError: a bad option.
@@ -265,20 +233,11 @@ class VmapEngine:
   def __init__(self, program: ClientProgram,
                mesh: Optional[sharding.ClientMesh] = None,
                lanes_per_device: int | str = 'auto', segment_steps: int = 4,
-               slots: int | str = 'auto', segment_loop: str = 'auto'):
-    if lanes_per_device != 'auto':
-      resolve_lanes(lanes_per_device, 0)  # Validates it.
-    self._segment_steps = check_int(segment_steps, 'segment_steps')
-    if slots != 'auto':
-      check_int(slots, 'slots')
-    streaming.resolve_loop(segment_loop)  # Validates it.
-    self._loop_setting = segment_loop
-    self._loop: Optional[str] = None
+               slots: int | str = 'auto'):
+    self.settings = settings_lib.LaneSettings(lanes_per_device,
+                                              segment_steps, slots)
     self._program = program
-    self._mesh = mesh
-    self._lanes_setting = lanes_per_device
     self._lanes: Optional[int] = None
-    self._slots_setting = slots
     self._slots: Optional[int] = None
 
     def step(state, batch):
@@ -292,14 +251,26 @@ class VmapEngine:
     """The resolved lanes per device (None: not yet)."""
     return self._lanes
 
-  @property
-  def segment_loop(self) -> Optional[str]:
-    """The resolved segment loop (``streaming.LOOPS`` but 'auto'; None:
-    not yet)."""
-    return self._loop
+  def _resolve(self, shared_input: PyTree, steps: list[int],
+               groups) -> None:
+    """Fixes lanes and slots at the first round."""
+    mesh, s = self._streams.mesh, self.settings
+    if self._lanes is None:
+      most = s.most_lanes(shared_input, len(steps), mesh.num_devices)
+      cost = (lanes_lib.AUTO_CPU_STEP_COST_LANES
+              if jax.default_backend() == 'cpu' else
+              lanes_lib.AUTO_STEP_COST_LANES)
+      self._lanes = most if s.lanes_per_device != 'auto' else \
+          lanes_lib.choose_lanes(steps, most, s.segment_steps,
+                                 mesh.num_devices, groups, cost)
+    if self._slots is None:
+      self._slots = (lanes_lib.choose_slots(
+          steps, self._lanes, s.segment_steps, mesh.num_devices, groups)
+                     if s.slots == 'auto' else min(int(s.slots), self._lanes))
 
   def __call__(self, shared_input: PyTree,
                work: Sequence[ClientWork]) -> RoundResult:
+    """Runs one round (as :meth:`LoopEngine.__call__`)."""
     _check_cohort(work)
     mesh = self._streams.mesh
     steps = [len(w.batches) for w in work]
@@ -309,65 +280,42 @@ class VmapEngine:
                 for p in range(mesh.num_processes)]
     first = next(w for w in work
                  if not isinstance(w.batches, remote.RemoteBatches))
-    if self._loop is None:  # Fixed from the first round on.
-      p = self._program
-      self._loop = streaming.resolve_loop(
-          self._loop_setting, p.step,
-          jax.eval_shape(p.init, shared_input, first.client_input),
-          first.batches[0])
-    dynamic = streaming.runs_planned_steps(self._loop)
-    if self._lanes is None:  # Fixed from the first round on.
-      most = min(resolve_lanes(self._lanes_setting, tree_bytes(shared_input)),
-                 -(-len(work) // mesh.num_devices))
-      cost = (lanes_lib.AUTO_CPU_STEP_COST_LANES
-              if jax.default_backend() == 'cpu' else
-              lanes_lib.AUTO_STEP_COST_LANES)
-      self._lanes = most if self._lanes_setting != 'auto' else \
-          lanes_lib.choose_lanes(steps, most, self._segment_steps,
-                                 mesh.num_devices, groups, dynamic, cost)
-    if self._slots is None:
-      self._slots = (lanes_lib.choose_slots(
-          steps, self._lanes, self._segment_steps, mesh.num_devices, groups)
-                     if self._slots_setting == 'auto' else
-                     min(int(self._slots_setting), self._lanes))
-    plan = lanes_lib.plan_lanes(steps, self._lanes, self._segment_steps,
-                                self._slots, mesh.num_devices, groups,
-                                dynamic)
+    self._resolve(shared_input, steps, groups)
+    plan = lanes_lib.plan_lanes(steps, self._lanes,
+                                self.settings.segment_steps, self._slots,
+                                mesh.num_devices, groups)
     # Client inputs (keys) to the host in one transfer: a segment stacks
     # them there with its batches.
     inputs = jax.device_get([w.client_input for w in work])
     run = self._streams.run(
         shared_input, plan, [w.batches for w in work], inputs,
-        [w.weight for w in work], (first.batches[0], inputs[0]),
-        loop=self._loop)
+        [w.weight for w in work], (first.batches[0], inputs[0]))
     stats.record(self.name, clients=len(work), useful_steps=sum(steps),
                  executed_steps=plan.executed_steps,
                  sequential_steps=plan.sequential_steps,
                  segments=plan.num_segments,
                  lanes=plan.lanes, segment_steps=plan.segment_steps,
-                 slots=plan.slots, longest_client_steps=max(steps),
-                 rows_on_device=int(run.rows_on_device))
+                 slots=plan.slots, longest_client_steps=max(steps))
     total = float(np.sum(np.asarray([w.weight for w in work], np.float64)))
     return RoundResult(run.weighted_sum, total, run.diagnostics)
 
 
-def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
+def make_engine(name: str, program: ClientProgram, *,
                 mesh: Optional[sharding.ClientMesh] = None,
                 lanes_per_device: int | str = 'auto', segment_steps: int = 4,
-                slots: int | str = 'auto', segment_loop: str = 'auto'
-                ) -> LoopEngine | VmapEngine:
+                slots: int | str = 'auto') -> LoopEngine | VmapEngine:
   """Builds an engine by name.
 
   Args:
     name: 'auto' (vmap on GPU/TPU or several devices), 'loop' or 'vmap'.
     program: the client update.
-    steps_per_call: loop engine: local steps per jitted call.
-    lanes_per_device: vmap engine (:class:`VmapEngine`).
-    segment_steps: vmap engine.
-    slots: vmap engine.
-    segment_loop: vmap engine.
     mesh: the :class:`ClientMesh`; None: the one set by
       ``sharding.use_client_mesh``, if any. One device is the same as none.
+    lanes_per_device, segment_steps, slots: vmap engine
+      (:class:`VmapEngine`).
+
+  Returns:
+    A :class:`LoopEngine` or :class:`VmapEngine`.
 
   Raises:
     errors.EngineConfigError: (a ValueError) an unknown name, or 'loop'
@@ -385,10 +333,9 @@ def make_engine(name: str, program: ClientProgram, *, steps_per_call: int = 1,
           f'round engine loop runs on one device, but {mesh.num_devices} '
           "devices were requested; use engine 'vmap' (or 'auto') or one "
           'device.')
-    return LoopEngine(program, steps_per_call=steps_per_call)
+    return LoopEngine(program)
   if name == 'vmap':
     return VmapEngine(program, mesh=mesh, lanes_per_device=lanes_per_device,
-                      segment_steps=segment_steps, slots=slots,
-                      segment_loop=segment_loop)
+                      segment_steps=segment_steps, slots=slots)
   raise errors.EngineConfigError(
       f'Unknown round engine {name!r}; allowed: {ENGINE_NAMES}.')

@@ -20,6 +20,7 @@ from fedlite_jax.checks import check_int
 from fedlite_jax.common import PyTree
 from fedlite_jax.rounds import errors
 from fedlite_jax.rounds import lanes as lanes_lib
+from fedlite_jax.rounds import settings as settings_lib
 from fedlite_jax.rounds import sharding
 from fedlite_jax.rounds import stats
 from fedlite_jax.rounds import streaming
@@ -69,6 +70,124 @@ def _cast_like(new: PyTree, old: PyTree) -> PyTree:
   return jax.tree.unflatten(old_def, out)
 
 
+class _Runner:
+  """One ``for_each_client`` function's lane programs and windows."""
+
+  def __init__(self, backend: 'VmapBackend', mesh: sharding.ClientMesh,
+               client_init, client_step, client_final):
+    self.backend, self.mesh = backend, mesh
+    self.fns = client_init, client_step, client_final
+    self.streams: dict[tuple[bool, bool], streaming.LaneStreams] = {}
+    self.slots: dict[tuple, int] = {}
+    self.counter = collections.Counter()
+    self.no_steps = jax.jit(lambda s, c: client_final(s, client_init(s, c)))
+
+  def program(self, first: bool, last: bool) -> streaming.LaneStreams:
+    """init, steps, final; not first/last: from/to a carried state."""
+    if (first, last) not in self.streams:
+      client_init, client_step, client_final = self.fns
+
+      def init(shared_input, client_input):
+        return client_init(shared_input, client_input) if first \
+            else client_input
+
+      def step(state, batch):
+        new_state, step_result = client_step(state, batch)
+        return _cast_like(new_state, state), step_result
+
+      def final(shared_input, state):
+        return (client_final(shared_input, state) if last else state), None
+
+      self.streams[first, last] = streaming.LaneStreams(
+          init, step, final, mesh=self.mesh, collect=True)
+    return self.streams[first, last]
+
+  def lanes_for(self, count: int) -> int:
+    """Lanes per device: the smallest power of two holding ``count``
+    clients, at most the resolved lanes."""
+    most, devices = self.backend.lanes_per_device, self.mesh.num_devices
+    lanes = 1
+    while lanes * devices < count and lanes < most:
+      lanes *= 2
+    return min(lanes, most)
+
+  def run_phase(self, shared_input, key, members, runs, inputs):
+    """One run of equal-shape batches of each member, on lanes."""
+    prog = self.program(key[0], key[1])
+    counts = [len(r) for r in runs]
+    lanes, devices = self.lanes_for(len(members)), self.mesh.num_devices
+    segment_steps = self.backend.settings.segment_steps
+    if (key, lanes) not in self.slots:
+      self.slots[key, lanes] = lanes_lib.choose_slots(
+          counts, lanes, segment_steps, devices)
+    plan = lanes_lib.plan_lanes(counts, lanes, segment_steps,
+                                self.slots[key, lanes], devices)
+    run = prog.run(shared_input, plan, runs, inputs, np.ones(len(members)),
+                   (runs[0][0], inputs[0]))
+    self.counter['executed_steps'] += plan.executed_steps
+    self.counter['sequential_steps'] += plan.sequential_steps
+    self.counter['segments'] += plan.num_segments
+    return run.outputs, run.step_results
+
+  def run_window(self, shared_input, clients):
+    """``(output, step results)`` of each client, in window order."""
+    segments = [_segments(b) for _, b, _ in clients]
+    state = {i: cin for i, (_, _, cin) in enumerate(clients)}
+    results = {i: [] for i in range(len(clients))}
+    outputs = {}
+    for i, (_, batches, cin) in enumerate(clients):
+      if not batches:
+        outputs[i] = self.no_steps(shared_input, cin)
+    for j in range(max(len(s) for s in segments)):
+      phase = collections.OrderedDict()
+      for i, segs in enumerate(segments):
+        if j < len(segs):
+          key = (j == 0, j == len(segs) - 1, segs[j][0],
+                 _signature(state[i]))
+          phase.setdefault(key, []).append(i)
+      for key, members in phase.items():
+        runs = [clients[i][1][segments[i][j][1]:segments[i][j][2]]
+                for i in members]
+        outs, res = self.run_phase(shared_input, key, members, runs,
+                                   [state[i] for i in members])
+        for i, out, r in zip(members, outs, res):
+          results[i].extend(r)
+          if key[1]:
+            outputs[i] = out
+            del state[i]
+          else:
+            state[i] = out
+    return [(outputs.pop(i), results.pop(i)) for i in range(len(clients))]
+
+  def __call__(self, shared_input: PyTree,
+               clients: Iterable[tuple[Any, Iterable[PyTree], PyTree]]
+               ) -> Iterator[tuple[Any, PyTree, list[PyTree]]]:
+    clients = [(cid, list(batches), cin) for cid, batches, cin in clients]
+    if not clients:
+      return
+    backend, devices = self.backend, self.mesh.num_devices
+    if backend.lanes_per_device is None:  # Fixed at the first call.
+      backend._lanes = backend.settings.most_lanes(  # pylint: disable=protected-access
+          shared_input, len(clients), devices)
+    shared_input = self.mesh.put_replicated(shared_input)
+    self.counter.clear()
+    size = backend.window * backend.lanes_per_device * devices
+    try:
+      for start in range(0, len(clients), size):
+        window = clients[start:start + size]
+        done = self.run_window(shared_input, window)
+        done.reverse()
+        for cid, _, _ in window:  # Call order; no lingering references.
+          output, results = done.pop()
+          yield cid, output, results
+    finally:
+      stats.record('vmap_backend', clients=len(clients),
+                   useful_steps=sum(len(b) for _, b, _ in clients),
+                   lanes=backend.lanes_per_device * devices,
+                   segment_steps=backend.settings.segment_steps,
+                   **self.counter)
+
+
 class VmapBackend(fedjax.ForEachClientBackend):
   """``for_each_client`` with clients streamed through vmapped lanes.
 
@@ -82,13 +201,11 @@ class VmapBackend(fedjax.ForEachClientBackend):
 
   Args:
     mesh: the devices to split clients over; None: every local device.
-    lanes_per_device: an int >= 1 or 'auto' (``stats.resolve_lanes``,
-      at most the first call's clients per device); fixed at the first call.
-    segment_steps: local steps per compiled segment (>= 1).
+    lanes_per_device, segment_steps: as
+      :class:`~fedlite_jax.rounds.settings.LaneSettings` ('auto': at most
+      the first call's clients per device); fixed at the first call.
     window: clients run (and held) at once, as a multiple of the lanes
       (>= 1).
-    segment_loop: ``streaming.LOOPS`` ('auto': scan; on CPU unroll for a
-      client step with a convolution, :func:`streaming.resolve_loop`).
 
   Raises:
     ValueError: a bad option; when run, several processes, or a step changing
@@ -97,17 +214,12 @@ class VmapBackend(fedjax.ForEachClientBackend):
 
   def __init__(self, mesh: Optional[sharding.ClientMesh] = None,
                lanes_per_device: int | str = 'auto', segment_steps: int = 4,
-               window: int = 4, segment_loop: str = 'auto'):
-    if lanes_per_device != 'auto':
-      stats.resolve_lanes(lanes_per_device, 0)  # Validates it.
+               window: int = 4):
+    self.settings = settings_lib.LaneSettings(lanes_per_device,
+                                              segment_steps)
     self._mesh = mesh
-    self._lanes_setting = lanes_per_device
     self._lanes: Optional[int] = None
-    self._segment_steps = check_int(segment_steps, 'segment_steps')
-    self._window = check_int(window, 'window')
-    streaming.resolve_loop(segment_loop)  # Validates it.
-    self._loop_setting = segment_loop
-    self._loop: Optional[str] = None
+    self.window = check_int(window, 'window')
 
   @property
   def lanes_per_device(self) -> Optional[int]:
@@ -120,122 +232,4 @@ class VmapBackend(fedjax.ForEachClientBackend):
       raise errors.EngineConfigError(
           'VmapBackend runs the clients of one process; with '
           'several processes use the fedlite_jax round engines.')
-    devices = mesh.num_devices
-    streams: dict[tuple[bool, bool], streaming.LaneStreams] = {}
-    slots: dict[tuple, int] = {}
-
-    def program(first: bool, last: bool) -> streaming.LaneStreams:
-      """init, steps, final; not first/last: from/to a carried state."""
-      if (first, last) not in streams:
-
-        def init(shared_input, client_input):
-          if first:
-            return client_init(shared_input, client_input)
-          return client_input
-
-        def step(state, batch):
-          new_state, step_result = client_step(state, batch)
-          return _cast_like(new_state, state), step_result
-
-        def final(shared_input, state):
-          return (client_final(shared_input, state) if last else state), None
-
-        streams[first, last] = streaming.LaneStreams(
-            init, step, final, mesh=mesh, collect=True)
-      return streams[first, last]
-
-    no_steps = jax.jit(lambda s, c: client_final(s, client_init(s, c)))
-
-    def lanes_for(count: int) -> int:
-      """Lanes per device: the smallest power of two holding ``count``
-      clients, at most the resolved lanes."""
-      lanes = 1
-      while lanes * devices < count and lanes < self._lanes:
-        lanes *= 2
-      return min(lanes, self._lanes)
-
-    def run_phase(shared_input, key, members, runs, inputs):
-      """One run of equal-shape batches of each member, on lanes."""
-      first, last = key[0], key[1]
-      prog = program(first, last)
-      counts = [len(r) for r in runs]
-      if self._loop is None:  # Fixed from the first phase on.
-        state = (jax.eval_shape(client_init, shared_input, inputs[0])
-                 if first else inputs[0])
-        self._loop = streaming.resolve_loop(self._loop_setting, client_step,
-                                            state, runs[0][0])
-      lanes = lanes_for(len(members))
-      if (key, lanes) not in slots:
-        slots[key, lanes] = lanes_lib.choose_slots(
-            counts, lanes, self._segment_steps, devices)
-      plan = lanes_lib.plan_lanes(counts, lanes, self._segment_steps,
-                                  slots[key, lanes], devices,
-                                  dynamic_steps=streaming.runs_planned_steps(self._loop))
-      run = prog.run(shared_input, plan, runs, inputs, np.ones(len(members)),
-                     (runs[0][0], inputs[0]), loop=self._loop)
-      counter['executed_steps'] += plan.executed_steps
-      counter['sequential_steps'] += plan.sequential_steps
-      counter['segments'] += plan.num_segments
-      return run.outputs, run.step_results
-
-    def run_window(shared_input, clients):
-      """``(output, step results)`` of each client, in window order."""
-      segments = [_segments(b) for _, b, _ in clients]
-      state = {i: cin for i, (_, _, cin) in enumerate(clients)}
-      results = {i: [] for i in range(len(clients))}
-      outputs = {}
-      for i, (_, batches, cin) in enumerate(clients):
-        if not batches:
-          outputs[i] = no_steps(shared_input, cin)
-      for j in range(max(len(s) for s in segments)):
-        phase = collections.OrderedDict()
-        for i, segs in enumerate(segments):
-          if j < len(segs):
-            key = (j == 0, j == len(segs) - 1, segs[j][0],
-                   _signature(state[i]))
-            phase.setdefault(key, []).append(i)
-        for key, members in phase.items():
-          runs = [clients[i][1][segments[i][j][1]:segments[i][j][2]]
-                  for i in members]
-          outs, res = run_phase(shared_input, key, members, runs,
-                                [state[i] for i in members])
-          for i, out, r in zip(members, outs, res):
-            results[i].extend(r)
-            if key[1]:
-              outputs[i] = out
-              del state[i]
-            else:
-              state[i] = out
-      return [(outputs.pop(i), results.pop(i)) for i in range(len(clients))]
-
-    counter = collections.Counter()
-
-    def run(shared_input: PyTree,
-            clients: Iterable[tuple[Any, Iterable[PyTree], PyTree]]
-            ) -> Iterator[tuple[Any, PyTree, list[PyTree]]]:
-      clients = [(cid, list(batches), cin) for cid, batches, cin in clients]
-      if not clients:
-        return
-      if self._lanes is None:
-        self._lanes = min(
-            stats.resolve_lanes(self._lanes_setting,
-                                stats.tree_bytes(shared_input)),
-            -(-len(clients) // devices))
-      shared_input = mesh.put_replicated(shared_input)
-      counter.clear()
-      size = self._window * self._lanes * devices
-      try:
-        for start in range(0, len(clients), size):
-          window = clients[start:start + size]
-          done = run_window(shared_input, window)
-          done.reverse()
-          for cid, _, _ in window:  # Call order; no lingering references.
-            output, results = done.pop()
-            yield cid, output, results
-      finally:
-        stats.record('vmap_backend', clients=len(clients),
-                     useful_steps=sum(len(b) for _, b, _ in clients),
-                     lanes=self._lanes * devices,
-                     segment_steps=self._segment_steps, **counter)
-
-    return run
+    return _Runner(self, mesh, client_init, client_step, client_final)

@@ -41,9 +41,6 @@ class LanePlan:
       the same lane (-1: none).
     finish: ``int32[lanes]``: the client finalized on each lane after the
       last step (-1: none).
-    dynamic_steps: whether the last segment runs only its planned steps (a
-      segment loop with a run-time trip count); False: every segment runs
-      ``segment_steps`` steps, the last one padded with masked steps.
   """
   lanes_per_device: int
   devices: int
@@ -56,7 +53,6 @@ class LanePlan:
   finalize_client: np.ndarray
   start_client: np.ndarray
   finish: np.ndarray
-  dynamic_steps: bool = False
 
   @property
   def lanes(self) -> int:
@@ -70,9 +66,9 @@ class LanePlan:
 
   @property
   def sequential_steps(self) -> int:
-    """Steps run one after another: :attr:`last_step` with
-    ``dynamic_steps``, else :attr:`steps` (the last segment padded)."""
-    return self.last_step if self.dynamic_steps else self.steps
+    """Steps run one after another: :attr:`last_step` (a segment runs
+    only its planned steps)."""
+    return self.last_step
 
   @property
   def last_step(self) -> int:
@@ -181,25 +177,17 @@ def choose_slots(step_counts: Sequence[int], lanes_per_device: int,
 
 
 #: ``lanes_per_device='auto'`` takes the lanes of the least modeled device
-#: time of the first cohort's plan, ``sequential steps x (AUTO_STEP_COST_LANES
-#: + lanes per device)``: every lane-step (masked ones too) costs one unit
-#: and every step this many more. 4: on one NVIDIA H200 the plain vmapped
-#: gradient + SGD step of the 21M Transformer took 3.13 ms on one lane, 6.49
-#: ms on 8 and 23.5 ms on 39 (``bench_lane_step.py``): 0.55 ms per lane plus
-#: a fixed 2.1-2.7 ms, 3.8-4.9 lanes' worth.
+#: time of the first cohort's plan, ``sequential steps x (step cost + lanes
+#: per device)``: every lane-step (masked ones too) costs one unit and every
+#: step this many more, on an accelerator (docs/notes/rounds.md).
 AUTO_STEP_COST_LANES = 4.0
-#: The step cost on XLA:CPU, where a lane adds no parallel hardware and
-#: time follows the lane-steps (FEMNIST CNN, 2 cores: 10.6 ms per step on
-#: one lane, 21.5 ms on two; ``benchmarks/results/lanes_cpu.md``): near 0.
-#: 0.2 keeps the CPU's choice of before (2 lanes where they execute at
-#: most ~1.09x the useful steps, else 1).
+#: The step cost on XLA:CPU, where a lane adds no parallel hardware.
 AUTO_CPU_STEP_COST_LANES = 0.2
 
 
 def choose_lanes(step_counts: Sequence[int], most: int, segment_steps: int,
                  devices: int = 1,
                  groups: Optional[Sequence[Sequence[int]]] = None,
-                 dynamic_steps: bool = False,
                  step_cost: float = AUTO_STEP_COST_LANES) -> int:
   """Lanes per device for a cohort (<= ``most``): those whose plan (one
   slot per lane, the shortest plan) has the least modeled device time,
@@ -207,9 +195,8 @@ def choose_lanes(step_counts: Sequence[int], most: int, segment_steps: int,
   (:data:`AUTO_STEP_COST_LANES`); ties go to more lanes.
 
   Fewer lanes execute fewer masked lane-steps, more lanes fewer sequential
-  steps; of lane counts that run the same steps the fewest win
-  (``benchmarks/bench_lane_plans.py`` compares the rules over many
-  cohorts). Each candidate's time is bounded below by ``max(longest,
+  steps; of lane counts that run the same steps the fewest win. Each
+  candidate's time is bounded below by ``max(longest,
   ceil(useful / lanes))`` sequential steps (no plan is shorter); only
   candidates under the best time by that bound are planned.
 
@@ -225,22 +212,69 @@ def choose_lanes(step_counts: Sequence[int], most: int, segment_steps: int,
   for per in range(most, 0, -1):
     lanes = per * devices
     bound = max(longest, -(-useful // lanes))
-    if not dynamic_steps:
-      bound = -(-bound // segment_steps) * segment_steps
     if bound * (step_cost + per) >= best_time:
       continue
-    plan = plan_lanes(counts, per, segment_steps, per, devices, groups,
-                      dynamic_steps)
+    plan = plan_lanes(counts, per, segment_steps, per, devices, groups)
     time = plan.sequential_steps * (step_cost + per)
     if time < best_time:
       best, best_time = per, time
   return best
 
 
+def _walk(counts: np.ndarray, queues: dict[int, list[int]], per: int,
+          devices: int, slots: int) -> tuple[np.ndarray, np.ndarray, dict]:
+  """Steps every lane through its queue: ``(begin, finish, rows)``, rows
+  the per-step ``client``, ``batch``, ``finalize``, ``finalize_client``
+  and ``start_client`` lists of :func:`plan_lanes`."""
+  lanes = per * devices
+  begin = np.full(lanes, -1, np.int32)
+  current = np.full(lanes, -1, np.int64)   # client on the lane (or -1)
+  done = np.zeros(lanes, np.int64)         # its steps taken
+  left = np.zeros(lanes, np.int64)         # steps of the queued clients
+  position = np.zeros(lanes, np.int64)     # next queue index
+  for lane, queue in queues.items():
+    if queue:
+      begin[lane] = current[lane] = queue[0]
+      position[lane] = 1
+      left[lane] = int(sum(counts[i] for i in queue[1:]))
+  rows = {k: [] for k in ('client', 'batch', 'finalize', 'finalize_client',
+                          'start_client')}
+  while True:
+    fin, fin_client, start = (np.full((devices, slots), -1, np.int32)
+                              for _ in range(3))
+    running = current >= 0
+    ended = running & (done == counts[np.maximum(current, 0)])
+    waiting = ended & (left > 0)
+    if not np.any(running & ~ended) and not np.any(waiting):
+      break
+    for d in range(devices):
+      lo = d * per
+      lanes_d = np.flatnonzero(waiting[lo:lo + per]) + lo
+      # Lanes with the most work left finalize first (ties: lowest lane).
+      lanes_d = sorted(lanes_d, key=lambda l: (-left[l], l))[:slots]
+      for k, lane in enumerate(lanes_d):
+        nxt = queues[lane][position[lane]]
+        fin[d, k], fin_client[d, k], start[d, k] = lane - lo, current[lane], nxt
+        current[lane], done[lane] = nxt, 0
+        position[lane] += 1
+        left[lane] -= counts[nxt]
+    ended = current >= 0
+    ended &= done == counts[np.maximum(current, 0)]
+    step_client = np.where((current >= 0) & ~ended, current, -1)
+    rows['client'].append(step_client.astype(np.int32))
+    rows['batch'].append(np.where(step_client >= 0, done, 0).astype(np.int32))
+    done += step_client >= 0
+    rows['finalize'].append(fin)
+    rows['finalize_client'].append(fin_client)
+    rows['start_client'].append(start)
+  finish = np.where(current >= 0, current, -1).astype(np.int32)
+  return begin, finish, rows
+
+
 def plan_lanes(step_counts: Sequence[int], lanes_per_device: int,
                segment_steps: int, slots: int, devices: int = 1,
-               groups: Optional[Sequence[Sequence[int]]] = None,
-               dynamic_steps: bool = False) -> LanePlan:
+               groups: Optional[Sequence[Sequence[int]]] = None
+               ) -> LanePlan:
   """Plans a round: clients onto lanes, then every step of every lane.
 
   Clients go longest first onto the least-loaded lane. A lane whose client
@@ -258,7 +292,9 @@ def plan_lanes(step_counts: Sequence[int], lanes_per_device: int,
     devices: devices (>= 1).
     groups: clients of each process, which run on its own devices
       (``devices`` split evenly); None: one group of every client.
-    dynamic_steps: :attr:`LanePlan.dynamic_steps`.
+
+  Returns:
+    A :class:`LanePlan`.
 
   Raises:
     ValueError: a count < 1, a bad size, or groups that do not cover every
@@ -286,51 +322,8 @@ def plan_lanes(step_counts: Sequence[int], lanes_per_device: int,
   queues: dict[int, list[int]] = {}
   for p, members in enumerate(groups):
     queues.update(_assign(counts, members, range(p * share, (p + 1) * share)))
-
-  begin = np.full(lanes, -1, np.int32)
-  finish = np.full(lanes, -1, np.int32)
-  current = np.full(lanes, -1, np.int64)   # client on the lane (or -1)
-  done = np.zeros(lanes, np.int64)         # its steps taken
-  left = np.zeros(lanes, np.int64)         # steps of the queued clients
-  position = np.zeros(lanes, np.int64)     # next queue index
-  for lane, queue in queues.items():
-    if queue:
-      begin[lane] = current[lane] = queue[0]
-      position[lane] = 1
-      left[lane] = int(sum(counts[i] for i in queue[1:]))
-  client_rows, batch_rows, fin_rows, fin_client_rows, start_rows = (
-      [], [], [], [], [])
-  while True:
-    fin = np.full((devices, slots), -1, np.int32)
-    fin_client = np.full((devices, slots), -1, np.int32)
-    start = np.full((devices, slots), -1, np.int32)
-    running = current >= 0
-    ended = running & (done == counts[np.maximum(current, 0)])
-    waiting = ended & (left > 0)
-    if not np.any(running & ~ended) and not np.any(waiting):
-      break
-    for d in range(devices):
-      lo = d * per
-      lanes_d = np.flatnonzero(waiting[lo:lo + per]) + lo
-      # Lanes with the most work left finalize first (ties: lowest lane).
-      lanes_d = sorted(lanes_d, key=lambda l: (-left[l], l))[:slots]
-      for k, lane in enumerate(lanes_d):
-        nxt = queues[lane][position[lane]]
-        fin[d, k], fin_client[d, k], start[d, k] = lane - lo, current[lane], nxt
-        current[lane], done[lane] = nxt, 0
-        position[lane] += 1
-        left[lane] -= counts[nxt]
-    ended = current >= 0
-    ended &= done == counts[np.maximum(current, 0)]
-    step_client = np.where((current >= 0) & ~ended, current, -1)
-    client_rows.append(step_client.astype(np.int32))
-    batch_rows.append(np.where(step_client >= 0, done, 0).astype(np.int32))
-    done += step_client >= 0
-    fin_rows.append(fin)
-    fin_client_rows.append(fin_client)
-    start_rows.append(start)
-  finish[:] = np.where(current >= 0, current, -1)
-  steps = len(client_rows)
+  begin, finish, rows = _walk(counts, queues, per, devices, slots)
+  steps = len(rows['client'])
   total = -(-steps // seg) * seg
 
   def stack(rows, shape, fill=-1):
@@ -341,9 +334,9 @@ def plan_lanes(step_counts: Sequence[int], lanes_per_device: int,
 
   return LanePlan(
       lanes_per_device=per, devices=devices, slots=slots, segment_steps=seg,
-      begin=begin, client=stack(client_rows, (lanes,)),
-      batch=stack(batch_rows, (lanes,), 0),
-      finalize=stack(fin_rows, (devices, slots)),
-      finalize_client=stack(fin_client_rows, (devices, slots)),
-      start_client=stack(start_rows, (devices, slots)), finish=finish,
-      dynamic_steps=bool(dynamic_steps))
+      begin=begin, client=stack(rows['client'], (lanes,)),
+      batch=stack(rows['batch'], (lanes,), 0),
+      finalize=stack(rows['finalize'], (devices, slots)),
+      finalize_client=stack(rows['finalize_client'], (devices, slots)),
+      start_client=stack(rows['start_client'], (devices, slots)),
+      finish=finish)

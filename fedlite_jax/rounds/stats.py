@@ -23,9 +23,8 @@ from fedlite_jax.common import PyTree
 ADDITIVE = ('clients', 'useful_steps', 'executed_steps', 'sequential_steps',
             'segments')
 #: Settings of the last engine call: lanes (over all devices), steps per
-#: segment, finalization slots per device and step, whether the batches were
-#: gathered on the devices (1) or sent by the host (0; ``device_rows``).
-SETTINGS = ('lanes', 'segment_steps', 'slots', 'rows_on_device')
+#: segment, finalization slots per device and step.
+SETTINGS = ('lanes', 'segment_steps', 'slots')
 #: Largest over the engine calls: the longest client's local steps.
 MAXIMA = ('longest_client_steps',)
 
@@ -163,11 +162,9 @@ def counting_compilations() -> Iterator[CompileCounter]:
       _COUNTERS.remove(counter)
 
 
-#: Programs that run the client updates: the vmap engine's (a ``'host'``
-#: segment loop's step programs included) and the loop engine's
-#: (``jit(name)`` in the compile events).
+#: Programs that run the client updates: the vmap engine's and the loop
+#: engine's (``jit(name)`` in the compile events).
 CLIENT_PROGRAMS = ('lanes_begin', 'lanes_segment', 'lanes_finish',
-                   'lanes_step', 'lanes_transition',
                    'loop_init', 'loop_step', 'loop_final')
 
 
@@ -181,11 +178,8 @@ AUTO_PARAM_COPIES = 16
 AUTO_LANE_EXTRA_BYTES = 64 * 2**20
 AUTO_MEMORY_FRACTION = 0.5
 AUTO_MAX_LANES = 256
-#: ``'auto'`` on XLA:CPU, where a lane adds no parallel hardware: FEMNIST
-#: CNN, 10 clients, 2 cores, 8 rounds on fresh cohorts, glibc's huge pages:
-#: 1 / 2 / 4 / 10 lanes took 1.02 / 1.07 / 1.18 / 1.22x the loop engine's
-#: round in the same process (benchmarks/results/lanes_cpu.md; two runs,
-#: 1 and 2 lanes not told apart).
+#: ``'auto'``'s most lanes on XLA:CPU, where a lane adds no parallel
+#: hardware.
 AUTO_CPU_LANES = 2
 
 
