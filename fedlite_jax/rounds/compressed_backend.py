@@ -2,7 +2,7 @@
 
 The algorithm runs unmodified; each call's ``shared_input`` and each client's
 ``client_final`` output are encoded and decoded, their bits charged to a
-ledger. Notes (keys, rounds): docs/notes/rounds.md.
+ledger. Notes (keys, rounds): docs/notes/engines.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :class:`VmapEngine` (GPU/TPU default) streams clients through a fixed number
 of vmapped lanes, one compiled program per run; :class:`LoopEngine` (CPU
 default, jax-ml/jax#12868) calls jitted steps per client. Notes:
-docs/notes/rounds.md.
+docs/notes/engines.md.
 """
 
 from __future__ import annotations

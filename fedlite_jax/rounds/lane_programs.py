@@ -6,7 +6,7 @@ states into those rows in place, then takes one masked vmapped step. A
 segment (:func:`build_lane_programs`) is an on-device ``scan`` of
 ``segment_steps`` lane-steps that skips the steps past the plan. The
 programs run per device under ``shard_map``; lane states and sums stay on
-the devices between calls. Design notes: docs/notes/rounds.md.
+the devices between calls. Design notes: docs/notes/engines.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each device runs ``lanes`` clients side by side; a lane runs its assigned
 clients back to back. The plan says which client steps on which lane at each
 step, and where clients end (``slots`` finalizations per device and step).
-Notes: docs/notes/rounds.md.
+Notes: docs/notes/engines.md.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def choose_slots(step_counts: Sequence[int], lanes_per_device: int,
 #: ``lanes_per_device='auto'`` takes the lanes of the least modeled device
 #: time of the first cohort's plan, ``sequential steps x (step cost + lanes
 #: per device)``: every lane-step (masked ones too) costs one unit and every
-#: step this many more, on an accelerator (docs/notes/rounds.md).
+#: step this many more, on an accelerator (docs/notes/engines.md).
 AUTO_STEP_COST_LANES = 4.0
 #: The step cost on XLA:CPU, where a lane adds no parallel hardware.
 AUTO_CPU_STEP_COST_LANES = 0.2

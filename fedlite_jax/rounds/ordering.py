@@ -9,7 +9,7 @@ weight's update, so XLA copied every weight of every lane each step (XLA:CPU,
 the 21M Transformer on 39 lanes: 6.6 GB per step, 8.7% of the plain step's
 bytes). ``lax.optimization_barrier`` does not order them: it is removed
 before copy insertion. :func:`ordered_after` adds the dependence instead.
-Notes: docs/notes/rounds.md.
+Notes: docs/notes/engines.md.
 """
 
 from __future__ import annotations

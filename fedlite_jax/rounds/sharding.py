@@ -2,7 +2,7 @@
 
 Per-client inputs are sharded along a one-axis mesh, the shared input is
 replicated, and the sum over clients becomes an all-reduce. Row layout over
-processes: docs/notes/rounds.md.
+processes: docs/notes/engines.md.
 """
 
 from __future__ import annotations

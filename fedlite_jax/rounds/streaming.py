@@ -6,7 +6,7 @@ lanes' first clients, segments of lane-steps, finish the last clients),
 the segment inputs made on the host
 (:class:`~fedlite_jax.rounds.lane_inputs.SegmentFeeder`), and the driver
 here (:class:`LaneStreams`), which runs a planned round. Design notes:
-docs/notes/rounds.md.
+docs/notes/engines.md.
 """
 
 from __future__ import annotations
