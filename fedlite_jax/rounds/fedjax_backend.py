@@ -232,4 +232,10 @@ class VmapBackend(fedjax.ForEachClientBackend):
       raise errors.EngineConfigError(
           'VmapBackend runs the clients of one process; with '
           'several processes use the fedlite_jax round engines.')
-    return _Runner(self, mesh, client_init, client_step, client_final)
+    runner = _Runner(self, mesh, client_init, client_step, client_final)
+
+    def run(shared_input: PyTree,
+            clients: Iterable[tuple[Any, Iterable[PyTree], PyTree]]
+            ) -> Iterator[tuple[Any, PyTree, list[PyTree]]]:
+      return runner(shared_input, clients)
+    return run
