@@ -8,7 +8,7 @@ excluded by ``--warmup`` rounds on other cohorts; the timed rounds are then
 interleaved (ours, FedJAX, ours, ...) so that machine noise hits both alike.
 
   FEDLITE_DATA_DIR=/path/to/data python benchmarks/bench_fedavg.py
-  python benchmarks/bench_fedavg.py --engines=loop:1,loop:4,vmap --rounds=5
+  python benchmarks/bench_fedavg.py --engines=loop,vmap --rounds=5
 
 Without FEDLITE_DATA_DIR it uses the embedded MNIST task.
 """
@@ -41,8 +41,8 @@ def main() -> None:
   parser.add_argument('--batch_size', type=int, default=20)
   parser.add_argument('--rounds', type=int, default=5, help='timed rounds')
   parser.add_argument('--warmup', type=int, default=2, help='untimed rounds')
-  parser.add_argument('--engines', default='loop:1,loop:2,loop:4,vmap',
-                      help='comma list of loop:<steps_per_call> and vmap')
+  parser.add_argument('--engines', default='loop,vmap',
+                      help='comma list of loop and vmap')
   args = parser.parse_args()
   task = args.task or ('emnist' if os.environ.get('FEDLITE_DATA_DIR')
                        else 'embedded_mnist')
@@ -72,17 +72,11 @@ def main() -> None:
         fedjax.ShuffleRepeatBatchHParams(batch_size=args.batch_size, seed=0))
 
   algs = {'fedjax.fed_avg (jit backend)': fedjax_alg()}
-  for spec in args.engines.split(','):
-    if spec.startswith('loop'):
-      k = int(spec.split(':')[1]) if ':' in spec else 1
-      algs[f'ours loop, {k} step(s)/call'] = federated_averaging(
-          grad_fn, optax.sgd(0.1), optax.sgd(1.0), hp, engine='loop',
-          steps_per_call=k)
-    elif spec == 'vmap':
-      algs['ours vmap (one program)'] = federated_averaging(
-          grad_fn, optax.sgd(0.1), optax.sgd(1.0), hp, engine='vmap')
-    else:
-      raise SystemExit(f'unknown engine spec {spec!r}')
+  for engine in args.engines.split(','):
+    if engine not in ('loop', 'vmap'):
+      raise SystemExit(f'--engines: unknown {engine!r}; allowed: loop, vmap.')
+    algs[f'ours {engine} engine'] = federated_averaging(
+        grad_fn, optax.sgd(0.1), optax.sgd(1.0), hp, engine=engine)
 
   states = {name: alg.init(params) for name, alg in algs.items()}
   for cohort in cohorts[:args.warmup]:

@@ -64,9 +64,14 @@ for p in files('experiments'):
   out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',
           '    data = glob(["experiments/configs/*.flags"]),',
           f'    deps = [":training"{"".join(", " + d for d in lib_deps)}],', ')', '']
+# Benchmark helpers (no main) go in the srcs of the script that imports them.
+BENCH_HELPERS = {'benchmarks/trace_summary.py': 'bench_rounds'}
 for p in files('benchmarks'):
   n = pathlib.Path(p).stem
-  out += ['py_binary(', f'    name = "{n}",', f'    srcs = ["{p}"],',
+  if p in BENCH_HELPERS:
+    continue
+  srcs = [p] + [h for h, owner in BENCH_HELPERS.items() if owner == n]
+  out += ['py_binary(', f'    name = "{n}",', '    srcs = [', lst(srcs), '    ],',
           '    deps = [":training"],', ')', '']
 out += ['py_library(', '    name = "test_support",', '    testonly = True,', '    srcs = ["tests/conftest.py"],',
         '    deps = [":fedlite_jax", requirement("pytest")],', ')', '']
