@@ -8,6 +8,7 @@ Learning with Sketching", ICML 2020, Algorithm 1, as their reference code
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import fedjax
@@ -77,6 +78,49 @@ def fetchsgd_server_step(mean_sketch: jax.Array, momentum: jax.Array,
   return (delta, jnp.where(hit, 0.0, momentum), jnp.where(hit, 0.0, error))
 
 
+def _check_args(rows, cols, k, momentum, server_lr, download_accounting,
+                nonfinite, client_ids):
+  """:func:`fetchsgd`'s ValueErrors; ``(rows, cols, k, client id index)``."""
+  rows = rc.check_int(rows, 'sketch_rows')
+  cols = rc.check_int(cols, 'sketch_cols')
+  k = rc.check_int(k, 'topk_k')
+  if not 0 <= momentum < 1:
+    raise ValueError(f'momentum must be in [0, 1); got {momentum}.')
+  if not server_lr > 0:
+    raise ValueError(f'server_lr must be > 0; got {server_lr}.')
+  rc.check_choice(download_accounting, rc.DOWNLOAD_ACCOUNTING,
+                  'download_accounting')
+  nonfinite_lib.check_policy(nonfinite)
+  index = rc.client_id_index(client_ids)
+  if download_accounting == 'changed' and not index:
+    raise ValueError("download_accounting='changed' needs the training "
+                     'client_ids.')
+  return rows, cols, k, index
+
+
+def _compress(upload: tx.CommTransform, shared, client_input, delta, mask):
+  """Client upload: the delta's count sketch ``float32[rows, cols]``."""
+  del shared, mask  # no PVT
+  msg, _ = upload.encode(delta, (), rc.compression_key(client_input))
+  return msg.values, {}
+
+
+def _server_update(k: int, rho: float, seed: int, server_lr: float,
+                   state: FetchSGDState, weighted_sum, total_weight):
+  """:func:`fetchsgd_server_step` on the mean sketch, ``params -= server_lr
+  Delta`` and the changed weights marked: ``(new state, finite)``."""
+  spec = tx.TreeSpec.of(state.params)
+  old = spec.ravel(state.params)
+  delta, v, e = fetchsgd_server_step(
+      weighted_sum / total_weight, state.momentum, state.error, k=k, rho=rho,
+      seed=seed, D=spec.size)
+  new = old - server_lr * delta
+  new_state = state.replace(
+      params=spec.unravel(new), momentum=v, error=e,
+      last_changed=rc.mark_changed(state.last_changed, old, new, state.round))
+  return new_state, nonfinite_lib.all_finite(new_state)
+
+
 def fetchsgd(
     grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation, *,
     batch_size: int, rows: int, cols: int, k: int, server_lr: float = 1.0,
@@ -112,61 +156,27 @@ def fetchsgd(
     FloatingPointError: from ``apply``: a non-finite sketch (``'raise'``),
       every sketch non-finite (``'skip'``), or a non-finite server state.
   """
-  rows = rc.check_int(rows, 'sketch_rows')
-  cols = rc.check_int(cols, 'sketch_cols')
-  k = rc.check_int(k, 'topk_k')
-  if not 0 <= momentum < 1:
-    raise ValueError(f'momentum must be in [0, 1); got {momentum}.')
-  if not server_lr > 0:
-    raise ValueError(f'server_lr must be > 0; got {server_lr}.')
-  rc.check_choice(download_accounting, rc.DOWNLOAD_ACCOUNTING,
-                  'download_accounting')
-  nonfinite_lib.check_policy(nonfinite)
-  index = rc.client_id_index(client_ids)
-  if download_accounting == 'changed' and not index:
-    raise ValueError("download_accounting='changed' needs the training "
-                     'client_ids.')
+  rows, cols, k, index = _check_args(rows, cols, k, momentum, server_lr,
+                                     download_accounting, nonfinite,
+                                     client_ids)
   hparams = rc.batch_hparams(batch_size, local_steps)
-  upload = tx.count_sketch(rows, cols, seed)
-  upload_bits = tx.sketch_message_bits(rows, cols)
-
-  def compress(shared, client_input, delta, mask):
-    del shared, mask  # no PVT
-    msg, _ = upload.encode(delta, (), rc.compression_key(client_input))
-    return msg.values, {}
-
-  round_engine = make_engine(
-      engine, rc.delta_client_program(grad_fn, client_optimizer, compress),
-      **engine_options)
-
-  def spec_of(params):
-    return rc.model_spec(params, k, 'fetchsgd: topk_k')
-
-  @jax.jit
-  def server_update(state, weighted_sum, total_weight):
-    spec = tx.TreeSpec.of(state.params)
-    old = spec.ravel(state.params)
-    delta, v, e = fetchsgd_server_step(
-        weighted_sum / total_weight, state.momentum, state.error, k=k,
-        rho=momentum, seed=seed, D=spec.size)
-    new = old - server_lr * delta
-    new_state = state.replace(
-        params=spec.unravel(new), momentum=v, error=e,
-        last_changed=rc.mark_changed(state.last_changed, old, new,
-                                     state.round))
-    return new_state, nonfinite_lib.all_finite(new_state)
+  compress = functools.partial(_compress, tx.count_sketch(rows, cols, seed))
+  round_engine = make_engine(engine, rc.delta_client_program(
+      grad_fn, client_optimizer, compress), **engine_options)
+  server_update = jax.jit(functools.partial(_server_update, k, momentum,
+                                            seed, server_lr))
 
   def init(params: Params) -> FetchSGDState:
-    spec = spec_of(params)
     zeros = jnp.zeros((rows, cols), jnp.float32)
     return rc.on_first_device(FetchSGDState(
         params=params, momentum=zeros, error=zeros,
         round=jnp.zeros((), jnp.int32),
-        last_changed=jnp.full((spec.size,), -1, jnp.int32),
+        last_changed=jnp.full((rc.model_spec(params, k, 'fetchsgd: topk_k')
+                               .size,), -1, jnp.int32),
         last_round=jnp.full((len(index),), -1, jnp.int32)))
 
   def apply(state: FetchSGDState, clients):
-    D = spec_of(state.params).size
+    D = rc.model_spec(state.params, k, 'fetchsgd: topk_k').size
     round_num = int(state.round)
     work = rc.make_work(clients, hparams)
     positions = rc.client_positions(index, work)
@@ -180,7 +190,8 @@ def fetchsgd(
                                      result.weighted_sum, np.float32(total))
     nonfinite_lib.check_server_state(finite, 'fetchsgd', skipped, round_num)
     return state, rc.client_diagnostics(
-        work, result, upload_bits=upload_bits, download=download,
+        work, result, upload_bits=tx.sketch_message_bits(rows, cols),
+        download=download,
         num_examples=[len(w.batches) * hparams.batch_size for w in work],
         skipped=skipped)
 

@@ -9,7 +9,8 @@ Server: ``params = base + sum_k A_e^(k) sigma_k``; clients upload
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import fedjax
 import jax
@@ -155,6 +156,215 @@ def igc_client_bits(D: int, d: int, num_subspaces: int = 1,
               vectors=vectors)}
 
 
+class _Setup(NamedTuple):
+  """IGC's checked settings, shared by its client and server steps."""
+  name: str
+  d: int
+  K: int
+  time_varying: bool
+  rounds_per_epoch: Optional[int]
+  index: dict[bytes, int]
+  hparams: fedjax.ShuffleRepeatBatchHParams
+  projection: tx.CommTransform
+  upload_transform: Optional[tx.CommTransform]
+  tail_state: Any
+  value_bits: Optional[float]
+  count_index_bits: bool
+  download_accounting: str
+  nonfinite: str
+  project_on_server: bool
+  server_optimizer: optax.GradientTransformation
+  dp: Optional[fedopt.DP]
+  dp_seed: int
+  subspaces: Callable[[int, int], ff.FastfoodParams]  # (D, epoch), cached.
+
+
+def _setup(intrinsic_dim, num_subspaces, time_varying, rounds_per_epoch,
+           client_ids, download_accounting, nonfinite, batch_size,
+           local_steps, seed, scale, count_index_bits, upload_transform,
+           project_on_server, server_optimizer, dp, dp_seed) -> _Setup:
+  """Checks :func:`intrinsic_gradient_compression`'s arguments (its
+  ValueErrors) and returns them resolved."""
+  d = rc.check_int(intrinsic_dim, 'intrinsic_dim (d)')
+  K = rc.check_int(num_subspaces, 'num_subspaces (K)')
+  rc.check_choice(download_accounting, IGC_DOWNLOAD_ACCOUNTING,
+                  'download_accounting')
+  nonfinite_lib.check_policy(nonfinite)
+  if time_varying:
+    if rounds_per_epoch is None:
+      raise ValueError('time_varying=True needs rounds_per_epoch (one epoch '
+                       '= one pass over the clients).')
+    rounds_per_epoch = rc.check_int(rounds_per_epoch, 'rounds_per_epoch')
+  index = rc.client_id_index(client_ids)
+  if download_accounting == 'exact' and not index:
+    raise ValueError("download_accounting='exact' needs the training "
+                     'client_ids.')
+  hparams = rc.batch_hparams(batch_size, local_steps)
+  projection = tx.intrinsic_projection(d, K, seed, scale, count_index_bits)
+  coord_shape = jax.ShapeDtypeStruct((d,), jnp.float32)
+  tail_state = value_bits = None
+  if upload_transform is not None:
+    tail_state = upload_transform.init(coord_shape)
+    if jax.tree.leaves(tail_state):
+      raise ValueError('upload_transform must be stateless (client state is '
+                       'not kept between participations).')
+    value_bits = tx.message_bits(upload_transform, coord_shape, tail_state)
+  if project_on_server and upload_transform is not None:
+    raise ValueError('project_on_server needs a linear upload: it cannot be '
+                     'combined with upload_transform (e.g. quantized '
+                     'coordinates); drop one of them.')
+  name = {(False, False): 'igc_static', (True, False): 'igc_k_subspace',
+          (False, True): 'igc_time_varying',
+          (True, True): 'igc_k_subspace_time_varying'}[(K > 1, time_varying)]
+  if dp is not None:
+    dp.noise_std(dp.clip_norm)  # Validates C, z, sizes and sigma_b.
+    if name != 'igc_static' or project_on_server:
+      raise ValueError(f'DP in the subspace needs static IGC without '
+                       f'project_on_server; got {name}, project_on_server='
+                       f'{project_on_server}.')
+  return _Setup(name, d, K, time_varying, rounds_per_epoch, index, hparams,
+                projection, upload_transform, tail_state, value_bits,
+                count_index_bits, download_accounting, nonfinite,
+                project_on_server, server_optimizer, dp, dp_seed,
+                functools.partial(_subspaces, {}, d, K, seed, scale))
+
+
+def _subspaces(cache: dict, d: int, K: int, seed: int, scale: ff.Scale,
+               D: int, epoch: int) -> ff.FastfoodParams:
+  """The K Fastfood matrices of ``epoch`` (only the last epoch's kept)."""
+  if cache.get('key') != (D, epoch):
+    cache.clear()
+    cache['key'] = (D, epoch)
+    cache['fastfood'] = tx.make_subspaces(D, d, K, seed, epoch, scale)
+  return cache['fastfood']
+
+
+def _compress(s: _Setup, shared, client_input, delta, mask):
+  """Client upload (Alg. 1-3): ``A_e^(k)T delta`` (then ``upload_transform``
+  and DP clipping) placed in row ``k`` of ``float32[K, d]``."""
+  del mask  # no PVT
+  k_proj, k_tail = jax.random.split(rc.compression_key(client_input))
+  msg, _ = s.projection.encode(delta, tx.IntrinsicState(shared['fastfood']),
+                               k_proj)
+  coords = msg.values
+  if s.upload_transform is not None:
+    tail_msg, _ = s.upload_transform.encode(coords, s.tail_state, k_tail)
+    coords, _ = s.upload_transform.decode(tail_msg, s.tail_state)
+  k = msg.side['subspace']
+  diag = {'subspace': k}
+  if s.dp is not None:  # Clip the decoded d coordinates (the summed ones).
+    coords, norm = privacy.clip_by_global_norm(coords, shared['clip_norm'])
+    diag.update(dp_norm=norm, dp_clipped=(norm > shared['clip_norm']
+                                          ).astype(jnp.float32))
+  out = jax.nn.one_hot(k, s.K, dtype=coords.dtype)[:, None] * coords[None, :]
+  return out, diag
+
+
+def _defer_projection(K: int, shared, client_input, delta, mask):
+  """``project_on_server``'s upload: ``onehot(k) (x) delta`` (``delta``
+  itself for K = 1); the server projects the sums (:func:`_project_sums`)."""
+  del shared, mask  # no PVT
+  k_proj, _ = jax.random.split(rc.compression_key(client_input))
+  k = tx.sample_subspace(k_proj, K)
+  if K == 1:
+    return delta, {'subspace': k}
+  flat = tx.TreeSpec.of(delta).ravel(delta, jnp.float32)
+  out = jax.nn.one_hot(k, K, dtype=flat.dtype)[:, None] * flat[None, :]
+  return out, {'subspace': k}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _project_sums(K: int, fastfood, per_subspace_sums) -> jax.Array:
+  """The K summed deltas projected to ``float32[K, d]``."""
+  if K == 1:
+    per_subspace_sums = tx.TreeSpec.of(per_subspace_sums).ravel(
+        per_subspace_sums, jnp.float32)[None, :]
+  return tx.project_subspaces(fastfood, per_subspace_sums)
+
+
+def _server_update(s: _Setup, state, fastfood, weighted_sum, total_weight,
+                   positions, epoch, norms=None, kept=None):
+  """The round's epoch start (if ``epoch``, int32[], is a new one: ``base =
+  params``, ``sigma = 0``, a fresh server optimizer), the server step on
+  ``sigma`` and the bookkeeping (``round + 1``, the participants' last epoch
+  at ``positions``, int32[W]): ``(new state, finite)``."""
+  sigma = jnp.zeros_like(state.sigma)
+  started = state.replace(base=state.params, sigma=sigma, epoch=epoch,
+                          opt_state=s.server_optimizer.init(sigma))
+  state = jax.tree.map(lambda new, old: jnp.where(epoch != state.epoch, new,
+                                                  old), started, state)
+  spec = tx.TreeSpec.of(state.params)
+  mean = weighted_sum / total_weight
+  if s.dp is not None:  # d numbers of noise on the sum, fixed denominator.
+    mean, c = fedopt.dp_mean(s.dp, s.dp_seed, state.round, state.clip_norm,
+                             weighted_sum, norms, kept)
+    state = state.replace(clip_norm=c)
+  updates, opt_state = s.server_optimizer.update(mean, state.opt_state,
+                                                 state.sigma)
+  sigma = optax.apply_updates(state.sigma, updates)
+  params = spec.unravel(
+      spec.ravel(state.base) + tx.lift_subspaces(fastfood, sigma))
+  new_state = state.replace(
+      params=params, sigma=sigma, opt_state=opt_state, round=state.round + 1,
+      last_epoch=state.last_epoch.at[positions].set(epoch))
+  return new_state, nonfinite_lib.all_finite(new_state)
+
+
+def _init(s: _Setup, params: Params) -> IGCState:
+  """The round-0 state (``sigma = 0``, no client seen); ValueError: d > D."""
+  rc.model_spec(params, s.d, 'intrinsic_dim d')
+  sigma = jnp.zeros((s.K, s.d), jnp.float32)
+  fields = dict(params=params, base=params, sigma=sigma,
+                opt_state=s.server_optimizer.init(sigma),
+                epoch=jnp.zeros((), jnp.int32),
+                round=jnp.zeros((), jnp.int32),
+                last_epoch=jnp.full((len(s.index),), -1, jnp.int32))
+  if s.dp is None:
+    return rc.on_first_device(IGCState(**fields))
+  return rc.on_first_device(
+      DPIGCState(**fields, clip_norm=jnp.float32(s.dp.clip_norm)))
+
+
+def _apply(s: _Setup, round_engine, server_update, state: IGCState, clients):
+  """One round: client steps, the (projected) sum, :func:`_server_update`
+  and the clients' diagnostics (bits as :func:`igc_client_bits`)."""
+  D = rc.model_spec(state.params, s.d, 'intrinsic_dim d').size
+  round_num = int(state.round)
+  epoch = round_num // s.rounds_per_epoch if s.time_varying else 0
+  fastfood = s.subspaces(D, epoch)
+  work = rc.make_work(clients, s.hparams)
+  shared = {'params': state.params, 'fastfood': fastfood}
+  if s.dp is not None:
+    shared['clip_norm'] = state.clip_norm
+  result = round_engine(shared, work)
+  total, skipped = rc.skip_nonfinite(result, work, s.nonfinite, s.name,
+                                     round_num)
+  weighted_sum = result.weighted_sum
+  if s.project_on_server:
+    weighted_sum = _project_sums(s.K, fastfood, weighted_sum)
+  positions = rc.client_positions(s.index, work)
+  last_epoch = np.asarray(state.last_epoch)
+  prev = ([int(last_epoch[p]) for p in positions] if s.index else
+          [-1] * len(work))
+  dp_args = () if s.dp is None else (
+      np.asarray([x['dp_norm'] for x in result.diagnostics], np.float32),
+      np.asarray([w.client_id not in skipped for w in work], np.float32))
+  state, finite = server_update(state, fastfood, weighted_sum,
+                                np.float32(total), positions,
+                                np.asarray(epoch, np.int32), *dp_args)
+  nonfinite_lib.check_server_state(finite, s.name, skipped, round_num)
+  bits = [igc_client_bits(
+      D, s.d, s.K, s.time_varying, accounting=s.download_accounting,
+      epoch=epoch, last_epoch=p, value_bits=s.value_bits,
+      count_index_bits=s.count_index_bits) for p in prev]
+  return state, rc.client_diagnostics(
+      work, result, upload_bits=bits[0]['upload_bits'],
+      download=[b['download_bits'] for b in bits],
+      num_examples=[len(w.batches) * s.hparams.batch_size for w in work],
+      skipped=skipped, extra=lambda diag: {
+          'subspace': int(diag['subspace']), 'epoch': epoch})
+
+
 def intrinsic_gradient_compression(
     grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation, *, batch_size: int,
@@ -214,179 +424,15 @@ def intrinsic_gradient_compression(
     FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
       every update non-finite (``'skip'``), or a non-finite server state.
   """
-  d = rc.check_int(intrinsic_dim, 'intrinsic_dim (d)')
-  K = rc.check_int(num_subspaces, 'num_subspaces (K)')
-  rc.check_choice(download_accounting, IGC_DOWNLOAD_ACCOUNTING,
-                  'download_accounting')
-  nonfinite_lib.check_policy(nonfinite)
-  if time_varying:
-    if rounds_per_epoch is None:
-      raise ValueError('time_varying=True needs rounds_per_epoch (one epoch '
-                       '= one pass over the clients).')
-    rounds_per_epoch = rc.check_int(rounds_per_epoch, 'rounds_per_epoch')
-  index = rc.client_id_index(client_ids)
-  if download_accounting == 'exact' and not index:
-    raise ValueError("download_accounting='exact' needs the training "
-                     'client_ids.')
-  hparams = rc.batch_hparams(batch_size, local_steps)
-  projection = tx.intrinsic_projection(d, K, seed, scale, count_index_bits)
-  coord_shape = jax.ShapeDtypeStruct((d,), jnp.float32)
-  tail_state = value_bits = None
-  if upload_transform is not None:
-    tail_state = upload_transform.init(coord_shape)
-    if jax.tree.leaves(tail_state):
-      raise ValueError('upload_transform must be stateless (client state is '
-                       'not kept between participations).')
-    value_bits = tx.message_bits(upload_transform, coord_shape, tail_state)
-  if project_on_server and upload_transform is not None:
-    raise ValueError('project_on_server needs a linear upload: it cannot be '
-                     'combined with upload_transform (e.g. quantized '
-                     'coordinates); drop one of them.')
-  name = {(False, False): 'igc_static', (True, False): 'igc_k_subspace',
-          (False, True): 'igc_time_varying',
-          (True, True): 'igc_k_subspace_time_varying'}[(K > 1, time_varying)]
-  if dp is not None:
-    dp.noise_std(dp.clip_norm)  # Validates C, z, sizes and sigma_b.
-    if name != 'igc_static' or project_on_server:
-      raise ValueError(f'DP in the subspace needs static IGC without '
-                       f'project_on_server; got {name}, project_on_server='
-                       f'{project_on_server}.')
-
-  def compress(shared, client_input, delta, mask):
-    del mask  # no PVT
-    k_proj, k_tail = jax.random.split(rc.compression_key(client_input))
-    msg, _ = projection.encode(delta, tx.IntrinsicState(shared['fastfood']),
-                               k_proj)
-    coords = msg.values
-    if upload_transform is not None:
-      tail_msg, _ = upload_transform.encode(coords, tail_state, k_tail)
-      coords, _ = upload_transform.decode(tail_msg, tail_state)
-    k = msg.side['subspace']
-    diag = {'subspace': k}
-    if dp is not None:  # Clip the decoded d coordinates (the summed ones).
-      coords, norm = privacy.clip_by_global_norm(coords, shared['clip_norm'])
-      diag.update(dp_norm=norm, dp_clipped=(norm > shared['clip_norm']
-                                            ).astype(jnp.float32))
-    out = jax.nn.one_hot(k, K, dtype=coords.dtype)[:, None] * coords[None, :]
-    return out, diag
-
-  def defer_projection(shared, client_input, delta, mask):
-    del mask  # no PVT
-    k_proj, _ = jax.random.split(rc.compression_key(client_input))
-    k = tx.sample_subspace(k_proj, K)
-    if K == 1:
-      return delta, {'subspace': k}
-    flat = tx.TreeSpec.of(delta).ravel(delta, jnp.float32)
-    out = jax.nn.one_hot(k, K, dtype=flat.dtype)[:, None] * flat[None, :]
-    return out, {'subspace': k}
-
-  @jax.jit
-  def project_sums(fastfood, per_subspace_sums):
-    if K == 1:
-      per_subspace_sums = tx.TreeSpec.of(per_subspace_sums).ravel(
-          per_subspace_sums, jnp.float32)[None, :]
-    return tx.project_subspaces(fastfood, per_subspace_sums)
-
-  round_engine = make_engine(
-      engine, rc.delta_client_program(
-          grad_fn, client_optimizer,
-          defer_projection if project_on_server else compress),
-      **engine_options)
-  cache: dict[str, Any] = {}
-
-  def subspaces(D: int, epoch: int) -> ff.FastfoodParams:
-    if cache.get('key') != (D, epoch):
-      cache.clear()  # One epoch's matrices.
-      cache['key'] = (D, epoch)
-      cache['fastfood'] = tx.make_subspaces(D, d, K, seed, epoch, scale)
-    return cache['fastfood']
-
-  def spec_of(params):
-    return rc.model_spec(params, d, 'intrinsic_dim d')
-
-  def new_epoch(state, epoch):
-    # Epoch ``epoch`` starts from the current model: base = params, sigma =
-    # 0, a fresh server optimizer.
-    sigma = jnp.zeros_like(state.sigma)
-    return state.replace(base=state.params, sigma=sigma,
-                         opt_state=server_optimizer.init(sigma), epoch=epoch)
-
-  @jax.jit
-  def server_update(state, fastfood, weighted_sum, total_weight, positions,
-                    epoch, norms=None, kept=None):
-    # The round's epoch start (if ``epoch``, int32[], is a new one), server
-    # step and bookkeeping (round + 1, the participants' last epoch;
-    # positions: int32[W]) as one compiled program, the same every round.
-    # The clients trained from state.params, which a new epoch keeps.
-    state = jax.tree.map(
-        lambda new, old: jnp.where(epoch != state.epoch, new, old),
-        new_epoch(state, epoch), state)
-    spec = tx.TreeSpec.of(state.params)
-    mean = weighted_sum / total_weight
-    if dp is not None:  # d numbers of noise on the sum, fixed denominator.
-      mean, c = fedopt.dp_mean(dp, dp_seed, state.round, state.clip_norm,
-                               weighted_sum, norms, kept)
-      state = state.replace(clip_norm=c)
-    updates, opt_state = server_optimizer.update(mean, state.opt_state,
-                                                 state.sigma)
-    sigma = optax.apply_updates(state.sigma, updates)
-    params = spec.unravel(
-        spec.ravel(state.base) + tx.lift_subspaces(fastfood, sigma))
-    new_state = state.replace(
-        params=params, sigma=sigma, opt_state=opt_state,
-        round=state.round + 1,
-        last_epoch=state.last_epoch.at[positions].set(epoch))
-    return new_state, nonfinite_lib.all_finite(new_state)
-
-  def init(params: Params) -> IGCState:
-    spec_of(params)
-    sigma = jnp.zeros((K, d), jnp.float32)
-    fields = dict(params=params, base=params, sigma=sigma,
-                  opt_state=server_optimizer.init(sigma),
-                  epoch=jnp.zeros((), jnp.int32),
-                  round=jnp.zeros((), jnp.int32),
-                  last_epoch=jnp.full((len(index),), -1, jnp.int32))
-    if dp is None:
-      return rc.on_first_device(IGCState(**fields))
-    return rc.on_first_device(
-        DPIGCState(**fields, clip_norm=jnp.float32(dp.clip_norm)))
-
-  def apply(state: IGCState, clients):
-    D = spec_of(state.params).size
-    round_num = int(state.round)
-    epoch = round_num // rounds_per_epoch if time_varying else 0
-    fastfood = subspaces(D, epoch)
-    work = rc.make_work(clients, hparams)
-    shared = {'params': state.params, 'fastfood': fastfood}
-    if dp is not None:
-      shared['clip_norm'] = state.clip_norm
-    result = round_engine(shared, work)
-    total, skipped = rc.skip_nonfinite(result, work, nonfinite, name,
-                                       round_num)
-    weighted_sum = result.weighted_sum
-    if project_on_server:
-      weighted_sum = project_sums(fastfood, weighted_sum)
-    positions = rc.client_positions(index, work)
-    last_epoch = np.asarray(state.last_epoch)
-    prev = ([int(last_epoch[p]) for p in positions] if index else
-            [-1] * len(work))
-    dp_args = () if dp is None else (
-        np.asarray([x['dp_norm'] for x in result.diagnostics], np.float32),
-        np.asarray([w.client_id not in skipped for w in work], np.float32))
-    state, finite = server_update(state, fastfood, weighted_sum,
-                                  np.float32(total), positions,
-                                  np.asarray(epoch, np.int32), *dp_args)
-    nonfinite_lib.check_server_state(finite, name, skipped, round_num)
-    bits = [igc_client_bits(
-        D, d, K, time_varying, accounting=download_accounting, epoch=epoch,
-        last_epoch=p, value_bits=value_bits,
-        count_index_bits=count_index_bits) for p in prev]
-    diagnostics = rc.client_diagnostics(
-        work, result, upload_bits=bits[0]['upload_bits'],
-        download=[b['download_bits'] for b in bits],
-        num_examples=[len(w.batches) * hparams.batch_size for w in work],
-        skipped=skipped, extra=lambda diag: {
-            'subspace': int(diag['subspace']), 'epoch': epoch})
-    return state, diagnostics
-
-  return fedjax.FederatedAlgorithm(init, apply)
+  s = _setup(intrinsic_dim, num_subspaces, time_varying, rounds_per_epoch,
+             client_ids, download_accounting, nonfinite, batch_size,
+             local_steps, seed, scale, count_index_bits, upload_transform,
+             project_on_server, server_optimizer, dp, dp_seed)
+  compress = (functools.partial(_defer_projection, s.K) if project_on_server
+              else functools.partial(_compress, s))
+  round_engine = make_engine(engine, rc.delta_client_program(
+      grad_fn, client_optimizer, compress), **engine_options)
+  server_update = jax.jit(functools.partial(_server_update, s))
+  return fedjax.FederatedAlgorithm(
+      functools.partial(_init, s),
+      functools.partial(_apply, s, round_engine, server_update))

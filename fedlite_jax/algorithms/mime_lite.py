@@ -7,6 +7,7 @@ Algorithms in Federated Learning" (2020), Alg. 1 without SVRG (MimeLite), as
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import fedjax
@@ -87,6 +88,17 @@ def full_batch_grad_program(grad_fn: rc.GradFn, upload_fn,
   return nonfinite_lib.guarded(ClientProgram(init, step, final))
 
 
+def _grad_upload(r: CompressedRound, total, num, key, mask):
+  """The full-batch gradient sum as the server receives it: ``num *
+  decode(encode(total / num))`` and the PVT mask (``bool[num_leaves]``)."""
+  if r.compression.upload is None:
+    return ((total, r.ones()) if mask is None else
+            (pvt_lib.apply_mask(total, mask), mask))
+  mean = jax.tree.map(lambda g: g / jnp.where(num > 0, num, 1.0), total)
+  sent, mask = r.upload(mean, key, mask)
+  return jax.tree.map(lambda g: g * num, sent), mask
+
+
 def efficient_mime_lite(
     grad_fn: rc.GradFn, base_optimizer: optax.GradientTransformation,
     client_batch_hparams: fedjax.ShuffleRepeatBatchHParams,
@@ -127,20 +139,12 @@ def efficient_mime_lite(
   r = CompressedRound(compression, name, seed, weighting, download_accounting,
                       client_ids, nonfinite)
 
-  def grad_upload(total, num, key, mask):
-    """The gradient sum as received: ``num * decode(encode(mean))``."""
-    if compression.upload is None:
-      return ((total, r.ones()) if mask is None else
-              (pvt_lib.apply_mask(total, mask), mask))
-    mean = jax.tree.map(lambda g: g / jnp.where(num > 0, num, 1.0), total)
-    sent, mask = r.upload(mean, key, mask)
-    return jax.tree.map(lambda g: g * num, sent), mask
-
   train = make_engine(engine, rc.delta_client_program(
       grad_fn, base_optimizer, r.compress, mime=True, plan=r.plan),
                       **engine_options)
   grads = make_engine(
-      engine, full_batch_grad_program(grad_fn, grad_upload, r.plan),
+      engine, full_batch_grad_program(
+          grad_fn, functools.partial(_grad_upload, r), r.plan),
       **engine_options)
   grads_hparams = fedjax.PaddedBatchHParams(batch_size=grads_batch_size)
 
