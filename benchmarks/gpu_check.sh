@@ -26,10 +26,11 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -d .dev/whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .dev/whl/*.whl >>"$LOG" 2>&1
-  export PYTHONPATH=$PWD:/tmp/site
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 [ -d .dev/data/femnist105 ] && export FEDLITE_DATA_DIR=$PWD/.dev/data
 nvidia-smi >>"$LOG" 2>&1
