@@ -175,7 +175,7 @@ def run_script(name: str, *flags: str, timeout: int = 900,
 @contextlib.contextmanager
 def benchmark_modules(*names: str):
   """The scripts ``benchmarks/<name>.py`` imported as modules, with
-  ``benchmarks/`` on ``sys.path`` while in use (they import each other)."""
+  ``benchmarks/`` on ``sys.path`` while in use (a script may import a helper module there)."""
   path = str(_REPO / 'benchmarks')
   sys.path.insert(0, path)
   try:
