@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import rounds_common as rc
-from fedlite_jax.algorithms import nonfinite as nonfinite_lib
+from fedlite_jax.algorithms import (
+    rounds_common as rc, nonfinite as nonfinite_lib)
 from fedlite_jax.rounds import make_engine
 from fedlite_jax import transforms as tx
 from fedlite_jax.transforms import sketch as sketch_lib

@@ -18,13 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax import privacy
-from fedlite_jax.algorithms import fedopt
-from fedlite_jax.algorithms import rounds_common as rc
-from fedlite_jax.algorithms import nonfinite as nonfinite_lib
+from fedlite_jax import privacy, transforms as tx
+from fedlite_jax.algorithms import (
+    fedopt, rounds_common as rc, nonfinite as nonfinite_lib)
 from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.rounds import make_engine
-from fedlite_jax import transforms as tx
 from fedlite_jax.common import FLOAT_BITS
 
 Params = Any

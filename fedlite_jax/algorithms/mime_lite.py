@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import nonfinite as nonfinite_lib
-from fedlite_jax.algorithms import rounds_common as rc
+from fedlite_jax.algorithms import (
+    nonfinite as nonfinite_lib, rounds_common as rc)
 from fedlite_jax.algorithms.fedopt import (
     Compression, CompressedRound, FedOptState, per_leaf_mean)
 from fedlite_jax.rounds import ClientProgram, ClientWork, make_engine

@@ -19,11 +19,9 @@ import numpy as np
 import optax
 
 from fedlite_jax import transforms as tx
-from fedlite_jax.algorithms import batching
-from fedlite_jax.algorithms import nonfinite as nonfinite_lib
+from fedlite_jax.algorithms import batching, nonfinite as nonfinite_lib
 from fedlite_jax.checks import check_int
-from fedlite_jax.rounds import ClientProgram, ClientWork
-from fedlite_jax.rounds import ordering
+from fedlite_jax.rounds import ClientProgram, ClientWork, ordering
 from fedlite_jax.transforms import pvt as pvt_lib
 from fedlite_jax.common import (  # noqa: F401  (re-exported)
     COMPRESS_STREAM, DOWNLOAD_STREAM, FLOAT_BITS, GRAD_UPLOAD_STREAM,

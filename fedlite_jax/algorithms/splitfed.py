@@ -18,20 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.algorithms import nonfinite as nonfinite_lib
+from fedlite_jax.algorithms import (
+    nonfinite as nonfinite_lib, split_accounting, split_clients)
 from fedlite_jax.algorithms.rounds_common import (
     Clients, check_choice, num_params, WEIGHTINGS)
-from fedlite_jax.algorithms import split_accounting
-from fedlite_jax.algorithms import split_clients
 # Re-exported: the client side as users and tests reach it.
 from fedlite_jax.algorithms.split_clients import (  # noqa: F401
     PAD_ID, ClientExecution, LambdaScaling, QuantizerConfig, client_batch,
     loss_vector_mask, resolve_client_execution)
 from fedlite_jax.transforms import pq
-from fedlite_jax.models import vq_layer
-from fedlite_jax.models import split as split_lib
-from fedlite_jax.rounds import stats
-from fedlite_jax.rounds import sharding
+from fedlite_jax.models import vq_layer, split as split_lib
+from fedlite_jax.rounds import stats, sharding
 
 Params = Any
 Batch = Mapping[str, Any]

@@ -1,4 +1,3 @@
 """Communication accounting (bits per client per round)."""
 
-from fedlite_jax.comm.ledger import CommLedger
-from fedlite_jax.comm.ledger import total_compression
+from fedlite_jax.comm.ledger import CommLedger, total_compression

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import math
 
-from fedlite_jax.comm.ledger import BITS_PER_BYTE
-from fedlite_jax.comm.ledger import CommLedger
+from fedlite_jax.comm.ledger import BITS_PER_BYTE, CommLedger
 
 BYTES_PER_GB = 10**9
 

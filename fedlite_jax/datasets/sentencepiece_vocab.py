@@ -20,11 +20,8 @@ from fedjax.datasets import stackoverflow as fedjax_stackoverflow
 import numpy as np
 import sentencepiece as spm
 
-from fedlite_jax.datasets import cache
-from fedlite_jax.datasets import info as info_lib
-from fedlite_jax.datasets import shakespeare
-from fedlite_jax.datasets import sources
-from fedlite_jax.datasets import stackoverflow
+from fedlite_jax.datasets import (
+    cache, info as info_lib, shakespeare, sources, stackoverflow)
 from fedlite_jax import checks
 from fedlite_jax.common import PAD_ID
 

@@ -15,10 +15,7 @@ import fedjax
 from fedjax.datasets import shakespeare as fedjax_shakespeare
 import numpy as np
 
-from fedlite_jax.datasets import locate
-from fedlite_jax.datasets import schema
-from fedlite_jax.datasets import sources
-from fedlite_jax.datasets import word_pipeline
+from fedlite_jax.datasets import locate, schema, sources, word_pipeline
 
 SPLITS = ('train', 'test')
 SPECS = {'snippets': schema.FeatureSpec('bytes')}

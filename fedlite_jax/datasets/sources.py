@@ -18,14 +18,9 @@ from absl import logging
 import fedjax
 from fedjax.core import sqlite_federated_data
 
-from fedlite_jax.datasets import cache
-from fedlite_jax.datasets import errors
-from fedlite_jax.datasets import info as info_lib
-from fedlite_jax.datasets import locate
-from fedlite_jax.datasets import schema
-from fedlite_jax.datasets import sqlite_header
-from fedlite_jax.datasets import tff_hdf5
-from fedlite_jax.datasets import tff_sqlite
+from fedlite_jax.datasets import (
+    cache, errors, info as info_lib, locate, schema, sqlite_header,
+    tff_hdf5, tff_sqlite)
 
 FEDJAX_DOWNLOAD = 'fedjax_download'
 DOWNLOAD_HOST = 'storage.googleapis.com'

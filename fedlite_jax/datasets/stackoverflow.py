@@ -15,12 +15,9 @@ import fedjax
 from fedjax.datasets import stackoverflow as fedjax_stackoverflow
 import numpy as np
 
-from fedlite_jax.datasets import info as info_lib
-from fedlite_jax.datasets import locate
-from fedlite_jax.datasets import schema
-from fedlite_jax.datasets import sources
-from fedlite_jax.datasets import vocab as vocab_lib
-from fedlite_jax.datasets import word_pipeline
+from fedlite_jax.datasets import (
+    info as info_lib, locate, schema, sources, vocab as vocab_lib,
+    word_pipeline)
 
 SPLITS = ('train', 'held_out', 'test')
 SPECS = {

@@ -14,10 +14,7 @@ from typing import Iterator, Mapping
 from fedjax.core import sqlite_federated_data
 import numpy as np
 
-from fedlite_jax.datasets import errors
-from fedlite_jax.datasets import schema
-from fedlite_jax.datasets import sqlite_header
-from fedlite_jax.datasets import tf_example
+from fedlite_jax.datasets import errors, schema, sqlite_header, tf_example
 
 
 def split_names(path: str) -> list[str]:

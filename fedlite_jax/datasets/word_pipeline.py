@@ -14,9 +14,7 @@ from typing import Callable, Mapping, Sequence
 import fedjax
 import numpy as np
 
-from fedlite_jax.datasets import info as info_lib
-from fedlite_jax.datasets import sources
-from fedlite_jax.datasets import vocab as vocab_lib
+from fedlite_jax.datasets import info as info_lib, sources, vocab as vocab_lib
 
 Examples = Mapping[str, np.ndarray]
 BatchPreprocessor = Callable[[Examples], dict[str, np.ndarray]]

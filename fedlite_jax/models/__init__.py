@@ -17,14 +17,12 @@ backward) is :class:`FedLiteQuantizer` / :func:`vq_with_correction` in
 """
 
 from fedlite_jax.models.emnist import create_emnist_cnn
-from fedlite_jax.models.split import build_split_model
-from fedlite_jax.models.split import SplitModel
-from fedlite_jax.models.split import SplitNet
+from fedlite_jax.models.split import build_split_model, SplitModel, SplitNet
 from fedlite_jax.models.stackoverflow import create_stackoverflow_lstm
 from fedlite_jax.models.stackoverflow_tag import create_stackoverflow_tag_model
-from fedlite_jax.models.vq_layer import FedLiteQuantizer
-from fedlite_jax.models.vq_layer import vq_with_correction
+from fedlite_jax.models.vq_layer import FedLiteQuantizer, vq_with_correction
 
-__all__ = ['FedLiteQuantizer', 'SplitModel', 'SplitNet', 'build_split_model',
-           'create_emnist_cnn', 'create_stackoverflow_lstm',
-           'create_stackoverflow_tag_model', 'vq_with_correction']
+__all__ = [
+    'FedLiteQuantizer', 'SplitModel', 'SplitNet', 'build_split_model',
+    'create_emnist_cnn', 'create_stackoverflow_lstm',
+    'create_stackoverflow_tag_model', 'vq_with_correction']

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.models import layers
-from fedlite_jax.models import split
+from fedlite_jax.models import layers, split
 
 Array = jax.Array
 Batch = Mapping[str, Array]

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlite_jax.models import layers
-from fedlite_jax.models import split
+from fedlite_jax.models import layers, split
 from fedlite_jax.common import PAD_ID
 
 Array = jax.Array

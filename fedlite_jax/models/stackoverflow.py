@@ -17,9 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.models import layers
-from fedlite_jax.models import lm
-from fedlite_jax.models import split
+from fedlite_jax.models import layers, lm, split
 from fedlite_jax.common import PAD_ID
 
 Array = jax.Array

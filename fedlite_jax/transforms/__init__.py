@@ -52,82 +52,33 @@ scale (mean ``|x|``) per leaf, after top-k:
 [0.0, -2.5, 0.0, 2.5]
 """
 
-from fedlite_jax.transforms.base import chain
-from fedlite_jax.transforms.base import CommTransform
-from fedlite_jax.transforms.base import decode_values
-from fedlite_jax.transforms.base import dtype_bits
-from fedlite_jax.transforms.base import Encoded
-from fedlite_jax.transforms.base import identity
-from fedlite_jax.transforms.base import init_read_only
-from fedlite_jax.transforms.base import message_bits
-from fedlite_jax.transforms.base import no_state
-from fedlite_jax.transforms.base import state_is_read_only
-from fedlite_jax.transforms.base import TreeSpec
-from fedlite_jax.transforms.intrinsic import index_bits
-from fedlite_jax.transforms.intrinsic import intrinsic_projection
-from fedlite_jax.transforms.intrinsic import intrinsic_state
-from fedlite_jax.transforms.intrinsic import IntrinsicState
-from fedlite_jax.transforms.intrinsic import lift_subspaces
-from fedlite_jax.transforms.intrinsic import project_subspaces
-from fedlite_jax.transforms.intrinsic import sample_subspace
-from fedlite_jax.transforms.intrinsic import make_subspaces
-from fedlite_jax.transforms.intrinsic import select_subspace
-from fedlite_jax.transforms.intrinsic import subspace_seed
-from fedlite_jax.transforms.sketch import count_sketch
-from fedlite_jax.transforms.sketch import median_rows
-from fedlite_jax.transforms.sketch import sketch_hashes
-from fedlite_jax.transforms.sketch import sketch_message_bits
-from fedlite_jax.transforms.sketch import sketch_vector
-from fedlite_jax.transforms.sketch import unsketch
-from fedlite_jax.transforms.stages import parse_chain
-from fedlite_jax.transforms.stages import register_stage
-from fedlite_jax.transforms.stages import STAGE_FORMS
+from fedlite_jax.transforms.base import (
+    chain, CommTransform, decode_values, dtype_bits, Encoded, identity,
+    init_read_only, message_bits, no_state, state_is_read_only, TreeSpec)
+from fedlite_jax.transforms.intrinsic import (
+    index_bits, intrinsic_projection, intrinsic_state, IntrinsicState,
+    lift_subspaces, project_subspaces, sample_subspace, make_subspaces,
+    select_subspace, subspace_seed)
+from fedlite_jax.transforms.sketch import (
+    count_sketch, median_rows, sketch_hashes, sketch_message_bits,
+    sketch_vector, unsketch)
+from fedlite_jax.transforms.stages import (
+    parse_chain, register_stage, STAGE_FORMS)
 from fedlite_jax.transforms.ternary import terngrad
-from fedlite_jax.transforms.topk import scatter
-from fedlite_jax.transforms.topk import top_k
-from fedlite_jax.transforms.topk import topk_abs
-from fedlite_jax.transforms.topk import topk_message_bits
+from fedlite_jax.transforms.topk import (
+    scatter, top_k, topk_abs, topk_message_bits)
 from fedlite_jax.transforms.uniform import uniform_quantization
-from fedlite_jax.transforms import pvt
 from fedlite_jax.transforms.product_quantization import product_quantization
+from fedlite_jax.transforms import pvt
 
 __all__ = [
-    'CommTransform',
-    'Encoded',
-    'IntrinsicState',
-    'STAGE_FORMS',
-    'TreeSpec',
-    'chain',
-    'count_sketch',
-    'decode_values',
-    'dtype_bits',
-    'identity',
-    'index_bits',
-    'init_read_only',
-    'intrinsic_projection',
-    'intrinsic_state',
-    'lift_subspaces',
-    'project_subspaces',
-    'sample_subspace',
-    'make_subspaces',
-    'median_rows',
-    'message_bits',
-    'no_state',
-    'parse_chain',
-    'product_quantization',
-    'pvt',
-    'register_stage',
-    'scatter',
-    'select_subspace',
-    'sketch_hashes',
-    'sketch_message_bits',
-    'sketch_vector',
-    'state_is_read_only',
-    'subspace_seed',
-    'terngrad',
-    'top_k',
-    'topk_abs',
-    'topk_message_bits',
-    'uniform_quantization',
-    'unsketch',
-]
+    'CommTransform', 'Encoded', 'IntrinsicState', 'STAGE_FORMS', 'TreeSpec',
+    'chain', 'count_sketch', 'decode_values', 'dtype_bits', 'identity',
+    'index_bits', 'init_read_only', 'intrinsic_projection',
+    'intrinsic_state', 'lift_subspaces', 'project_subspaces',
+    'sample_subspace', 'make_subspaces', 'median_rows', 'message_bits',
+    'no_state', 'parse_chain', 'product_quantization', 'pvt',
+    'register_stage', 'scatter', 'select_subspace', 'sketch_hashes',
+    'sketch_message_bits', 'sketch_vector', 'state_is_read_only',
+    'subspace_seed', 'terngrad', 'top_k', 'topk_abs', 'topk_message_bits',
+    'uniform_quantization', 'unsketch']

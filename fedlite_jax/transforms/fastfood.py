@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlite_jax.checks import check_int
-from fedlite_jax.transforms.fwht import fwht
-from fedlite_jax.transforms.fwht import is_power_of_two
+from fedlite_jax.transforms.fwht import fwht, is_power_of_two
 
 __all__ = ['SCALES', 'FastfoodParams', 'check_int', 'check_seed',
            'fastfood_params', 'fastfood_lift', 'fastfood_project',

@@ -17,9 +17,7 @@ from typing import Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedlite_jax.transforms import fastfood as ff
-from fedlite_jax.transforms import base
-from fedlite_jax.transforms import sketch
+from fedlite_jax.transforms import fastfood as ff, base, sketch
 
 
 __all__ = [

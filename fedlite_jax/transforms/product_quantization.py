@@ -12,8 +12,7 @@ from typing import Any
 
 import jax
 
-from fedlite_jax.transforms import pq
-from fedlite_jax.transforms import base
+from fedlite_jax.transforms import pq, base
 
 __all__ = ['product_quantization']
 

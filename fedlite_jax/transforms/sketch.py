@@ -22,10 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlite_jax.transforms.fastfood import check_int
-from fedlite_jax.transforms.fastfood import check_seed
-from fedlite_jax.transforms import base
-from fedlite_jax.transforms import topk as topk_lib
+from fedlite_jax.transforms.fastfood import check_int, check_seed
+from fedlite_jax.transforms import base, topk as topk_lib
 
 __all__ = [
     'count_sketch',

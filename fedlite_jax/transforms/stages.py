@@ -13,12 +13,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from fedlite_jax.transforms import base
-from fedlite_jax.transforms import intrinsic
-from fedlite_jax.transforms import sketch
-from fedlite_jax.transforms import ternary
-from fedlite_jax.transforms import topk
-from fedlite_jax.transforms import uniform
+from fedlite_jax.transforms import (
+    base, intrinsic, sketch, ternary, topk, uniform)
 
 __all__ = ['STAGE_FORMS', 'parse_chain', 'register_stage']
 

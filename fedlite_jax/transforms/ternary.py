@@ -15,8 +15,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from fedlite_jax.transforms import base
-from fedlite_jax.transforms import uniform
+from fedlite_jax.transforms import base, uniform
 from fedlite_jax.common import PyTree
 
 
