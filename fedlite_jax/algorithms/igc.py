@@ -31,10 +31,9 @@ IGC_DOWNLOAD_ACCOUNTING = ('table1', 'exact')
 
 __all__ = [
     'DPIGCState', 'IGC_DOWNLOAD_ACCOUNTING', 'IGCState',
-    'default_rounds_per_epoch',
-    'igc_client_bits', 'igc_download_bits', 'igc_upload_bits',
-    'igc_vectors_needed', 'intrinsic_gradient_compression',
-]
+    'default_rounds_per_epoch', 'igc_client_bits', 'igc_download_bits',
+    'igc_upload_bits', 'igc_vectors_needed',
+    'intrinsic_gradient_compression']
 
 
 @fedjax.dataclass

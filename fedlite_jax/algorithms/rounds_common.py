@@ -37,7 +37,7 @@ DOWNLOAD_ACCOUNTING = ('changed', 'dense')
 
 #: Per-client training diagnostics (:func:`client_diagnostics`): the mean
 #: loss and accuracy over the examples of the client's local steps (each
-#: measured at the parameters the step starts from), and their number.
+#: evaluated at the parameters the step starts from), and their number.
 TRAIN_DIAGNOSTICS = ('train_loss', 'train_accuracy', 'train_examples')
 #: DP-FedAvg's per-client diagnostics: the decoded delta's norm before
 #: clipping, and 1.0 where it was clipped (else 0.0).

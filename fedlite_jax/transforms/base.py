@@ -19,18 +19,9 @@ from fedlite_jax.common import PyTree
 State = Any
 
 __all__ = [
-    'CommTransform',
-    'Encoded',
-    'TreeSpec',
-    'chain',
-    'decode_values',
-    'identity',
-    'message_bits',
-    'no_state',
-    'dtype_bits',
-    'init_read_only',
-    'state_is_read_only',
-]
+    'CommTransform', 'Encoded', 'TreeSpec', 'chain', 'decode_values',
+    'identity', 'message_bits', 'no_state', 'dtype_bits', 'init_read_only',
+    'state_is_read_only']
 
 
 def dtype_bits(dtype: Any) -> int:

@@ -21,15 +21,9 @@ from fedlite_jax.transforms import fastfood as ff, base, sketch
 
 
 __all__ = [
-    'IntrinsicState',
-    'index_bits',
-    'intrinsic_projection',
-    'intrinsic_state',
-    'lift_subspaces',
-    'make_subspaces',
-    'select_subspace',
-    'subspace_seed',
-]
+    'IntrinsicState', 'index_bits', 'intrinsic_projection',
+    'intrinsic_state', 'lift_subspaces', 'make_subspaces',
+    'select_subspace', 'subspace_seed']
 
 
 class IntrinsicState(NamedTuple):

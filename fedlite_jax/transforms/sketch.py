@@ -26,15 +26,8 @@ from fedlite_jax.transforms.fastfood import check_int, check_seed
 from fedlite_jax.transforms import base, topk as topk_lib
 
 __all__ = [
-    'count_sketch',
-    'fmix32_int',
-    'hashes_at',
-    'median_rows',
-    'sketch_hashes',
-    'sketch_message_bits',
-    'sketch_vector',
-    'unsketch',
-]
+    'count_sketch', 'fmix32_int', 'hashes_at', 'median_rows',
+    'sketch_hashes', 'sketch_message_bits', 'sketch_vector', 'unsketch']
 
 _MEDIAN_NETWORK_MAX_ROWS = 15
 
