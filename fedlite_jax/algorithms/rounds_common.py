@@ -332,8 +332,7 @@ def client_positions(index: Mapping[bytes, int],
 
 
 @jax.jit
-def changed_counts(last_changed: jax.Array,
-                   last_round: jax.Array) -> jax.Array:
+def changed_counts(last_changed: jax.Array, last_round: jax.Array) -> jax.Array:
   """``int32[W]``: ``#{j : last_changed[j] >= max(last_round[c], 0)}``."""
   since = jnp.maximum(last_round, 0)
   return jax.vmap(lambda p: jnp.sum(last_changed >= p, dtype=jnp.int32))(since)

@@ -379,9 +379,8 @@ def splitfed(split_model: split_lib.SplitModel,
 
 def fedlite(split_model: split_lib.SplitModel,
             client_optimizer: optax.GradientTransformation,
-            server_optimizer: optax.GradientTransformation,
-            batch_size: int, quantizer: QuantizerConfig,
-            **kwargs) -> fedjax.FederatedAlgorithm:
+            server_optimizer: optax.GradientTransformation, batch_size: int,
+            quantizer: QuantizerConfig, **kwargs) -> fedjax.FederatedAlgorithm:
   """FedLite (Section 4): SplitFed + grouped PQ upload + equation-5 gradient.
 
   ValueError if ``quantizer`` is not a :class:`QuantizerConfig`.

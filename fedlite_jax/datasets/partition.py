@@ -17,12 +17,9 @@ import numpy as np
 from fedlite_jax.checks import check_int
 
 
-def dirichlet_label_skew(labels: np.ndarray,
-                         num_clients: int,
-                         alpha: float,
+def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float,
                          seed: int,
-                         min_examples_per_client: int = 1
-                         ) -> list[np.ndarray]:
+                         min_examples_per_client: int = 1) -> list[np.ndarray]:
   """Splits example indices across clients with Dirichlet label skew.
 
   Deterministic given ``seed`` (``np.random.default_rng(seed)``): per class,

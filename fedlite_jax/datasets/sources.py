@@ -229,10 +229,8 @@ def not_found_message(source: DatasetSource, splits: Sequence[str],
           'to each other.')
 
 
-def open_splits(source: DatasetSource,
-                splits: Sequence[str],
-                data_dir: str | os.PathLike[str] | None = None,
-                *,
+def open_splits(source: DatasetSource, splits: Sequence[str],
+                data_dir: str | os.PathLike[str] | None = None, *,
                 allow_download: bool = False,
                 cache_directory: str | os.PathLike[str] | None = None,
                 allow_missing: bool = False) -> Opened | None:

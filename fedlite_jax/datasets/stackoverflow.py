@@ -41,11 +41,9 @@ STACKOVERFLOW = sources.DatasetSource(
 
 
 def load_raw(splits: Sequence[str] = ('train', 'test'),
-             data_dir: str | os.PathLike[str] | None = None,
-             *,
+             data_dir: str | os.PathLike[str] | None = None, *,
              allow_download: bool = False,
-             cache_dir: str | os.PathLike[str] | None = None
-             ) -> sources.Opened:
+             cache_dir: str | os.PathLike[str] | None = None) -> sources.Opened:
   """Opens raw StackOverflow ``splits`` (a subset of SPLITS).
 
   Features (object arrays of bytes unless noted): ``creation_date``,

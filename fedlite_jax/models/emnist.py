@@ -111,8 +111,7 @@ def train_loss(batch: Batch, preds: Array) -> Array:
   return optax.softmax_cross_entropy_with_integer_labels(preds, labels)
 
 
-def create_emnist_cnn(num_classes: int = 62,
-                      client_dropout_rate: float = 0.25,
+def create_emnist_cnn(num_classes: int = 62, client_dropout_rate: float = 0.25,
                       server_dropout_rate: float = 0.5,
                       conv_implementation: str = 'lax',
                       compute_dtype: Any = None) -> split.SplitModel:

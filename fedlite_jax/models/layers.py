@@ -18,8 +18,7 @@ Array = jax.Array
 Dtype = Any
 
 
-def haiku_linear_init(key: Array,
-                      shape: Sequence[int],
+def haiku_linear_init(key: Array, shape: Sequence[int],
                       dtype: Dtype = jnp.float32) -> Array:
   """Haiku's default ``Linear``/``ConvND`` weight initializer.
 
@@ -43,8 +42,7 @@ def haiku_linear_init(key: Array,
   return jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) * stddev
 
 
-def haiku_embed_init(key: Array,
-                     shape: Sequence[int],
+def haiku_embed_init(key: Array, shape: Sequence[int],
                      dtype: Dtype = jnp.float32) -> Array:
   """Haiku's default ``Embed`` initializer: truncated normal, stddev 1."""
   return jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)

@@ -417,12 +417,10 @@ def _no_split(*unused_args, **unused_kwargs):
 
 
 def create_lm(model: str | LMConfig = 'transformer_small',
-              vocab_size: int = DEFAULT_VOCAB_SIZE,
-              *,
+              vocab_size: int = DEFAULT_VOCAB_SIZE, *,
               max_length: int = DEFAULT_MAX_LENGTH,
               oov_id: int = DEFAULT_OOV_ID,
-              loss_reduction: str = 'sequence_sum',
-              lstm_unroll: int = 1,
+              loss_reduction: str = 'sequence_sum', lstm_unroll: int = 1,
               compute_dtype: Any = None) -> split.SplitModel:
   """Builds a language model as a ``fedjax.Model`` (in a SplitModel shell).
 

@@ -90,8 +90,7 @@ class StackOverflowServer(nn.Module):
                     kernel_init=layers.haiku_linear_init)(activations)
 
 
-def sequence_train_loss(batch: Batch,
-                        preds: Array,
+def sequence_train_loss(batch: Batch, preds: Array,
                         expected_length: Optional[float] = None) -> Array:
   """FedJAX's per-sequence loss: summed token cross-entropy, PAD excluded.
 

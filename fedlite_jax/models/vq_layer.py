@@ -73,9 +73,8 @@ def correction_coefficient(lam: float | jax.Array,
   return lam / num_vectors
 
 
-def vq_with_correction(z: jax.Array, z_tilde: jax.Array,
-                       lam: float | jax.Array, *,
-                       loss_reduction: LossReduction = 'mean',
+def vq_with_correction(z: jax.Array, z_tilde: jax.Array, lam: float | jax.Array,
+                       *, loss_reduction: LossReduction = 'mean',
                        num_vectors: int | float | jax.Array | None = None,
                        vector_weights: jax.Array | None = None) -> jax.Array:
   """Returns ``z~`` with FedLite's corrected gradient for ``z`` (equation 5).

@@ -127,9 +127,7 @@ def _draw_perm(key: jax.Array, L: int) -> np.ndarray:
   return rng.permutation(L).astype(np.int32)
 
 
-def fastfood_params(seed: int,
-                    D: int,
-                    d: int,
+def fastfood_params(seed: int, D: int, d: int,
                     scale: Scale = 'unit_expectation',
                     L: int | None = None) -> FastfoodParams:
   """Draws the Fastfood matrix ``A`` (D x d) determined by ``seed``.

@@ -153,8 +153,7 @@ def project_subspaces(fastfood: ff.FastfoodParams,
                                         vectors, 'vectors', fastfood.D)))
 
 
-def lift_subspaces(fastfood: ff.FastfoodParams,
-                   sigma: jax.Array) -> jax.Array:
+def lift_subspaces(fastfood: ff.FastfoodParams, sigma: jax.Array) -> jax.Array:
   """``sum_k A^(k) sigma_k`` (Alg. 2): ``sigma`` ``float32[K, d]`` ->
   ``float32[D]``; ``fastfood`` stacked ([K, ...]). ValueError if ``sigma`` is
   not ``[K, d]``."""
@@ -162,9 +161,7 @@ def lift_subspaces(fastfood: ff.FastfoodParams,
       ff.fastfood_lift, fastfood, sigma, 'sigma', fastfood.d))
 
 
-def intrinsic_projection(d: int,
-                         num_subspaces: int = 1,
-                         seed: int = 0,
+def intrinsic_projection(d: int, num_subspaces: int = 1, seed: int = 0,
                          scale: ff.Scale = 'unit_expectation',
                          count_index_bits: bool = True) -> base.CommTransform:
   """Intrinsic gradient compression of a pytree: ``(k, A^(k)T ravel(x))``.

@@ -158,8 +158,7 @@ LloydFn = Callable[[jax.Array, jax.Array],
 
 
 @functools.lru_cache(maxsize=None)
-def batched_lloyd(num_iters: int, empty_cluster: str,
-                   method: str) -> LloydFn:
+def batched_lloyd(num_iters: int, empty_cluster: str, method: str) -> LloydFn:
   """:func:`lloyd` whose ``vmap`` folds the mapped axis into the group axis.
 
   ``C`` clients of ``R`` independent groups run as one problem of ``C R``

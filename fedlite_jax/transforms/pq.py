@@ -195,8 +195,7 @@ def ungroup_subvectors(x: jax.Array, num_vectors: int) -> jax.Array:
 
 
 def grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
-               num_iters: int = DEFAULT_NUM_ITERS, *,
-               phi: float = DEFAULT_PHI,
+               num_iters: int = DEFAULT_NUM_ITERS, *, phi: float = DEFAULT_PHI,
                empty_cluster: EmptyClusterRule = 'farthest',
                update_method: UpdateMethod = 'auto') -> PQResult:
   """FedLite's grouped product quantizer (Section 4.1, equations 3-4).

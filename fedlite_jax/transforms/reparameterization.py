@@ -60,9 +60,7 @@ class IntrinsicSubspace:
     return self.fastfood.d
 
 
-def intrinsic_subspace(params0: PyTree,
-                       d: int,
-                       seed: int,
+def intrinsic_subspace(params0: PyTree, d: int, seed: int,
                        scale: ff.Scale = 'unit_expectation',
                        L: int | None = None) -> IntrinsicSubspace:
   """Builds the subspace ``theta_0 + A theta'`` around ``params0``.

@@ -62,8 +62,7 @@ def hash_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
   return _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
 
 
-def hash_uniform(key: jax.Array,
-                 shape: Sequence[int],
+def hash_uniform(key: jax.Array, shape: Sequence[int],
                  dtype: jnp.dtype = jnp.float32) -> jax.Array:
   """Uniform numbers in [0, 1) from :func:`hash_bits`.
 
@@ -89,8 +88,7 @@ def hash_uniform(key: jax.Array,
   return (u * jnp.float32(2.0**-24)).astype(dtype)
 
 
-def random_uniform(key: jax.Array,
-                   shape: Sequence[int],
+def random_uniform(key: jax.Array, shape: Sequence[int],
                    dtype: jnp.dtype = jnp.float32,
                    generator: str = 'hash') -> jax.Array:
   """Uniform numbers in [0, 1) from the named generator.

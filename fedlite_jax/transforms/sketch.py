@@ -107,8 +107,7 @@ def sketch_message_bits(rows: int, cols: int) -> float:
                check_int(cols, 'sketch cols'))
 
 
-def sketch_vector(v: jax.Array, seed: int, rows: int,
-                  cols: int) -> jax.Array:
+def sketch_vector(v: jax.Array, seed: int, rows: int, cols: int) -> jax.Array:
   """The count sketch ``float32[rows, cols]`` of ``v: float[D]``.
 
   ``seed``, ``rows``, ``cols``: as :func:`sketch_hashes` (static ints).

@@ -70,9 +70,7 @@ def _terngrad(tree: PyTree, key: jax.Array, clip_std: Optional[float],
   return base.Encoded(values, (), terngrad_num_bits(tree), 0.0)
 
 
-def terngrad_quantize(v: jax.Array,
-                      key: jax.Array,
-                      *,
+def terngrad_quantize(v: jax.Array, key: jax.Array, *,
                       clip_std: Optional[float] = DEFAULT_CLIP_STD,
                       generator: str = 'hash') -> base.Encoded:
   """TernGrad on one layer (Wen et al. 2017, Sec. 3); jittable, vmappable.
@@ -95,9 +93,7 @@ def terngrad_quantize(v: jax.Array,
   return _terngrad(v, key, clip_std, generator, False)
 
 
-def terngrad_quantize_tree(tree: PyTree,
-                           key: jax.Array,
-                           *,
+def terngrad_quantize_tree(tree: PyTree, key: jax.Array, *,
                            clip_std: Optional[float] = DEFAULT_CLIP_STD,
                            generator: str = 'hash') -> base.Encoded:
   """:func:`terngrad_quantize` per leaf, key ``split(key, num_leaves)[i]``.

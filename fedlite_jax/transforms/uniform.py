@@ -104,8 +104,7 @@ def _compute_dtype(dtype: Any) -> Any:
   return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def clip_bound(x: jax.Array, clip_std: float,
-               lo: Optional[jax.Array] = None,
+def clip_bound(x: jax.Array, clip_std: float, lo: Optional[jax.Array] = None,
                hi: Optional[jax.Array] = None) -> jax.Array:
   """``clip_std * std(x)`` (population std), ``+inf`` if ``max == min``.
 
@@ -196,9 +195,8 @@ def uniform_num_bits(tree: PyTree, bits: int, *,
   return float(sum(bits * size + floats for size in sizes if size))
 
 
-def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
-                     zero_center: bool, clip_std: Optional[float],
-                     generator: str) -> jax.Array:
+def _quantize_values(x: jax.Array, key: jax.Array, bits: int, zero_center: bool,
+                     clip_std: Optional[float], generator: str) -> jax.Array:
   """The quantizer on one layer; arguments already validated (traceable)."""
   if x.size == 0:
     return x
@@ -230,8 +228,7 @@ def _quantize_values(x: jax.Array, key: jax.Array, bits: int,
 
 @functools.partial(jax.jit, static_argnames=(
     'split', 'bits', 'zero_center', 'clip_std', 'generator'))
-def _quantize_jit(tree, key, *, split, bits, zero_center, clip_std,
-                  generator):
+def _quantize_jit(tree, key, *, split, bits, zero_center, clip_std, generator):
   return per_layer(
       lambda x, k: _quantize_values(x, k, bits, zero_center, clip_std,
                                     generator), tree, key, split)
@@ -255,10 +252,7 @@ def _quantize(tree: PyTree, key: jax.Array, bits: int, zero_center: bool,
       values, (), uniform_num_bits(tree, bits, zero_center=zero_center), 0.0)
 
 
-def uniform_quantize(x: jax.Array,
-                     key: jax.Array,
-                     bits: int,
-                     *,
+def uniform_quantize(x: jax.Array, key: jax.Array, bits: int, *,
                      zero_center: bool = False,
                      clip_std: Optional[float] = None,
                      generator: str = 'hash') -> base.Encoded:
@@ -293,10 +287,7 @@ def uniform_quantize(x: jax.Array,
   return _quantize(x, key, bits, zero_center, clip_std, generator, False)
 
 
-def uniform_quantize_tree(tree: PyTree,
-                          key: jax.Array,
-                          bits: int,
-                          *,
+def uniform_quantize_tree(tree: PyTree, key: jax.Array, bits: int, *,
                           zero_center: bool = False,
                           clip_std: Optional[float] = None,
                           generator: str = 'hash') -> base.Encoded:
@@ -314,9 +305,7 @@ def uniform_quantize_tree(tree: PyTree,
   return _quantize(tree, key, bits, zero_center, clip_std, generator, True)
 
 
-def uniform_quantization(bits: int,
-                         *,
-                         zero_center: bool = False,
+def uniform_quantization(bits: int, *, zero_center: bool = False,
                          clip_std: Optional[float] = None,
                          generator: str = 'hash') -> base.CommTransform:
   """:func:`uniform_quantize_tree` as a stateless transform.
