@@ -8,7 +8,7 @@ evaluation of an ``--init_checkpoint`` before training). A row holds:
 * ``train/loss``: the example-weighted mean of the kept clients' training
   losses (diagnostic ``train_loss``, weights ``train_examples``, else
   ``num_examples``): each client's mean over the examples of its local
-  steps, each measured at the parameters its step started from (split
+  steps, each evaluated at the parameters its step started from (split
   learning: the server-side loss of the round's batch, before the update);
   ``train/accuracy`` likewise where the algorithm reports ``train_accuracy``;
 * ``train/delta_norm_mean``, ``train/delta_norm_max``: of the kept clients'

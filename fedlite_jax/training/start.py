@@ -30,8 +30,7 @@ def init_error(path: str, e: Exception) -> ConfigError:
 
 
 #: Programs that compile in at least this many seconds are cached (JAX's
-#: default, 1 s, leaves out a run's evaluation and server programs, about
-#: 2 of a FEMNIST run's 6.6 s of compiling on 2 CPU cores).
+#: default, 1 s, would leave out a run's evaluation and server programs).
 CACHE_MIN_COMPILE_SECONDS = 0.1
 
 

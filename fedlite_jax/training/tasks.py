@@ -28,7 +28,7 @@ class Task:
   """A runnable task: ``--task`` name, headline test metric ('accuracy' or
   'perplexity'), RunConfig defaults, ``load_data(config) -> (train, test,
   LoadedInfo)``, ``build_model(config, info) -> SplitModel``; ``multilabel``:
-  the eval loss sums per-class sigmoid cross-entropies."""
+  the eval loss is the sum of the per-class sigmoid cross-entropies."""
   name: str
   metric: str
   defaults: dict[str, Any]

@@ -74,7 +74,7 @@ class ProgressHook(Hook):
     left = run.config.num_rounds - row['round']
     eta = (str(datetime.timedelta(seconds=round(per_round * left)))
            if steady else '?')
-    LOG.info('Round %d/%d: %s; uploaded %s; %.2f s/round; %s left.',
+    LOG.info('Round %d/%d: %s; uploaded %s; %.2f s per round; %s left.',
              row['round'], run.config.num_rounds,
              ', '.join(f'{k} {v:.4g}' for k, v in sorted(metrics.items())),
              _megabytes(row.get('comm/upload_bytes_total', 0.0)), per_round,
