@@ -294,9 +294,6 @@ ROWS = [
      '--client_epochs is not used by --algorithm=splitfed'),
     ('coordinator_single_process', EMB + ['--coordinator_address=h:1'],
      '--coordinator_address applies to multi-host runs'),
-    ('steps_per_call_with_vmap', EMB + ['--round_engine=vmap',
-                                        '--steps_per_call=4'],
-     '--steps_per_call applies to --round_engine=loop'),
     ('lanes_per_device_text', EMB + ['--lanes_per_device=many'],
      "--lanes_per_device=many: must be 'auto' or an integer >= 1"),
     ('lanes_per_device_zero', EMB + ['--lanes_per_device=0'],
@@ -610,6 +607,61 @@ def test_removed_flags_are_answered_but_not_listed(repo_root, tmp_path):
   table = table[:table.index('\n\n')]
   for name in removed + ['topk_k']:
     assert f'--{name}' in table or f'--no{name}' in table, name
+
+
+#: Engine flags removed without a replacement, and the binary's one line.
+REMOVED_ENGINE_ROWS = [
+    (['--segment_loop=scan'], '--segment_loop was removed: segments always '
+     'run as an on-device scan.'),
+    (['--data_on_device', 'on'], '--data_on_device was removed: batches are '
+     'made on the host.'),
+    (['--steps_per_call=4'], '--steps_per_call was removed: the loop engine '
+     'runs one jitted step per batch.'),
+]
+
+
+def test_removed_engine_flags_one_line_each(repo_root, tmp_path):
+  """Each removed engine flag stops the binary (exit 2, with and without
+  --validate_only) with one line saying what replaced it; the library
+  refuses it as an option."""
+  script = textwrap.dedent(f'''
+      import contextlib, importlib.util, io, json, sys
+      {_load_binary(repo_root)}
+      out = []
+      for row in json.loads(sys.argv[1]):
+        for extra in (['--validate_only'], []):
+          binary.FLAGS.unparse_flags()
+          argv = binary.parse_flags(['run_experiment.py', *row, *extra])
+          err = io.StringIO()
+          code = 0
+          with contextlib.redirect_stderr(err):
+            try:
+              binary.main(argv)
+            except SystemExit as e:
+              code = e.code
+          out.append([code, err.getvalue()])
+      print(json.dumps(out))
+      ''')
+  rows = [EMB + args + [f'--output_dir={tmp_path}/out']
+          for args, _ in REMOVED_ENGINE_ROWS]
+  proc = subprocess.run(
+      [sys.executable, '-c', script, json.dumps(rows)], capture_output=True,
+      text=True, timeout=600, cwd=tmp_path, env=_env(repo_root, tmp_path))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  for i, (_, line) in enumerate(REMOVED_ENGINE_ROWS):
+    for code, err in results[2 * i:2 * i + 2]:
+      assert code == 2 and err == f'run_experiment.py: error: {line}\n', err
+  assert not (tmp_path / 'out').exists()
+  defaults = tasks.get_task('embedded_mnist').defaults
+  for name, value in (('segment_loop', 'scan'), ('data_on_device', 'on'),
+                      ('steps_per_call', 4)):
+    with pytest.raises(config_lib.ConfigError) as e:
+      config_lib.resolve(config_lib.RunConfig(options={name: value}),
+                         defaults)
+    assert str(e.value).startswith(f'--{name} was removed: ')
+    with pytest.raises(TypeError, match=name):  # No longer a field.
+      config_lib.RunConfig(**{name: value})
 
 
 def test_flags_come_from_run_config_metadata(repo_root, tmp_path):

@@ -4,13 +4,13 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import fedjax
 import jax
 import numpy as np
 import pytest
 
-from fedlite_jax import cpu_allocator
 from fedlite_jax.training import state_io
 from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
@@ -85,7 +85,6 @@ def test_outputs_and_summary(tmp_path):
       sum(r['time/train_seconds'] for r in rows) / 4)
   assert saved['engine']['useful_steps'] == sum(
       r['engine/useful_steps'] for r in rows)
-  assert saved['engine']['cpu_allocator'] == cpu_allocator.STATE
   assert saved['flags']['seed'] == 3 and saved['synthetic_partition']
   assert saved['status'] == 'ok' and saved['failure'] is None
   assert len((out / 'communication.csv').read_text().splitlines()) == 1 + 12
@@ -371,3 +370,64 @@ def test_client_keys_in_one_call_equal_one_by_one():
     for cid, key in zip(ids, got):
       np.testing.assert_array_equal(key, np.asarray(
           runner.client_rng(seed, r, cid)))
+
+
+#: --upload / --download stage strings a run must parse once each.
+_STAGES = {'upload': 'uniform_quantization:8',
+           'download': 'uniform_quantization:16'}
+
+
+def test_stage_strings_parsed_once_per_run(tmp_path, monkeypatch):
+  """A run parses its --upload and --download once each (before anything
+  is written) and carries the chains to the algorithm: the ledger counts
+  8 / 16 bits per parameter."""
+  from fedlite_jax import transforms  # pylint: disable=g-import-not-at-top
+  parsed = []
+  real = transforms.parse_chain
+
+  def counting(spec, *args, **kwargs):
+    parsed.append(spec)
+    return real(spec, *args, **kwargs)
+
+  monkeypatch.setattr(transforms, 'parse_chain', counting)
+  summary = run(RunConfig(num_rounds=1, output_dir=str(tmp_path / 'o'),
+                          options=dict(_STAGES), **SMALL))
+  assert sorted(parsed) == sorted(_STAGES.values())
+  comm = summary['communication']
+  assert comm['total_upload_bytes'] == pytest.approx(
+      3 * comm['num_params'], rel=1e-3)  # 8 bits x 3 clients (+ scales)
+  assert comm['total_download_bytes'] == pytest.approx(
+      3 * comm['num_params'] * 2, rel=1e-3)
+
+
+def test_validate_only_parses_stage_strings_once(repo_root, tmp_path):
+  """``run_experiment.py --validate_only`` parses each stage string once
+  (its checks, the bits per client)."""
+  path = str(repo_root / 'experiments' / 'run_experiment.py')
+  script = textwrap.dedent(f'''
+      import importlib.util, sys
+      from fedlite_jax import transforms
+      parsed = []
+      real = transforms.parse_chain
+      def counting(spec, *args, **kwargs):
+        parsed.append(spec)
+        return real(spec, *args, **kwargs)
+      transforms.parse_chain = counting
+      spec = importlib.util.spec_from_file_location('run_experiment', {path!r})
+      binary = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(binary)
+      argv = binary.parse_flags(['run_experiment.py', '--validate_only',
+                                 '--upload={_STAGES["upload"]}',
+                                 '--download={_STAGES["download"]}',
+                                 '--output_dir={tmp_path}/out'])
+      binary.main(argv)
+      print('PARSED', *sorted(parsed))
+      ''')
+  proc = subprocess.run([sys.executable, '-c', script], capture_output=True,
+                        text=True, timeout=600, cwd=tmp_path,
+                        env=dict(os.environ, HOME=str(tmp_path),
+                                 PYTHONPATH=str(repo_root)))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert 'upload bits per client: ' in proc.stdout
+  assert proc.stdout.strip().splitlines()[-1].split()[1:] == sorted(
+      _STAGES.values())

@@ -64,26 +64,24 @@ def _build_sgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   return _sgd_baseline(ctx, 'sgd', None, 'dense')
 
 
-def _topk_upload(opts, num_params: int) -> transforms.CommTransform:
-  """``--upload`` stages (default :data:`common.TOPK_DEFAULT_UPLOAD`), or
-  ConfigError if they cannot encode the model (e.g. k > D)."""
-  stages = str(_opt(opts, common.UPLOAD)).strip() or \
-      common.TOPK_DEFAULT_UPLOAD
-  upload = common.stages_from_option({common.UPLOAD.name: stages},
-                                     common.UPLOAD)
+def _topk_upload(ctx: spec.BuildContext) -> transforms.CommTransform:
+  """The parsed ``--upload`` (default :data:`common.TOPK_DEFAULT_UPLOAD`),
+  or ConfigError if it cannot encode the model (e.g. k > D)."""
+  upload = common.compression_of(ctx).upload
   try:
     transforms.message_bits(
-        upload, [jax.ShapeDtypeStruct((num_params,), jnp.float32)])
+        upload, [jax.ShapeDtypeStruct((ctx.num_params,), jnp.float32)])
   except ValueError as e:
+    stages = str(_opt(ctx.config.options, common.UPLOAD)).strip() or \
+        common.TOPK_DEFAULT_UPLOAD
     raise ConfigError(f'--upload={stages}: {e}') from None
   return upload
 
 
 def _build_topk(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
   _check_common(ctx)
-  opts = ctx.config.options
-  return _sgd_baseline(ctx, 'topk', _topk_upload(opts, ctx.num_params),
-                         _opt(opts, common.DOWNLOAD_ACCOUNTING))
+  return _sgd_baseline(ctx, 'topk', _topk_upload(ctx),
+                       _opt(ctx.config.options, common.DOWNLOAD_ACCOUNTING))
 
 
 def _build_fetchsgd(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:

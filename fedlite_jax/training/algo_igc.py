@@ -67,10 +67,8 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
     if config.client_epochs != 1:
       raise ConfigError(f'{name} takes --local_steps, not --client_epochs '
                         f'(got --client_epochs={config.client_epochs}).')
-    upload = common.stages_from_option(opts, common.UPLOAD)
-    if upload is not None and _opt(opts, PROJECT_ON_SERVER):
-      raise ConfigError('--igc_project_on_server needs a linear upload; it '
-                        f'cannot be combined with --upload={_opt(opts, common.UPLOAD)}.')
+    upload = common.compression_of(ctx).upload
+    common.check_options(opts)  # --igc_project_on_server: a linear upload.
     dp = dp_options.resolve(config, len(ctx.train_client_ids))
     rpe = None
     if time_varying:

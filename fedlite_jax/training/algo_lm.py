@@ -45,7 +45,7 @@ MIME_GRADS_BATCH_SIZE = Option(
 
 def _fedopt(ctx: spec.BuildContext, **kwargs) -> fedjax.FederatedAlgorithm:
   config = ctx.config
-  compression = compression_from_options(config.options)
+  compression = common.compression_of(ctx)
   dp = dp_options.resolve(config, len(ctx.train_client_ids))
   if dp is not None:  # DP-FedAvg: uniform weights (McMahan et al. 2018).
     kwargs.update(dp=dp.dp, weighting='uniform')
@@ -92,7 +92,7 @@ def build_mime_lite(ctx: spec.BuildContext) -> fedjax.FederatedAlgorithm:
       optimizers.client_batch_hparams(config),
       grads_batch_size=int(_opt(config.options, MIME_GRADS_BATCH_SIZE)),
       server_learning_rate=float(config.server_lr),
-      compression=compression_from_options(config.options),
+      compression=common.compression_of(ctx),
       seed=config.seed, name='mime_lite',
       **common.engine_options(config),
       nonfinite=_opt(config.options, common.NONFINITE_UPDATES))

@@ -86,9 +86,7 @@ IGNORED_FIELDS = {
     'server_beta1': _OWN_SERVER, 'server_beta2': _OWN_SERVER,
     'server_eps': _OWN_SERVER,
     'client_epochs': 'each client uses one batch per round',
-    'round_engine': _OWN_CLIENTS, 'steps_per_call': _OWN_CLIENTS,
-    'segment_steps': _OWN_CLIENTS, 'segment_loop': _OWN_CLIENTS,
-    'data_on_device': _OWN_CLIENTS,
+    'round_engine': _OWN_CLIENTS, 'segment_steps': _OWN_CLIENTS,
 }
 
 SPLIT_OPTIONS = (SERVER_OPTIMIZER, SERVER_LR, LABEL_BITS, CLIENT_WEIGHTING,

@@ -20,7 +20,6 @@ from fedlite_jax.training import start as start_lib
 from fedlite_jax.training import state_io
 from fedlite_jax.training import registry
 from fedlite_jax.training import tasks
-from fedlite_jax.rounds import device_rows
 from fedlite_jax.rounds import errors as rounds_errors
 from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
@@ -47,8 +46,8 @@ class Run:
     test_batches: the evaluation batches.
     init: the ``--init_checkpoint`` parameters, or None.
     engine, conv_implementation: the round engine and convolutions used.
-    row_table: the training clients' examples on the devices
-      (``--data_on_device``), or None: cohorts are wrapped by it.
+    compression: the ``--upload`` / ``--download`` stages, parsed once
+      (``compression_options.run_compression``).
     start_round: rounds done before this process started (restored).
     rows: metrics.jsonl rows so far (one per round): on a resume, those of
       rounds <= ``start_round`` (the file cut back to them); the loop appends.
@@ -72,7 +71,7 @@ class Run:
   init: Optional[state_io.InitParams]
   engine: str
   conv_implementation: str
-  row_table: Optional[device_rows.RowTable] = None
+  compression: fedopt.Compression
   start_round: int = 0
   rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   stop_reason: Optional[str] = None
@@ -151,60 +150,17 @@ def _training_source(config, train_fd, mesh):
   return train_fd, source
 
 
-def _row_table(config, train_fd, mesh, engine: str
-               ) -> Optional[device_rows.RowTable]:
-  """The training clients' row table for ``--data_on_device``, or None
-  (off; not the vmap engine; auto on CPU, on several processes, or over
-  ``device_rows.AUTO_MEMORY_FRACTION`` of a device's memory).
-
-  Raises:
-    ConfigError: ``on`` on several processes, or for clients whose
-      examples do not make one table (a preprocessor that does not keep
-      one row per row; ``auto`` then logs why and keeps the host's
-      batches).
-  """
-  setting = config.data_on_device
-  spec = registry.get(config.algorithm)
-  if setting == 'off' or engine != 'vmap' or not spec.uses_round_engine():
-    return None
-  if mesh.multi_process:
-    if setting == 'on':
-      raise ConfigError('--data_on_device=on runs on one process; use auto '
-                        'or off with --num_processes > 1.')
-    LOG.info('--data_on_device=auto: off (several processes).')
-    return None
-  if setting == 'auto':
-    if jax.default_backend() == 'cpu':
-      LOG.info('--data_on_device=auto: off (CPU: the device is the host).')
-      return None
-    # The size from the examples' count and one client's rows.
-    sizes = list(train_fd.client_sizes())
-    cid, size = sizes[0]
-    sample = next(iter(train_fd.get_clients([cid])))[1].all_examples()
-    row_bytes = sum(v.nbytes for v in sample.values()) / max(size, 1)
-    total = sum(n for _, n in sizes)
-    fits, why = device_rows.table_memory_ok(int(total * row_bytes))
-    LOG.info('--data_on_device=auto: %s (%s).', 'on' if fits else 'off', why)
-    if not fits:
-      return None
-  try:
-    table = device_rows.RowTable(train_fd.clients())
-  except ValueError as e:
-    if setting == 'on':
-      raise ConfigError(f'--data_on_device=on: {e}') from None
-    LOG.info('--data_on_device=auto: off (%s).', e)
-    return None
-  LOG.info('Training data on the devices: %d examples, %.1f MiB.',
-           len(table), table.nbytes / 2**20)
-  return table
-
-
 def build_run(config: config_lib.RunConfig, task: tasks.Task,
               mesh: sharding.ClientMesh, engine: str, model_config:
               config_lib.RunConfig, out: pathlib.Path, scratch: pathlib.Path,
               fingerprint: dict[str, Any], code: dict[str, Any],
-              resume_from: Optional[pathlib.Path]) -> Run:
+              resume_from: Optional[pathlib.Path],
+              compression: fedopt.Compression) -> Run:
   """Loads the data, builds model and algorithm, restores the checkpoint.
+
+  ``compression`` is ``compression_options.run_compression(config)``: the
+  stages parsed once, before anything was written, carried to the
+  algorithm's builder and :attr:`Run.compression`.
 
   Raises:
     ConfigError: settings that do not fit the data, the mesh or the
@@ -214,7 +170,6 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
   train_fd, test_fd, info = task.load_data(config)
   LOG.info('Data (--task=%s): %s', config.task, info.description)
   train_fd, source = _training_source(config, train_fd, mesh)
-  row_table = _row_table(config, train_fd, mesh, engine)
   split_model = task.build_model(model_config, info)
   params = split_model.model.init(jax.random.PRNGKey(config.seed))
   init = _load_init(config, params, fingerprint.get('init_checkpoint_sha256'))
@@ -230,7 +185,8 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
       algorithm = build_algorithm(registry.BuildContext(
           config=config, split_model=split_model,
           num_params=fedopt.num_params(params),
-          train_client_ids=tuple(train_fd.client_ids()), info=info))
+          train_client_ids=tuple(train_fd.client_ids()), info=info,
+          compression=compression))
     except rounds_errors.EngineConfigError as e:
       raise ConfigError(config_lib.flag_message(e)) from None
   state = algorithm.init(params)
@@ -260,6 +216,6 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
       source=source, test_batches=evaluation.eval_batches(
           test_fd, config.eval_batch_size, config.eval_num_clients,
           config.seed),
-      init=init, engine=engine, row_table=row_table,
+      init=init, engine=engine, compression=compression,
       conv_implementation=model_config.conv_implementation,
       start_round=start_round, rows=rows)

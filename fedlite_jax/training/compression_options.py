@@ -202,20 +202,42 @@ def compression_from_options(options) -> fedopt.Compression:
 
 
 def check_options(options) -> None:
-  """Builds the compression of ``options`` without data, so that
-  ``--validate_only`` rejects what a run would (ConfigError)."""
-  names = set(options)
+  """The checks of ``options`` that need no stage string parsed (ConfigError);
+  :func:`run_compression` parses and checks the stages."""
   if _opt(options, IGC_PROJECT_ON_SERVER) and \
       str(_opt(options, UPLOAD)).strip():
     raise ConfigError('--igc_project_on_server needs a linear upload; it '
                       f'cannot be combined with --upload={_opt(options, UPLOAD)}.')
-  if {o.name for o in COMPRESSION_OPTIONS} <= names:
-    compression_from_options(options)
-    return
-  for option in (UPLOAD, DOWNLOAD):
-    if option.name in names:
-      stages_from_option(options, option,
-                         generator=_opt(options, QUANTIZER_RNG))
+  fraction = _opt(options, PVT_FRACTION)
+  if PVT_FRACTION.name in options and not 0.0 < fraction <= 1.0:
+    raise ConfigError(f'--pvt_fraction={fraction}: must be in (0, 1].')
+
+
+def run_compression(config) -> fedopt.Compression:
+  """The compression of a resolved ``RunConfig``, its ``--upload`` and
+  ``--download`` stage strings parsed: once per run (the runner and
+  ``--validate_only`` carry the result to the algorithm's builder).
+
+  An algorithm without one of the options gets None for its chain;
+  ``--algorithm=topk`` with an empty ``--upload`` gets
+  :data:`TOPK_DEFAULT_UPLOAD`.
+
+  Raises:
+    ConfigError: a bad stage string or ``--pvt_fraction`` (naming the flag).
+  """
+  options = dict(config.options)
+  if config.algorithm == 'topk' and not str(
+      options.get(UPLOAD.name, '')).strip():
+    options[UPLOAD.name] = TOPK_DEFAULT_UPLOAD
+  return compression_from_options(options)
+
+
+def compression_of(ctx) -> fedopt.Compression:
+  """``ctx.compression`` of a ``spec.BuildContext``, or
+  :func:`run_compression` of ``ctx.config`` for a context built without it."""
+  if ctx.compression is not None:
+    return ctx.compression
+  return run_compression(ctx.config)
 
 
 def local_steps(options) -> int:
@@ -232,9 +254,7 @@ def derived_seed(option_value: int, run_seed: int, salt: bytes) -> int:
 
 def engine_options(config) -> dict:
   """The round engine's keyword arguments of a ``RunConfig``
-  (``rounds.make_engine``: engine name, loop and lane settings)."""
+  (``rounds.make_engine``: engine name and lane settings)."""
   return dict(engine=config.round_engine,
-              steps_per_call=config.steps_per_call,
               lanes_per_device=config.lanes_per_device,
-              segment_steps=config.segment_steps,
-              segment_loop=config.segment_loop)
+              segment_steps=config.segment_steps)

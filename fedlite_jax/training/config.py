@@ -1,8 +1,9 @@
 """Run configuration: every flag of ``experiments/run_experiment.py``.
 
-Each :class:`RunConfig` field's metadata holds its flag's help, type,
-choices and bound; ``None`` fields take the task's defaults (:func:`resolve`).
-Settings the run would ignore are errors (:func:`check_explicit`).
+:class:`RunConfig` (defined in :mod:`~fedlite_jax.training.run_config`,
+re-exported here with its choices) holds the settings; ``None`` fields
+take the task's defaults (:func:`resolve`). Settings the run would ignore
+are errors (:func:`check_explicit`).
 """
 
 from __future__ import annotations
@@ -12,26 +13,18 @@ import math
 import numbers
 import os
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
-from fedlite_jax import rounds
-from fedlite_jax.models import layers as models_layers
 from fedlite_jax.models import lm
 from fedlite_jax.training import compression_options
 from fedlite_jax.training import dp_options
 from fedlite_jax.training import registry
 from fedlite_jax.training import spec
+from fedlite_jax.training.run_config import (  # noqa: F401 (re-exported)
+    CLIENT_OPTIMIZERS, COMPUTE_DTYPES, CONV_IMPLEMENTATIONS, ROUND_ENGINES,
+    SERVER_OPTIMIZERS, TOKENIZERS, RunConfig)
 
 ConfigError = spec.ConfigError
-
-CLIENT_OPTIMIZERS = ('sgd', 'adam', 'adagrad')
-SERVER_OPTIMIZERS = ('sgd', 'adam', 'adagrad', 'yogi')
-TOKENIZERS = ('word', 'sentencepiece')
-ROUND_ENGINES = rounds.ENGINE_NAMES
-SEGMENT_LOOPS = rounds.streaming.LOOPS
-DATA_ON_DEVICE = rounds.device_rows.SETTINGS
-CONV_IMPLEMENTATIONS = ('auto',) + models_layers.CONV_IMPLEMENTATIONS
-COMPUTE_DTYPES = ('float32', 'bfloat16')
 
 #: Largest ``--seed``: numpy's ``RandomState`` takes seeds in [0, 2**32 - 1]
 #: (``jax.random.PRNGKey`` would silently wrap larger ones).
@@ -54,187 +47,20 @@ TASK_FIELDS: Mapping[str, tuple[str, ...]] = {
                     TEXT_TASKS)}
 
 
-def _field(default: Any, help_text: str, *, kind: type | None = None,
-           choices: Sequence[str] | None = None,
-           lower_bound: float | None = None) -> Any:
-  """A RunConfig field with its flag's help, type (default: type(default)),
-  string choices and inclusive lower bound."""
-  return dataclasses.field(default=default, metadata={
-      'help': help_text, 'kind': kind or type(default), 'choices': choices,
-      'lower_bound': lower_bound})
+#: Removed RunConfig fields (runner flags) and why each went: it had no
+#: replacement, so setting it is an error (:func:`check_removed_fields`).
+REMOVED_FIELDS: Mapping[str, str] = {
+    'segment_loop': 'segments always run as an on-device scan',
+    'data_on_device': 'batches are made on the host',
+    'steps_per_call': 'the loop engine runs one jitted step per batch'}
 
 
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """All settings of one federated run; each field is a runner flag."""
-  task: str = _field('embedded_mnist', 'Federated task.')
-  algorithm: str = _field(registry.DEFAULT_ALGORITHM, 'Federated algorithm.')
-  num_rounds: int | None = _field(None, 'Training rounds.', kind=int,
-                                  lower_bound=1)
-  clients_per_round: int | None = _field(None, 'Cohort size.', kind=int,
-                                         lower_bound=1)
-  client_batch_size: int | None = _field(
-      None, 'Local batch size (examples per local step).', kind=int,
-      lower_bound=1)
-  client_epochs: int = _field(1, 'Local epochs over the client data.',
-                              lower_bound=1)
-  max_examples_per_client: int | None = _field(
-      None, "Use at most a client's first N examples per round (as TFF "
-      'take()); 0 = all.', kind=int, lower_bound=0)
-  client_optimizer: str | None = _field(None, 'Client optimizer.', kind=str,
-                                        choices=CLIENT_OPTIMIZERS)
-  client_lr: float | None = _field(None, 'Client learning rate.', kind=float)
-  client_clip_norm: float | None = _field(
-      None, 'Client gradient global-norm clip (0 = off).', kind=float)
-  server_optimizer: str | None = _field(
-      None, 'Server optimizer (sgd = FedAvg, adam = FedAdam).', kind=str,
-      choices=SERVER_OPTIMIZERS)
-  server_lr: float | None = _field(None, 'Server learning rate.', kind=float)
-  server_beta1: float = _field(0.9, 'Server Adam/Yogi beta1.')
-  server_beta2: float = _field(0.999, 'Server Adam/Yogi beta2.')
-  server_eps: float | None = _field(None, 'Server optimizer epsilon.',
-                                    kind=float)
-  eval_every: int | None = _field(None, 'Evaluate every N rounds.', kind=int,
-                                  lower_bound=1)
-  eval_batch_size: int = _field(256, 'Evaluation batch size.', lower_bound=1)
-  eval_num_clients: int | None = _field(
-      None, 'Test clients to evaluate on (0 = all).', kind=int, lower_bound=0)
-  seed: int = _field(0, 'Seed in [0, 2**32 - 1]; all keys (sampling, init, '
-                     'shuffles) derive from seed, round, client.')
-  data_dir: str | None = _field(
-      None, 'Data directory, the only one searched when given (else '
-      '$FEDLITE_DATA_DIR, ~/.cache/fedjax, ~/.tff).', kind=str)
-  output_dir: str | None = _field(
-      None, 'Output directory (default runs/<task>_<algorithm>_<hash of the '
-      'result flags>_seed<seed>).',
-      kind=str)
-  checkpoint_every: int = _field(
-      50, 'Checkpoint every N rounds (0 = only at the end).', lower_bound=0)
-  resume: bool = _field(True, 'Resume from the latest checkpoint.')
-  overwrite: bool = _field(False, 'Replace results of another run.')
-  allow_download: bool = _field(
-      False, 'Let FedJAX download missing data (needs network).')
-  round_engine: str = _field(
-      'auto', 'Client execution: vmap (one program; GPU/TPU), loop (jitted '
-      'step blocks; CPU), auto (by platform).', choices=ROUND_ENGINES)
-  steps_per_call: int = _field(
-      1, 'Loop engine: local steps unrolled per jitted call.', lower_bound=1)
-  lanes_per_device: Any = _field(
-      'auto', 'vmap engine and split learning: clients run side by side per '
-      'device, each lane streaming its clients (peak memory follows it); '
-      'auto = from model and device memory, at most the cohort.', kind=str)
-  segment_steps: int = _field(
-      4, 'vmap engine: local steps per compiled segment (one call).',
-      lower_bound=1)
-  segment_loop: str = _field(
-      'auto', 'vmap engine: a segment\'s steps unrolled (XLA:CPU runs '
-      'convolutions in loops slowly), or in an on-device loop that computes '
-      'only the planned steps and compiles one step: of segment_steps steps '
-      '(scan) or of the planned count (while; a GPU call waits for its '
-      'end); or fixed: segment_steps steps and no conditional, so a GPU '
-      'call never waits for the device (the last segment pads with masked '
-      'steps); or host: the step called once per planned step, after a '
-      'call of the finalizations and starts where clients end (no device '
-      'loop, no conditional; the step compiled once); auto = scan, but '
-      'unroll on '
-      'CPU for a client step with a lax convolution. Equal to float '
-      'rounding.',
-      choices=SEGMENT_LOOPS)
-  data_on_device: str = _field(
-      'auto', 'vmap engine: the training clients\' preprocessed examples '
-      'sent to every device once, and each round\'s batches as row indices '
-      'that the lanes gather (the same batches); auto = on with GPUs/TPUs '
-      'on one process when they take at most 1/8 of a device\'s memory.',
-      choices=DATA_ON_DEVICE)
-  conv_implementation: str = _field(
-      'auto', 'CNN convolutions: lax, im2col (a matmul: no grouped '
-      'convolution when vmapped over clients), auto (im2col with the vmap '
-      'engine or vmapped split learning). Equal to float rounding.',
-      choices=CONV_IMPLEMENTATIONS)
-  compute_dtype: str = _field(
-      'float32', 'Model computation dtype (flax dtype); parameters, '
-      'optimizer states, deltas and sums stay float32. bfloat16 is for '
-      'GPU/TPU.', choices=COMPUTE_DTYPES)
-  client_cache_mb: int = _field(
-      1024, 'MiB of decoded client data kept across rounds (LRU; 0 = off). '
-      'No effect on results.', lower_bound=0)
-  prefetch_clients: bool = _field(
-      True, "Load the next round's clients in a background thread. No "
-      'effect on results.')
-  compilation_cache_dir: str = _field(
-      'auto', "JAX's persistent compilation cache: a later run of the same "
-      'programs (another seed, a resumed run) loads them instead of '
-      'compiling. auto = $JAX_COMPILATION_CACHE_DIR if set, else '
-      '$XDG_CACHE_HOME (~/.cache)/fedlite_jax/xla; off; or a directory. No '
-      'effect on results.', kind=str)
-  num_devices: int | None = _field(
-      None, "Local devices to split each round's clients over (default: "
-      'all). Results equal up to float tolerance.', kind=int)
-  coordinator_address: str | None = _field(
-      None, 'Multi-host runs: host:port of process 0 (jax.distributed).',
-      kind=str)
-  num_processes: int = _field(1, 'Multi-host runs: number of processes.',
-                              lower_bound=1)
-  process_id: int = _field(0, "Multi-host runs: this process's index.",
-                           lower_bound=0)
-  distributed_timeout: int = _field(
-      60, 'Multi-host runs: seconds to wait for all processes.', lower_bound=1)
-  progress: bool = _field(True, 'Show a progress bar.')
-  # Task-specific (see TASK_FIELDS).
-  sequence_length: int = _field(20, 'Next-word prediction sequence length.',
-                                lower_bound=1)
-  vocab_size: int = _field(10000, 'Word vocabulary size (next-word '
-                           'prediction).', lower_bound=1)
-  num_clients: int = _field(50, 'embedded_mnist: number of synthetic '
-                            'clients.', lower_bound=1)
-  dirichlet_alpha: float = _field(
-      0.5, 'embedded_mnist: Dirichlet label-skew concentration.')
-  tokenizer: str = _field(
-      'word', 'Text tasks: word vocabulary, or a SentencePiece model trained '
-      'on the training split (Ro et al. 2022; with --sequence_length=30).',
-      choices=TOKENIZERS)
-  sp_vocab_size: int = _field(
-      4096, 'SentencePiece ids incl. PAD/BOS/EOS/UNK (paper: 4K).',
-      lower_bound=5)
-  model: str | None = _field(
-      None, 'Language model preset (Ro et al. 2022 Table 1, plus tiny CPU '
-      'presets); default: the task model (lstm_small with sentencepiece).',
-      kind=str, choices=tuple(lm.PRESETS))
-  lm_loss_reduction: str = _field(
-      'sequence_sum', 'LM presets: per-sequence sum (FedJAX) or mean of '
-      'token cross-entropies.', choices=tuple(lm.LOSS_REDUCTIONS))
-  init_checkpoint: str | None = _field(
-      None, 'Start from the parameters of experiments/pretrain_centralized.py '
-      'or a runner checkpoint (checkpoints/<round>).', kind=str)
-  # Algorithm-specific options (registry.Option), by name.
-  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-  # Flags that do not change the result (not in the checkpoint fingerprint).
-  NON_RESULT_FIELDS = (
-      'num_rounds', 'eval_every', 'eval_batch_size', 'eval_num_clients',
-      'data_dir', 'output_dir', 'checkpoint_every', 'resume', 'overwrite',
-      'allow_download', 'round_engine', 'steps_per_call', 'lanes_per_device',
-      'segment_steps', 'segment_loop', 'data_on_device',
-      'conv_implementation',
-      'client_cache_mb', 'compilation_cache_dir',
-      'prefetch_clients', 'num_devices',
-      'coordinator_address', 'num_processes', 'process_id',
-      'distributed_timeout', 'progress')
-
-  # Result fields added later, left out at their default so that runs
-  # written before them keep their identity.
-  OMITTED_AT_DEFAULT = {'compute_dtype': 'float32'}
-
-  def fingerprint(self) -> dict[str, Any]:
-    """The result-determining settings (stored in checkpoints, checked)."""
-    known = registry.all_options()
-    out = {k: v for k, v in dataclasses.asdict(self).items()
-           if k not in self.NON_RESULT_FIELDS and k != 'options' and
-           self.OMITTED_AT_DEFAULT.get(k, object()) != v}
-    out['options'] = {k: v for k, v in sorted(self.options.items())
-                      if (k not in known or known[k].affects_result) and not
-                      (k in dp_options.NAMES and v == known[k].default)}
-    return out
+def check_removed_fields(names: Iterable[str]) -> None:
+  """Raises ConfigError ``--<name> was removed: <why>`` for the first of
+  ``names`` (flags or options given) in :data:`REMOVED_FIELDS`."""
+  for name in names:
+    if name in REMOVED_FIELDS:
+      raise ConfigError(f'--{name} was removed: {REMOVED_FIELDS[name]}.')
 
 
 def _is_finite(value: Any) -> bool:
@@ -284,12 +110,15 @@ def _explicit_fields(config: RunConfig,
 
 def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   """Fills ``None`` fields from the task defaults and validates everything,
-  including settings the run would ignore (:func:`check_explicit`).
+  including settings the run would ignore (:func:`check_explicit`), but the
+  ``--upload`` / ``--download`` stage strings: the run parses those once
+  (``compression_options.run_compression``).
 
   Raises:
     ConfigError: naming the first bad value and what is allowed.
   """
   compression_options.check_removed(config.options, config.algorithm)
+  check_removed_fields(config.options)
   explicit = _explicit_fields(config, task_defaults)
   filled = {k: (task_defaults[k] if v is None and k in task_defaults else v)
             for k, v in dataclasses.asdict(config).items()}
@@ -304,8 +133,7 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   config = RunConfig(**filled)
   for name in ('num_rounds', 'clients_per_round', 'client_batch_size',
                'client_epochs', 'eval_every', 'eval_batch_size', 'client_lr',
-               'server_lr', 'steps_per_call', 'segment_steps',
-               'sequence_length', 'vocab_size',
+               'server_lr', 'segment_steps', 'sequence_length', 'vocab_size',
                'num_clients', 'dirichlet_alpha'):
     _positive(name, getattr(config, name))
   for name in ('checkpoint_every', 'client_clip_norm', 'eval_num_clients',
@@ -324,8 +152,6 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
   for name, allowed in (('client_optimizer', CLIENT_OPTIMIZERS),
                         ('server_optimizer', SERVER_OPTIMIZERS),
                         ('round_engine', ROUND_ENGINES),
-                        ('segment_loop', SEGMENT_LOOPS),
-                        ('data_on_device', DATA_ON_DEVICE),
                         ('conv_implementation', CONV_IMPLEMENTATIONS),
                         ('compute_dtype', COMPUTE_DTYPES)):
     _check_choice(name, getattr(config, name), allowed)
@@ -438,13 +264,11 @@ def _not_applicable(name: str, config: RunConfig,
             f'{config.server_optimizer}')
   if name == 'server_eps' and config.server_optimizer == 'sgd':
     return 'applies to --server_optimizer=adam, adagrad or yogi, not sgd'
-  if name == 'steps_per_call' and config.round_engine == 'vmap':
-    return 'applies to --round_engine=loop (or auto on CPU), not vmap'
   if name == 'lanes_per_device' and config.round_engine == 'loop' and \
       spec.uses_round_engine():
     return ('applies to --round_engine=vmap (or auto on GPU/TPU) and split '
             'learning, not the loop engine')
-  if name in ('segment_steps', 'segment_loop', 'data_on_device') and (
+  if name == 'segment_steps' and (
       config.round_engine == 'loop' or not spec.uses_round_engine()):
     return ('applies to --round_engine=vmap (or auto on GPU/TPU), not the '
             'loop engine or split learning')

@@ -39,8 +39,7 @@ def _client_keys(seed: int, round_num: np.uint32, crcs: jax.Array
 def client_rngs(seed: int, round_num: int, client_ids: Sequence[bytes]
                 ) -> np.ndarray:
   """:func:`client_rng` of every client, ``uint32[len(client_ids), 2]``
-  (NumPy), the same keys from one compiled call and one transfer (a call
-  and a transfer per client cost ~40 us each on 2 CPU cores)."""
+  (NumPy), the same keys from one compiled call and one transfer."""
   crcs = np.array([zlib.crc32(bytes(c)) for c in client_ids], np.uint32)
   return np.asarray(_client_keys(int(seed), np.uint32(round_num), crcs))
 
@@ -67,9 +66,6 @@ def _train_round(run: Run, cohorts: data_path.CohortPrefetcher,
   keys = client_rngs(config.seed, r, [cid for cid, _, _ in sampled])
   clients = [(cid, cds[:cap] if cap and len(cds) > cap else cds, key)
              for (cid, cds, _), key in zip(sampled, keys)]
-  if run.row_table is not None:  # Batches as rows of the devices' table.
-    clients = [(cid, run.row_table.dataset(cid, cds), rng)
-               for cid, cds, rng in clients]
   t_train = time.perf_counter()
   run.state, diagnostics = run.algorithm.apply(run.state, clients)
   jax.block_until_ready(run.state)

@@ -22,6 +22,7 @@ import numpy as np
 from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import sharding
 from fedlite_jax.training import build as build_lib
+from fedlite_jax.training import compression_options
 from fedlite_jax.training import config as config_lib
 from fedlite_jax.training import dp_options
 from fedlite_jax.training import evaluation
@@ -72,14 +73,15 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     ``rounds``, ``seconds_per_round``, ``flags`` and more.
 
   Raises:
-    ConfigError: bad settings or ``--init_checkpoint``; an ``output_dir`` in
-      use, or holding results of other flags (without ``--overwrite``).
+    ConfigError: bad settings, ``--upload`` / ``--download`` stages or
+      ``--init_checkpoint``; an ``output_dir`` in use, or holding results of other flags (without ``--overwrite``).
     FileNotFoundError: missing data (the message names the files).
     state_io.CheckpointError: a corrupt or mismatched checkpoint.
     FloatingPointError: the model diverged (non-finite updates).
   """
   task = tasks.get_task(config.task)
   config = config_lib.resolve(config, task.defaults)
+  compression = compression_options.run_compression(config)
   if config.output_dir is None:
     config = dataclasses.replace(
         config, output_dir=start_lib.default_output_dir(config))
@@ -123,7 +125,8 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     engine = _engine_name(config, mesh)
     the_run = build_lib.build_run(
         config, task, mesh, engine, _model_config(config, engine), out,
-        scratch, start.fingerprint, start.code, start.resume_from)
+        scratch, start.fingerprint, start.code, start.resume_from,
+        compression)
     all_hooks = ordered_hooks(hooks, dp_options.enabled(config))
     for hook in reversed(all_hooks):
       stack.callback(hook.close)

@@ -50,12 +50,17 @@ class BuildContext:
     num_params: number of scalar model parameters (D).
     train_client_ids: the training clients' ids, in FedJAX order.
     info: the task's ``tasks.LoadedInfo``.
+    compression: the run's ``fedopt.Compression`` with the ``--upload`` /
+      ``--download`` stages parsed
+      (``compression_options.run_compression``), or None: the builder
+      parses them (``compression_options.compression_of``).
   """
   config: Any
   split_model: Any
   num_params: int
   train_client_ids: tuple[bytes, ...]
   info: Any
+  compression: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,16 +22,16 @@ from fedlite_jax.training import tasks
 ConfigError = config_lib.ConfigError
 
 
-def _bits_per_client(config: config_lib.RunConfig, params) -> dict[str, str]:
+def _bits_per_client(config: config_lib.RunConfig, c: fedopt.Compression,
+                     params) -> dict[str, str]:
   """Upload and download bits per client per round as the ``--upload`` /
-  ``--download`` stages encode ``params`` (algorithms that take both)."""
+  ``--download`` stages ``c`` encode ``params`` (algorithms that take both)."""
   dense = FLOAT_BITS * fedopt.num_params(params)
   names = {o.name for o in registry.get(config.algorithm).options}
   if not {'upload', 'download'} <= names:
     return {'bits per client': f'{dense:,.0f} each way uncompressed; '
                                f'--algorithm={config.algorithm} counts its '
                                'own in each round'}
-  c = compression_options.compression_from_options(config.options)
   out = {}
   for way, chain in (('upload', c.upload), ('download', c.download)):
     bits = dense if chain is None else tx.message_bits(chain, params)
@@ -40,7 +40,7 @@ def _bits_per_client(config: config_lib.RunConfig, params) -> dict[str, str]:
         f'{bits * config.clients_per_round / 8e6:,.3f} MB per round)')
   if c.pvt_fraction < 1:
     out['upload bits per client'] += (
-        f'; PVT trains {c.pvt_fraction:g} of the variables, so the measured '
+        f'; PVT trains {c.pvt_fraction:g} of the variables, so the counted '
         'upload is lower and varies by client')
   return out
 
@@ -55,7 +55,8 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
     ``--dp_clip``, z, q and the epsilon after ``--num_rounds``.
 
   Raises:
-    ConfigError: the output folder holds results of other flags (without
+    ConfigError: bad settings or ``--upload`` / ``--download`` stages, the
+      output folder holds results of other flags (without
       ``--overwrite``), the cohort exceeds the training clients, or the
       ``--dp_*`` accounting cannot be set up (population, target epsilon).
     datasets.DatasetNotFoundError: the data is not on disk (and
@@ -63,6 +64,7 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
   """
   task = tasks.get_task(config.task)
   config = config_lib.resolve(config, task.defaults)
+  compression = compression_options.run_compression(config)
   out = pathlib.Path(config.output_dir or start_lib.default_output_dir(config))
   reason = start_lib.conflict(config, start_lib.fingerprint_of(config), out)
   if reason is not None:
@@ -89,7 +91,7 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
       config, conv_implementation='lax'), info).model  # Same parameters.
   params = model.init(jax.random.PRNGKey(config.seed))
   return {**lines, 'flags': _flags(config),
-          **_bits_per_client(config, params)}
+          **_bits_per_client(config, compression, params)}
 
 
 def _flags(config: config_lib.RunConfig) -> str:

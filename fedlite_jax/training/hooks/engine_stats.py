@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from fedlite_jax import cpu_allocator
 from fedlite_jax.rounds import engine as engine_lib
 from fedlite_jax.rounds import stats as stats_lib
 from fedlite_jax.training import round_metrics
@@ -18,8 +17,7 @@ class EngineStatsHook(Hook):
   compilations (``engine/compilations``,
   ``engine/client_program_compilations``, ``engine/compile_seconds``: of
   sampling, training, server update, accounting and evaluation) to every
-  trained round's row, and ``summary['engine']`` (with the
-  :mod:`~fedlite_jax.cpu_allocator` state). Placed after the
+  trained round's row, and ``summary['engine']``. Placed after the
   evaluation hook, whose compilations it counts."""
 
   def __init__(self):
@@ -64,8 +62,7 @@ class EngineStatsHook(Hook):
         'compile_seconds_by_program': {
             k: round(v, 3) for k, v in self.compiles.seconds.most_common()},
         'conv_implementation': run.conv_implementation,
-        'compute_dtype': run.config.compute_dtype,
-        'cpu_allocator': cpu_allocator.STATE}
+        'compute_dtype': run.config.compute_dtype}
 
   def close(self) -> None:
     """Stops recording."""
