@@ -19,7 +19,6 @@ import numpy as np
 
 from fedlite_jax.common import PyTree
 from fedlite_jax.rounds import lanes as lanes_lib
-from fedlite_jax.rounds import remote
 from fedlite_jax.rounds import sharding
 from fedlite_jax.rounds.lane_programs import StepInputs
 
@@ -165,10 +164,4 @@ class SegmentFeeder:
       if k + 1 < count:
         pending = worker.submit(self.segment, k + 1)
       yield ready
-
-
-def first_local(batches: Sequence[Sequence[dict]]) -> int:
-  """The first client whose batches this process holds."""
-  return next(i for i, b in enumerate(batches)
-              if not isinstance(b, remote.RemoteBatches))
 

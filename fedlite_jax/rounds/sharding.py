@@ -62,10 +62,6 @@ class ClientMesh:
     """``ceil(cohort_size / num_devices) * num_devices`` (clients)."""
     return math.ceil(cohort_size / self.num_devices) * self.num_devices
 
-  def rows_per_process(self, cohort_size: int) -> int:
-    """Rows (real + padding clients) of the padded cohort per process."""
-    return self.padded_size(cohort_size) // self.num_processes
-
   def _counts(self, cohort_size: int) -> np.ndarray:
     """Real clients per process: as even as possible, earlier ones first."""
     p = self.num_processes
