@@ -153,20 +153,21 @@ def _training_source(config, train_fd, mesh):
 def build_run(config: config_lib.RunConfig, task: tasks.Task,
               mesh: sharding.ClientMesh, engine: str, model_config:
               config_lib.RunConfig, out: pathlib.Path, scratch: pathlib.Path,
-              fingerprint: dict[str, Any], code: dict[str, Any],
-              resume_from: Optional[pathlib.Path],
-              compression: fedopt.Compression) -> Run:
+              start: start_lib.Start, compression: fedopt.Compression) -> Run:
   """Loads the data, builds model and algorithm, restores the checkpoint.
 
-  ``compression`` is ``compression_options.run_compression(config)``: the
-  stages parsed once, before anything was written, carried to the
-  algorithm's builder and :attr:`Run.compression`.
+  ``start`` is ``start.plan``'s decision (fingerprint, checkpoint to resume
+  from, code version). ``compression`` is
+  ``compression_options.run_compression(config)``: the stages parsed once,
+  before anything was written, carried to the algorithm's builder and
+  :attr:`Run.compression`.
 
   Raises:
     ConfigError: settings that do not fit the data, the mesh or the
       algorithm; an ``--init_checkpoint`` that does not fit the model.
     state_io.CheckpointError: a corrupt or mismatched checkpoint.
   """
+  fingerprint, resume_from = start.fingerprint, start.resume_from
   train_fd, test_fd, info = task.load_data(config)
   LOG.info('Data (--task=%s): %s', config.task, info.description)
   train_fd, source = _training_source(config, train_fd, mesh)
@@ -211,7 +212,7 @@ def build_run(config: config_lib.RunConfig, task: tasks.Task,
   state = jax.device_put(state, jax.local_devices()[0])
   return Run(
       config=config, task=task, mesh=mesh, out=out, scratch=scratch,
-      fingerprint=fingerprint, code=code, spec=spec, algorithm=algorithm,
+      fingerprint=fingerprint, code=start.code, spec=spec, algorithm=algorithm,
       state=state, ledger=ledger, split_model=split_model, info=info,
       source=source, test_batches=evaluation.eval_batches(
           test_fd, config.eval_batch_size, config.eval_num_clients,

@@ -111,8 +111,7 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     if jax.process_index() == 0:
       out.mkdir(parents=True, exist_ok=True)
       stack.enter_context(outputs.lock_output_dir(out))
-      # Leftovers of writes killed mid-way (nobody else writes here now;
-      # the checkpointer removes those of killed checkpoint saves).
+      # Leftovers of killed writes (the checkpointer removes its own).
       outputs.remove_partial_files(out)
       scratch = out
     else:
@@ -123,10 +122,8 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
           shutil.copy(out / name, scratch / name)
     start = start_lib.plan(config, out, scratch)
     engine = _engine_name(config, mesh)
-    the_run = build_lib.build_run(
-        config, task, mesh, engine, _model_config(config, engine), out,
-        scratch, start.fingerprint, start.code, start.resume_from,
-        compression)
+    the_run = build_lib.build_run(config, task, mesh, engine, _model_config(
+        config, engine), out, scratch, start, compression)
     all_hooks = ordered_hooks(hooks, dp_options.enabled(config))
     for hook in reversed(all_hooks):
       stack.callback(hook.close)
