@@ -1,7 +1,9 @@
 """Differential privacy that composes with compression.
 
 Central DP-FedAvg aggregation (clip, sum, Gaussian noise on the sum; McMahan
-et al. 2018), adaptive clipping (Andrew et al. 2021), accounting with
+et al. 2018), adaptive clipping (Andrew et al. 2021), the one server step
+both DP-FedAvg entry points run (:func:`dp_noised_mean` with
+:class:`DPSettings`), accounting with
 Google's ``dp-accounting`` (RDP by default, PLD as an option; noise
 calibration from a target epsilon) and the sensitivity rule for where the
 clip sits relative to a compression chain. Plain JAX plus ``dp_accounting``:
@@ -25,7 +27,11 @@ from fedlite_jax.privacy.aggregation import AdaptiveClipResult
 from fedlite_jax.privacy.aggregation import check_dp_params
 from fedlite_jax.privacy.aggregation import clip_by_global_norm
 from fedlite_jax.privacy.aggregation import dp_fedavg_aggregate
+from fedlite_jax.privacy.aggregation import dp_noised_mean
+from fedlite_jax.privacy.aggregation import dp_round_key
 from fedlite_jax.privacy.aggregation import DPAggregate
+from fedlite_jax.privacy.aggregation import DPMean
+from fedlite_jax.privacy.aggregation import DPSettings
 from fedlite_jax.privacy.aggregation import effective_delta_noise_multiplier
 from fedlite_jax.privacy.aggregation import gaussian_noise_like
 from fedlite_jax.privacy.aggregation import global_norm
@@ -39,6 +45,8 @@ __all__ = [
     'ACCOUNTANTS',
     'AdaptiveClipResult',
     'DPAggregate',
+    'DPMean',
+    'DPSettings',
     'Sensitivity',
     'adaptive_clip_update',
     'adaptive_clipping_event',
@@ -48,6 +56,8 @@ __all__ = [
     'clip_sensitivity',
     'dp_fedavg_aggregate',
     'dp_fedavg_event',
+    'dp_noised_mean',
+    'dp_round_key',
     'effective_delta_noise_multiplier',
     'epsilon',
     'event_epsilon',

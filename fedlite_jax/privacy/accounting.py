@@ -187,11 +187,26 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float,
                                accountant: str = 'rdp',
                                max_noise_multiplier: float = 1000.0,
                                tol: Optional[float] = None) -> float:
-  """The smallest ``z`` with epsilon <= ``target_epsilon`` at ``delta``.
+  """The smallest ``z`` (to ``tol``) with epsilon <= ``target_epsilon``.
 
-  ``dp_accounting.calibrate_dp_mechanism`` over :func:`dp_fedavg_event`,
-  with a bracket ``[0, max_noise_multiplier]``; the resulting epsilon is
-  within 1% of the target (``tol`` on ``z``, default ``1e-4 * z`` scale).
+  ``dp_accounting.calibrate_dp_mechanism`` over :func:`dp_fedavg_event`
+  (bisection on the bracket ``[0, max_noise_multiplier]``): the returned
+  ``z`` has epsilon <= ``target_epsilon`` at ``delta`` and is at most
+  ``tol`` above the smallest such ``z``. No tolerance on epsilon is
+  promised; how close it lands to the target depends on epsilon's slope in
+  ``z`` (the tests check within 1% for their settings).
+
+  Args:
+    target_epsilon: > 0.
+    delta: in (0, 1).
+    sampling_probability: ``q`` in (0, 1].
+    rounds: ``T`` >= 1.
+    accountant: ``'rdp'`` or ``'pld'``.
+    max_noise_multiplier: the bracket's upper end.
+    tol: absolute tolerance on ``z`` of the bisection (None: ``1e-5``).
+
+  Returns:
+    ``z`` (float).
 
   Raises:
     ValueError: (one line) for ``target_epsilon <= 0``, bad ``delta`` etc.,

@@ -14,17 +14,25 @@ Adaptive clipping (Andrew, Thakkar, McMahan & Ramaswamy 2021,
 "Differentially Private Learning with Adaptive Clipping", Alg. 1): the
 clients also report ``b_i = 1[||Delta_i|| <= C]``; the server adds noise of
 std ``sigma_b`` to the centered count ``sum_i (b_i - 1/2)`` (sensitivity
-1/2, Sec. 3.1), forms ``b_bar = noised / denominator + 1/2`` and updates
+1/2, Sec. 3.1), forms ``b_bar = noised / denominator + 1/2``, clamped to
+[0, 1] as TF Privacy's quantile estimator does, and updates
 ``C <- C * exp(-eta_C * (b_bar - gamma))``. For a total noise multiplier
 ``z`` the delta sum gets ``z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)``, so
 that the pair is exactly one Gaussian mechanism with multiplier ``z``.
 
 Production cohorts (as in pfl-research): noise calibrated for
-``noise_cohort_size`` clients while a smaller cohort of ``m`` is trained.
-The std on the MEAN is ``z * C / noise_cohort_size``; on the SUM over the
-trained cohort (divided by ``denominator``) it is
-``z * C * denominator / noise_cohort_size``. Without ``noise_cohort_size``
-(default ``denominator``) the std on the sum is ``z * C``.
+``noise_cohort_size`` (M) clients while a smaller cohort is trained and
+summed (divided by ``denominator``, W). The std on the MEAN is
+``z * C / M``; on the SUM over the trained cohort it is ``z * C * W / M``.
+Without ``noise_cohort_size`` (default ``denominator``) the std on the sum
+is ``z * C``. The count noise of adaptive clipping is scaled the same way
+(``sigma_b * W / M`` on the trained cohort's count).
+
+:func:`dp_noised_mean` is the server's step of both DP-FedAvg entry points
+(``fedlite_jax.algorithms.fedopt.federated_averaging(dp=...)`` and
+``fedlite_jax.algorithms.dp_fedavg.dp_federated_averaging``): noise on the
+clipped sum, the fixed denominator and the adaptive update, from one
+:class:`DPSettings`.
 
 Every function is jittable (``clip_norm`` may be a traced scalar; it is
 checked only when it is a Python number) and takes explicit PRNG keys.
@@ -32,19 +40,24 @@ checked only when it is a Python number) and takes explicit PRNG keys.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from fedlite_jax.common import PyTree
+from fedlite_jax.common import DP_STREAM, PyTree
 
 __all__ = [
     'AdaptiveClipResult',
     'DPAggregate',
+    'DPMean',
+    'DPSettings',
     'adaptive_clip_update',
     'check_dp_params',
     'clip_by_global_norm',
     'dp_fedavg_aggregate',
+    'dp_noised_mean',
+    'dp_round_key',
     'effective_delta_noise_multiplier',
     'gaussian_noise_like',
     'global_norm',
@@ -179,16 +192,18 @@ def dp_fedavg_aggregate(contributions: PyTree, key: jax.Array,
     mask: optional bool/float[m]; clients with 0 contribute nothing (padding).
 
   Returns:
-    A :class:`DPAggregate`.
+    A :class:`DPAggregate`; the noise is :func:`dp_noised_mean`'s (its
+    ``key`` split into the sum's and the count's).
 
   Raises:
     ValueError: (one line) for ``C <= 0``, ``z < 0`` or a size <= 0.
   """
   m = jax.tree.leaves(contributions)[0].shape[0]
-  if denominator is None:
-    denominator = m
-  std = noise_std_on_sum(clip_norm, noise_multiplier, denominator,
-                         noise_cohort_size)
+  settings = DPSettings(
+      clip_norm=clip_norm, noise_multiplier=noise_multiplier,
+      denominator=m if denominator is None else denominator,
+      noise_cohort_size=noise_cohort_size)
+  settings.check()
   clipped, norms = jax.vmap(lambda t: clip_by_global_norm(t, clip_norm))(
       contributions)
   if mask is not None:
@@ -197,10 +212,8 @@ def dp_fedavg_aggregate(contributions: PyTree, key: jax.Array,
         lambda x: x * w.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype),
         clipped)
   total = jax.tree.map(lambda x: jnp.sum(x, axis=0), clipped)
-  noise = gaussian_noise_like(total, key, std)
-  mean = jax.tree.map(lambda s, n: ((s + n) / denominator).astype(s.dtype),
-                      total, noise)
-  return DPAggregate(mean, norms, jnp.asarray(std, jnp.float32))
+  out = dp_noised_mean(settings, total, key, clip_norm)
+  return DPAggregate(out.mean, norms, out.noise_std)
 
 
 def effective_delta_noise_multiplier(noise_multiplier: float,
@@ -235,8 +248,9 @@ def noised_unclipped_fraction(norms: jax.Array, key: jax.Array,
                               mask: Optional[jax.Array] = None) -> jax.Array:
   """``b_bar``: the noised fraction of clients with ``||Delta_i|| <= C``.
 
-  ``b_bar = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / denominator + 1/2``
-  (Andrew et al. 2021, Alg. 1 and Sec. 3.1: centered, sensitivity 1/2).
+  ``b_bar = clip((sum_i (b_i - 1/2) + N(0, sigma_b^2)) / denominator + 1/2,
+  0, 1)`` (Andrew et al. 2021, Alg. 1 and Sec. 3.1: centered, sensitivity
+  1/2; the clamp as in TF Privacy).
 
   Args:
     norms: float[m] contribution norms (:attr:`DPAggregate.norms`).
@@ -247,14 +261,17 @@ def noised_unclipped_fraction(norms: jax.Array, key: jax.Array,
     mask: optional float[m] of participating clients (1) and padding (0).
 
   Returns:
-    float32 scalar (a fraction; may leave [0, 1] because of the noise).
+    float32 scalar in [0, 1]: the noised fraction clamped to [0, 1], as
+    TF Privacy's ``QuantileEstimatorQuery`` protects against out-of-range
+    estimates (the noise, or a denominator below the cohort, can push it
+    out).
   """
   check_dp_params(clip_norm=clip_norm)
   b = (norms <= clip_norm).astype(jnp.float32) - 0.5
   if mask is not None:
     b = b * jnp.asarray(mask, jnp.float32)
   noise = count_noise_std * jax.random.normal(key, (), jnp.float32)
-  return (jnp.sum(b) + noise) / denominator + 0.5
+  return jnp.clip((jnp.sum(b) + noise) / denominator + 0.5, 0.0, 1.0)
 
 
 class AdaptiveClipResult(NamedTuple):
@@ -262,7 +279,7 @@ class AdaptiveClipResult(NamedTuple):
 
   Attributes:
     clip_norm: float32 scalar, the next round's ``C``.
-    unclipped_fraction: float32 scalar, the noised ``b_bar``.
+    unclipped_fraction: float32 scalar, the noised ``b_bar`` in [0, 1].
   """
   clip_norm: jax.Array
   unclipped_fraction: jax.Array
@@ -284,21 +301,169 @@ def adaptive_clip_update(clip_norm: Any, norms: jax.Array, key: jax.Array,
     key: PRNG key of the count noise.
     target_quantile: ``gamma`` in [0, 1].
     learning_rate: ``eta_C`` >= 0.
-    count_noise_std: ``sigma_b`` >= 0.
+    count_noise_std: ``sigma_b`` >= 0, the std on THIS count (clients of
+      the ``m`` given; :attr:`DPSettings.count_noise_std_on_sum` scales a
+      noise cohort's ``sigma_b`` to it).
     denominator: fixed denominator, > 0.
     mask: optional float[m] of participating clients.
+
+  Returns:
+    An :class:`AdaptiveClipResult`.
 
   Raises:
     ValueError: (one line) for ``gamma`` outside [0, 1] or ``eta_C < 0``.
   """
-  if not 0 <= target_quantile <= 1:
-    raise ValueError(
-        f'target_quantile gamma must be in [0, 1]; got {target_quantile}.')
-  if not learning_rate >= 0:
-    raise ValueError(f'learning_rate eta_C must be >= 0; got {learning_rate}.')
+  _check_adaptive(target_quantile, learning_rate)
   b_bar = noised_unclipped_fraction(norms, key, clip_norm, count_noise_std,
                                     denominator, mask)
   c = jnp.asarray(clip_norm, jnp.float32)
   return AdaptiveClipResult(
       c * jnp.exp(-learning_rate * (b_bar - target_quantile)), b_bar)
 
+
+
+def _check_adaptive(target_quantile: float, learning_rate: float) -> None:
+  if not 0 <= target_quantile <= 1:
+    raise ValueError(
+        f'target_quantile gamma must be in [0, 1]; got {target_quantile}.')
+  if not learning_rate >= 0:
+    raise ValueError(f'learning_rate eta_C must be >= 0; got {learning_rate}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class DPSettings:
+  """Central DP-FedAvg's settings (McMahan et al. 2018, Alg. 1; adaptive
+  clipping: Andrew et al. 2021, Alg. 1). Hashable (a static ``jit``
+  argument).
+
+  Attributes:
+    clip_norm: the first round's ``C`` > 0 (units of the summed
+      contributions, e.g. the decoded delta).
+    noise_multiplier: ``z`` >= 0 of the round's Gaussian mechanism (with
+      adaptive clipping: of the delta sum and the count together; the sum
+      gets :attr:`delta_noise_multiplier`).
+    denominator: ``W`` > 0, the mean's fixed denominator (clients: the
+      trained cohort or its expected size).
+    noise_cohort_size: ``M`` > 0, the cohort the noise is calibrated for
+      (clients); None: ``W``.
+    target_quantile: adaptive clipping's ``gamma`` in [0, 1]; None: fixed C.
+    clip_learning_rate: ``eta_C`` >= 0 of the geometric update.
+    count_noise_std: ``sigma_b`` >= 0, the std on the noise cohort's
+      centered count (clients); with adaptive clipping and ``z > 0`` it must
+      exceed ``z / 2``.
+  """
+  clip_norm: Any
+  noise_multiplier: Any
+  denominator: float
+  noise_cohort_size: Optional[float] = None
+  target_quantile: Optional[float] = None
+  clip_learning_rate: float = 0.2
+  count_noise_std: float = 0.0
+
+  def check(self) -> None:
+    """Raises a one-line ValueError for ``C <= 0``, ``z < 0``, a size <= 0,
+    ``gamma`` outside [0, 1], ``eta_C < 0``, ``sigma_b < 0`` or
+    ``sigma_b <= z / 2`` (adaptive clipping)."""
+    self.noise_std(self.clip_norm)
+    if self.target_quantile is not None:
+      _check_adaptive(self.target_quantile, self.clip_learning_rate)
+
+  @property
+  def delta_noise_multiplier(self) -> float:
+    """``z_Delta`` of the delta sum (``z`` without adaptive clipping); a
+    one-line ValueError if ``sigma_b <= z / 2``
+    (:func:`effective_delta_noise_multiplier`)."""
+    if self.target_quantile is None:
+      return self.noise_multiplier
+    return effective_delta_noise_multiplier(self.noise_multiplier,
+                                            self.count_noise_std)
+
+  def noise_std(self, clip_norm: Any) -> Any:
+    """Std of the noise on the trained cohort's clipped sum for clip norm
+    ``clip_norm`` (units of the contributions): ``z_Delta * C * W / M``
+    (:func:`noise_std_on_sum`); ``/ W`` on the mean."""
+    return noise_std_on_sum(clip_norm, self.delta_noise_multiplier,
+                            self.denominator, self.noise_cohort_size)
+
+  @property
+  def count_noise_std_on_sum(self) -> float:
+    """Std of the noise on the trained cohort's centered count (clients):
+    ``sigma_b * W / M``, scaled like the sum's so that ``b_bar`` gets
+    ``sigma_b / M`` whatever ``W``."""
+    return self.count_noise_std * self.denominator / (
+        self.noise_cohort_size or self.denominator)
+
+
+class DPMean(NamedTuple):
+  """Result of :func:`dp_noised_mean`.
+
+  Attributes:
+    mean: ``(clipped sum + noise) / W``: the sum's structure, shapes and
+      dtypes.
+    clip_norm: float32 scalar, the next round's ``C`` (the given one
+      without adaptive clipping).
+    unclipped_fraction: float32 scalar ``b_bar`` in [0, 1] (adaptive
+      clipping), else None.
+    noise_std: float32 scalar, the std of the noise added to the sum.
+  """
+  mean: PyTree
+  clip_norm: jax.Array
+  unclipped_fraction: Optional[jax.Array]
+  noise_std: jax.Array
+
+
+def dp_round_key(seed: int, round_num: Any) -> jax.Array:
+  """``fold_in(fold_in(PRNGKey(seed), DP_STREAM), round_num)``: a round's
+  server noise key, a function of the seed and round only (resume-exact)."""
+  return jax.random.fold_in(jax.random.fold_in(
+      jax.random.PRNGKey(seed), DP_STREAM), round_num)
+
+
+def dp_noised_mean(settings: DPSettings, clipped_sum: PyTree, key: jax.Array,
+                   clip_norm: Any, norms: Optional[jax.Array] = None,
+                   kept: Optional[jax.Array] = None) -> DPMean:
+  """DP-FedAvg's server step on the clipped sum (jittable).
+
+  McMahan et al. 2018, Alg. 1: ``mean = (sum + N(0, s^2 I)) / W`` with
+  ``s = settings.noise_std(C)``. With ``settings.target_quantile`` also
+  Andrew et al. 2021, Alg. 1: ``b_bar`` from ``norms`` with count noise of
+  std :attr:`DPSettings.count_noise_std_on_sum`, clamped to [0, 1], and
+  ``C <- C * exp(-eta_C * (b_bar - gamma))``
+  (:func:`adaptive_clip_update`). ``k_sum, k_count = split(key)`` draw
+  the sum's and the count's noise.
+
+  Args:
+    settings: the :class:`DPSettings` (static).
+    clipped_sum: the sum of the clipped contributions (pytree of floating
+      arrays, weight 1 per client).
+    key: PRNG key of the round's noise.
+    clip_norm: this round's ``C`` > 0 (float or float32 scalar, may be
+      traced).
+    norms: float32[m], each client's norm before clipping (adaptive
+      clipping only).
+    kept: optional float32[m], 1 for the clients in the sum, 0 for padding
+      or skipped clients.
+
+  Returns:
+    A :class:`DPMean`.
+
+  Raises:
+    ValueError: (one line) adaptive clipping without ``norms``, or bad
+      settings (:meth:`DPSettings.check`).
+  """
+  std = settings.noise_std(clip_norm)
+  k_sum, k_count = jax.random.split(key)
+  noise = gaussian_noise_like(clipped_sum, k_sum, std)
+  mean = jax.tree.map(lambda s, n: ((s + n) / settings.denominator).astype(
+      s.dtype), clipped_sum, noise)
+  std = jnp.asarray(std, jnp.float32)
+  if settings.target_quantile is None:
+    return DPMean(mean, jnp.asarray(clip_norm, jnp.float32), None, std)
+  if norms is None:
+    raise ValueError('adaptive clipping (target_quantile set) needs the '
+                     "clients' norms; got norms=None.")
+  new = adaptive_clip_update(
+      clip_norm, norms, k_count, settings.target_quantile,
+      settings.clip_learning_rate, settings.count_noise_std_on_sum,
+      settings.denominator, kept)
+  return DPMean(mean, new.clip_norm, new.unclipped_fraction, std)
