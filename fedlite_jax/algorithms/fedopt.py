@@ -26,7 +26,7 @@ from fedlite_jax.algorithms.rounds_common import (  # noqa: F401
     UPLOAD_STREAM)
 from fedlite_jax.rounds import make_engine
 from fedlite_jax.transforms import pvt as pvt_lib
-from fedlite_jax.common import DP_STREAM, PyTree
+from fedlite_jax.common import PyTree
 
 Params = Any
 
@@ -87,64 +87,30 @@ class DPFedOptState(FedOptState):
   clip_norm: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class DP:
-  """Central DP-FedAvg settings (McMahan et al. 2018, Alg. 1; adaptive
-  clipping: Andrew et al. 2021, Alg. 1).
-
-  Attributes:
-    clip_norm: the first round's ``C`` > 0 (units of the decoded delta).
-    noise_multiplier: ``z`` >= 0 of the round's Gaussian mechanism (with
-      adaptive clipping: of the delta sum and the count together).
-    denominator: the mean's fixed denominator (the cohort size), > 0.
-    noise_cohort_size: the cohort the noise is calibrated for (None:
-      ``denominator``; :func:`privacy.noise_std_on_sum`).
-    target_quantile: adaptive clipping's ``gamma`` in [0, 1]; None: fixed C.
-    clip_learning_rate: ``eta_C`` of the geometric update.
-    count_noise_std: ``sigma_b`` on the noise cohort's count (clients).
-  """
-  clip_norm: float
-  noise_multiplier: float
-  denominator: float
-  noise_cohort_size: Optional[float] = None
-  target_quantile: Optional[float] = None
-  clip_learning_rate: float = 0.2
-  count_noise_std: float = 0.0
-
-  @property
-  def delta_noise_multiplier(self) -> float:
-    """``z_Delta`` of the delta sum (``z`` without adaptive clipping); a
-    one-line ValueError if ``sigma_b <= z / 2``."""
-    if self.target_quantile is None:
-      return self.noise_multiplier
-    return privacy.effective_delta_noise_multiplier(self.noise_multiplier,
-                                                    self.count_noise_std)
-
-  def noise_std(self, clip_norm: Any) -> Any:
-    """Std of the noise on the clipped sum for clip norm ``clip_norm``."""
-    return privacy.noise_std_on_sum(clip_norm, self.delta_noise_multiplier,
-                                    self.denominator, self.noise_cohort_size)
+DP = privacy.DPSettings
+"""DP-FedAvg's settings: :class:`fedlite_jax.privacy.DPSettings` (McMahan
+et al. 2018, Alg. 1; adaptive clipping: Andrew et al. 2021, Alg. 1)."""
 
 
 def dp_mean(dp: DP, seed: int, round_num: jax.Array, clip_norm: jax.Array,
             sums: PyTree, norms: Optional[jax.Array] = None,
             kept: Optional[jax.Array] = None) -> tuple[PyTree, jax.Array]:
-  """``(noised mean, next C)``: Gaussian noise of std ``dp.noise_std(C)`` on
-  the clipped ``sums`` (key: ``seed``, ``DP_STREAM``, ``round_num``) over
-  ``dp.denominator``; with adaptive clipping the next C from the clients'
-  ``norms`` (``float32[W]``) and ``kept`` flags (jittable)."""
-  key = jax.random.fold_in(jax.random.fold_in(
-      jax.random.PRNGKey(seed), DP_STREAM), round_num)
-  k_sum, k_count = jax.random.split(key)
-  noise = privacy.gaussian_noise_like(sums, k_sum, dp.noise_std(clip_norm))
-  mean = jax.tree.map(lambda s, n: (s + n) / dp.denominator, sums, noise)
-  if dp.target_quantile is not None:
-    clip_norm = privacy.adaptive_clip_update(
-        clip_norm, norms, k_count, dp.target_quantile, dp.clip_learning_rate,
-        dp.count_noise_std * dp.denominator / (
-            dp.noise_cohort_size or dp.denominator),
-        dp.denominator, kept).clip_norm
-  return mean, clip_norm
+  """``(noised mean, next C)`` of :func:`privacy.dp_noised_mean` with the
+  round's key :func:`privacy.dp_round_key` (``seed``, ``round_num``).
+
+  Args:
+    dp: the settings (static); seed: the run seed; round_num: ``int32[]``.
+    clip_norm: ``float32[]``, this round's ``C``.
+    sums: the clipped deltas' sum (weight 1 per client).
+    norms, kept: ``float32[W]`` pre-clip norms and kept flags (adaptive
+      clipping).
+
+  Returns:
+    The noised mean (``sums``' structure) and the next ``float32[]`` C.
+  """
+  out = privacy.dp_noised_mean(dp, sums, privacy.dp_round_key(seed, round_num),
+                               clip_norm, norms, kept)
+  return out.mean, out.clip_norm
 
 
 def _clip_decoded(compress: Callable, shared, client_input, delta, mask):
@@ -364,6 +330,73 @@ class CompressedRound:
     return new_state, diagnostics
 
 
+def _check_options(fedprox_mu: float, weighting: str,
+                   compression: Compression, dp: Optional[DP]) -> None:
+  """One-line ValueErrors for a bad ``fedprox_mu`` or DP setting."""
+  if not fedprox_mu >= 0:
+    raise ValueError(f'fedprox_mu must be >= 0, got {fedprox_mu!r}.')
+  if dp is None:
+    return
+  dp.check()
+  if weighting != 'uniform' or compression.pvt_fraction < 1:
+    raise ValueError('DP-FedAvg needs uniform weighting and no PVT (a '
+                     f'fixed denominator); got weighting={weighting!r}, '
+                     f'pvt_fraction={compression.pvt_fraction}.')
+
+
+def _client_update(r: CompressedRound, grad_fn: rc.GradFn,
+                   client_optimizer: optax.GradientTransformation,
+                   fedprox_mu: float, dp: Optional[DP], engine: str,
+                   engine_options: dict[str, Any]):
+  """The round engine of the clients' local steps and upload (the decoded
+  delta clipped to ``C`` in the final step with ``dp``)."""
+  compress = r.compress if dp is None else functools.partial(_clip_decoded,
+                                                             r.compress)
+  return make_engine(engine, rc.delta_client_program(
+      grad_fn, client_optimizer, compress, fedprox_mu=float(fedprox_mu),
+      plan=r.plan), **engine_options)
+
+
+def _server_update(r: CompressedRound,
+                   server_optimizer: optax.GradientTransformation,
+                   dp: Optional[DP], seed: int) -> Callable:
+  """The jitted ``(state, sums, weights[, norms, kept]) -> (new state,
+  finite)``: aggregation (per-leaf mean, or :func:`dp_mean`), then the
+  server optimizer's step."""
+
+  @jax.jit
+  def server_update(state, sums, weights, norms=None, kept=None):
+    if dp is None:
+      mean = per_leaf_mean(sums, weights)
+    else:
+      mean, c = dp_mean(dp, seed, state.round, state.clip_norm, sums, norms,
+                        kept)
+    updates, opt_state = server_optimizer.update(mean, state.opt_state,
+                                                 state.params)
+    new_state = state.replace(params=optax.apply_updates(state.params,
+                                                         updates),
+                              opt_state=opt_state)
+    if dp is not None:
+      new_state = new_state.replace(clip_norm=c)
+    new_state = r.with_changes(state, new_state)
+    return new_state, nonfinite_lib.all_finite(new_state)
+
+  return server_update
+
+
+def _init_state(r: CompressedRound,
+                server_optimizer: optax.GradientTransformation,
+                dp: Optional[DP], params: Params) -> FedOptState:
+  """Round 0's state (a :class:`DPFedOptState` at ``dp.clip_norm`` with
+  ``dp``) on the first device."""
+  state = r.init_state(params, server_optimizer.init(params))
+  if dp is not None:
+    state = DPFedOptState(**{f.name: getattr(state, f.name) for f in
+                             dataclasses.fields(state)},
+                          clip_norm=jnp.float32(dp.clip_norm))
+  return rc.on_first_device(state)
+
+
 def federated_averaging(
     grad_fn: rc.GradFn, client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation,
@@ -384,12 +417,12 @@ def federated_averaging(
   * FedProx (Li et al. 2020, Alg. 2): ``fedprox_mu > 0``.
   * Quantized / PVT uploads and downloads (Ro et al. 2022, Sec. 4-6):
     ``compression=Compression(upload=..., download=..., pvt_fraction=...)``.
-  * DP-FedAvg (McMahan et al. 2018, Alg. 1; central DP): ``dp=DP(...)``,
-    ``weighting='uniform'``. Each client's decoded upload is clipped to
-    ``C`` in its final step; the server adds Gaussian noise of std
-    :meth:`DP.noise_std` to the sum (key: ``seed``, ``DP_STREAM``, round),
-    divides by ``dp.denominator`` and steps the server optimizer; adaptive
-    clipping (Andrew et al. 2021, Alg. 1) updates ``state.clip_norm``.
+  * DP-FedAvg (McMahan et al. 2018, Alg. 1; adaptive clipping: Andrew et
+    al. 2021, Alg. 1): ``dp=DP(...)``, ``weighting='uniform'``. Each
+    client's decoded upload is clipped to ``C`` in its final step; the
+    server runs :func:`fedlite_jax.privacy.dp_noised_mean` on the sum (key
+    :func:`~fedlite_jax.privacy.dp_round_key` of ``seed`` and the round)
+    and steps the server optimizer on the noised mean.
   * IGC's baselines (Melas-Kyriazi & Wang 2022, Table 2: SGD, FedAvg with
     s local iterations, local Top-K): ``client_batch_hparams`` of s steps
     (:func:`~fedlite_jax.algorithms.rounds_common.batch_hparams`),
@@ -419,63 +452,25 @@ def federated_averaging(
     ``dp_clipped`` (0/1), the state a :class:`DPFedOptState`.
 
   Raises:
-    ValueError: an unknown choice, ``fedprox_mu`` < 0, a missing
-      ``client_ids``, bad PVT or transform settings (at ``init``).
+    ValueError: an unknown choice, ``fedprox_mu`` < 0, bad DP settings, a
+      missing ``client_ids``, bad PVT or transform settings (at ``init``).
     FloatingPointError: from ``apply``: a non-finite update (``'raise'``),
       every update non-finite (``'skip'``), or a non-finite server state.
   """
-  if not fedprox_mu >= 0:
-    raise ValueError(f'fedprox_mu must be >= 0, got {fedprox_mu!r}.')
+  _check_options(fedprox_mu, weighting, compression, dp)
   if name is None:
     name = 'fedprox' if fedprox_mu else 'fedavg'
-  if dp is not None:
-    dp.noise_std(dp.clip_norm)  # Validates C, z, sizes and sigma_b.
-    if weighting != 'uniform' or compression.pvt_fraction < 1:
-      raise ValueError('DP-FedAvg needs uniform weighting and no PVT (a '
-                       'fixed denominator); got weighting='
-                       f'{weighting!r}, pvt_fraction='
-                       f'{compression.pvt_fraction}.')
   r = CompressedRound(compression, name, seed, weighting, download_accounting,
                       client_ids, nonfinite)
-  compress = r.compress if dp is None else functools.partial(_clip_decoded,
-                                                             r.compress)
-  train = make_engine(engine, rc.delta_client_program(
-      grad_fn, client_optimizer, compress, fedprox_mu=float(fedprox_mu),
-      plan=r.plan), **engine_options)
-
-  @jax.jit
-  def server_update(state, sums, weights, norms=None, kept=None):
-    if dp is None:
-      mean, c = per_leaf_mean(sums, weights), None
-    else:
-      mean, c = dp_mean(dp, seed, state.round, state.clip_norm, sums, norms,
-                        kept)
-    updates, opt_state = server_optimizer.update(mean, state.opt_state,
-                                                 state.params)
-    new_state = state.replace(params=optax.apply_updates(state.params,
-                                                         updates),
-                              opt_state=opt_state)
-    if dp is not None:
-      new_state = new_state.replace(clip_norm=c)
-    new_state = r.with_changes(state, new_state)
-    return new_state, nonfinite_lib.all_finite(new_state)
-
-  def init(params: Params) -> FedOptState:
-    state = r.init_state(params, server_optimizer.init(params))
-    if dp is not None:
-      state = DPFedOptState(**{f.name: getattr(state, f.name) for f in
-                               dataclasses.fields(state)},
-                            clip_norm=jnp.float32(dp.clip_norm))
-    return rc.on_first_device(state)
-
-  def shared(state, sent):
-    if dp is None:
-      return {'params': sent}
-    return {'params': sent, 'clip_norm': state.clip_norm}
+  train = _client_update(r, grad_fn, client_optimizer, fedprox_mu, dp,
+                         engine, engine_options)
+  server_update = _server_update(r, server_optimizer, dp, seed)
 
   def apply(state: FedOptState, clients: rc.Clients):
+    dp_c = {} if dp is None else {'clip_norm': state.clip_norm}
     return r.apply(state, clients, client_batch_hparams,
-                   lambda sent, work: [(train, shared(state, sent), work)],
+                   lambda sent, work: [(train, {'params': sent, **dp_c}, work)],
                    server_update, dp_norms=dp is not None)
 
-  return fedjax.FederatedAlgorithm(init, apply)
+  return fedjax.FederatedAlgorithm(
+      lambda params: _init_state(r, server_optimizer, dp, params), apply)
