@@ -48,11 +48,22 @@ def _dp_epsilon(z, q, rounds, delta, accountant='rdp'):
   return acc.compose(event).get_epsilon(delta)
 
 
-def test_epsilon_is_dp_accountings_and_summary_states_it(tmp_path):
+def test_epsilon_is_dp_accountings_and_summary_states_it(tmp_path,
+                                                       monkeypatch):
+  resolved = []
+  unmemoized = dp_options._resolve  # pylint: disable=protected-access
+
+  def counting(config, num_train_clients):
+    resolved.append(num_train_clients)
+    return unmemoized(config, num_train_clients)
+
+  monkeypatch.setattr(dp_options, '_resolve', counting)
   out = tmp_path / 'run'
   summary = run(RunConfig(output_dir=str(out), **SMALL, options=dict(
       dp_clip=0.5, dp_noise_multiplier=1.1, dp_noise_cohort_size=1000,
       dp_population=20000, dp_delta=1e-5)))
+  # Resolved once for the run: the builder's Privacy is the hook's.
+  assert resolved == [12]
   rows = _rows(out)
   assert [r['round'] for r in rows] == [1, 2, 3]
   for r in rows:

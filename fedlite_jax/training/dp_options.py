@@ -1,7 +1,8 @@
 """The ``--dp_*`` flags of the FedAvg family and ``igc_static``: central
 DP-FedAvg and its accounting (docs/runner.md, "Differential privacy").
 
-DP-FedAvg (McMahan et al. 2018, Alg. 1) as :class:`fedopt.DP`: each
+DP-FedAvg (McMahan et al. 2018, Alg. 1) as :class:`fedopt.DP`
+(:class:`fedlite_jax.privacy.DPSettings`): each
 client's decoded upload (the delta as the server sums it, after the
 ``--upload`` chain's decode) is clipped to L2 norm C, so one client changes
 the sum by at most C whatever the chain (``privacy.clip_sensitivity``,
@@ -13,7 +14,8 @@ Andrew et al. 2021, Alg. 1, with their recommended ``eta_C = 0.2`` and
 count noise ``sigma_b = cohort / 20`` (:data:`CLIP_LEARNING_RATE`,
 :data:`COUNT_NOISE_FRACTION`). Accounting: ``fedlite_jax.privacy`` (RDP or
 PLD of Google's ``dp_accounting``, ``--dp_accountant``) at ``q = cohort /
-population``.
+population``. :func:`resolve` runs once per resolved config: the builder,
+the privacy hook and ``validate`` share its :class:`Privacy`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from typing import Any, Iterable, NamedTuple, Optional
+import weakref
 
 from fedlite_jax import privacy
 from fedlite_jax.algorithms import fedopt
@@ -40,12 +43,16 @@ DP_CLIP = Option(
     "each client's decoded update (units of the parameters); with "
     '--dp_adaptive_quantile the first round\'s C. 0 = unset = no DP.')
 DP_NOISE_MULTIPLIER = Option(
-    'dp_noise_multiplier', -1.0, 'DP-FedAvg noise multiplier z >= 0: '
-    'Gaussian noise of std z*C on the sum of the clipped updates. -1 = unset '
-    '(then --dp_target_epsilon).')
+    'dp_noise_multiplier', -1.0, 'DP-FedAvg noise multiplier z >= 0 of the '
+    'Gaussian mechanism: noise std z*C on the sum of M clipped updates, '
+    'i.e. z*C/M on the mean (M = --dp_noise_cohort_size, default '
+    '--clients_per_round); with --dp_adaptive_quantile the update sum gets '
+    'z_Delta > z and the clipped-count noise the rest. -1 = unset (then '
+    '--dp_target_epsilon).')
 DP_TARGET_EPSILON = Option(
     'dp_target_epsilon', 0.0, 'Epsilon > 0 at --dp_delta after --num_rounds '
-    'rounds; z is calibrated to it (dp_accounting, RDP). 0 = unset.')
+    'rounds; z is calibrated to it (dp_accounting, --dp_accountant). 0 = '
+    'unset.')
 DP_DELTA = Option(
     'dp_delta', 1e-6, 'delta in (0, 1) of the reported (epsilon, delta); '
     'keep it below 1/population (1e-6: populations up to ~10^6 clients).')
@@ -217,21 +224,46 @@ def _settings(config: Any, z: float) -> fedopt.DP:
       count_noise_std=(0.0 if gamma < 0 or z == 0 else
                        COUNT_NOISE_FRACTION * _cohort(config)))
   try:
-    dp.noise_std(dp.clip_norm)
+    dp.check()
   except ValueError as e:
     raise ConfigError(f'--dp_adaptive_quantile with z={z}: the count noise '
                       f'(cohort/20) is too small; {e}') from None
   return dp
 
 
+#: ``id(config) -> (weak reference to config, num_train_clients, Privacy)``.
+_RESOLVED: dict[int, tuple[Any, int, Optional[Privacy]]] = {}
+
+
+def _forget(key: int, ref: Any) -> None:
+  if _RESOLVED.get(key, (None,))[0] is ref:
+    del _RESOLVED[key]
+
+
 def resolve(config: Any, num_train_clients: int) -> Optional[Privacy]:
   """The :class:`Privacy` of resolved ``config`` (None without DP); the
   population defaults to ``num_train_clients``.
+
+  Resolved once per config object and population: a later call with the
+  same ``config`` object (the builder's, the privacy hook's) returns the
+  same :class:`Privacy` without resolving (nor calibrating) again.
 
   Raises:
     ConfigError: an unreachable ``--dp_target_epsilon``, a population below
       the cohort, or adaptive clipping whose count noise is too small.
   """
+  key = id(config)
+  hit = _RESOLVED.get(key)
+  if hit is not None and hit[0]() is config and hit[1] == num_train_clients:
+    return hit[2]
+  out = _resolve(config, num_train_clients)
+  ref = weakref.ref(config, lambda r, k=key: _forget(k, r))
+  _RESOLVED[key] = (ref, num_train_clients, out)
+  return out
+
+
+def _resolve(config: Any, num_train_clients: int) -> Optional[Privacy]:
+  """:func:`resolve` without the memo."""
   if not enabled(config):
     return None
   opts = config.options

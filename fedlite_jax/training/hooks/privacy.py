@@ -14,7 +14,8 @@ class PrivacyHook(Hook):
   ``--dp_delta`` after the rounds done: a function of the round number,
   so a resumed run gives the same), ``privacy/clip_norm`` (the round's C,
   from the server state) and ``privacy/noise_std`` (std of the noise on the
-  clipped sum, units of the parameters); at the end
+  trained cohort's clipped sum, ``z_Delta * C * W / M``, units of the
+  parameters; over ``W`` on the mean); at the end
   ``summary['privacy']`` (:meth:`dp_options.Privacy.describe`). The runner
   places it among the row-making hooks when ``--dp_clip`` is set."""
 
@@ -23,7 +24,8 @@ class PrivacyHook(Hook):
     self.clip_norm = float('nan')
 
   def start(self, run: Run) -> None:
-    """Resolves the settings (z calibrated as the algorithm's)."""
+    """Takes the run's :class:`dp_options.Privacy`: the builder's own
+    (:func:`dp_options.resolve` runs once per config)."""
     self.privacy = dp_options.resolve(run.config, run.source.num_clients())
 
   def round_start(self, run: Run, round_num: int) -> None:
