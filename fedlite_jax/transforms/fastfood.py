@@ -10,10 +10,8 @@ Aghajanyan et al. (ACL 2021)::
 
 ``L = 2**ceil(log2(max(D, d)))``; ``H`` the unnormalized L x L Sylvester
 Hadamard matrix; ``B``, ``Pi``, ``G``: see :class:`FastfoodParams`; ``Pad_L``
-zero-pads to length L, ``Unpad_D`` keeps the first D entries. ``A`` is never
-materialized: a product costs ``O(L log L)`` time, ``O(L)`` memory. Why
-``E[A A^T]`` is exact and the block shortcuts: docs/notes/transforms.md,
-"fastfood".
+zero-pads to length L, ``Unpad_D`` keeps the first D entries. A product
+costs ``O(L log L)`` time and ``O(L)`` memory (``A`` is never materialized).
 """
 
 from __future__ import annotations
@@ -109,8 +107,7 @@ def _draw_signs_gauss(key: jax.Array, d: int, L: int):
       jax.random.fold_in(key, _STREAM_SIGNS), (d,), dtype=jnp.int8)
   gauss = jax.random.normal(
       jax.random.fold_in(key, _STREAM_GAUSS), (L,), dtype=jnp.float32)
-  # ||G|| as a two-level float32 sum: a single sequential float32 sum of 2**27
-  # squares would lose several percent.
+  # ||G|| as a two-level float32 sum (a flat sum loses precision at large L).
   block = min(L, 4096)
   sq = jnp.sum(jnp.square(gauss).reshape(L // block, block), axis=1)
   norm = jnp.sqrt(jnp.sum(sq))
@@ -252,11 +249,7 @@ _Product = Callable[[FastfoodParams, jax.Array], jax.Array]
 
 
 def _with_transpose_vjp(product: _Product, transpose: _Product) -> _Product:
-  """``product(params, x)`` whose VJP is ``transpose(params, cotangent)``.
-
-  JAX's own transpose of the gather is a slower scatter-add. ``A`` is fixed,
-  so ``params`` get a zero cotangent. No forward mode (``jax.jvp``).
-  """
+  """``product`` with VJP ``transpose(params, ct)``; ``params`` get zeros."""
 
   @jax.custom_vjp
   def f(params: FastfoodParams, x: jax.Array) -> jax.Array:
@@ -282,9 +275,8 @@ _project_vjp = _with_transpose_vjp(_project_impl, _lift_impl)
 def fastfood_lift(params: FastfoodParams, s: jax.Array) -> jax.Array:
   """``A s``: maps intrinsic coordinates (R^d) into parameter space (R^D).
 
-  Melas-Kyriazi & Wang 2022, Sec. 3.2. Jittable, vmappable; one length-L
-  and one length-m FWHT (m = 2**ceil(log2 d)), a gather, O(L) memory.
-  Reverse mode only (the VJP is :func:`fastfood_project`; no ``jax.jvp``).
+  Melas-Kyriazi & Wang 2022, Sec. 3.2. Jittable, vmappable; reverse mode
+  only (the VJP is :func:`fastfood_project`; no ``jax.jvp``).
 
   Args:
     params: from :func:`fastfood_params` (one matrix; ``jax.vmap`` for more).
@@ -303,8 +295,8 @@ def fastfood_lift(params: FastfoodParams, s: jax.Array) -> jax.Array:
 def fastfood_project(params: FastfoodParams, g: jax.Array) -> jax.Array:
   """``A^T g``: compresses a parameter-space vector (R^D) to R^d.
 
-  The compressed gradient of Melas-Kyriazi & Wang 2022, Eq. 5 (Sec. 3.2).
-  Costs as :func:`fastfood_lift`, whose product is its VJP.
+  The compressed gradient of Melas-Kyriazi & Wang 2022, Eq. 5 (Sec. 3.2);
+  its VJP is :func:`fastfood_lift`.
 
   Args:
     params: as for :func:`fastfood_lift`.

@@ -2,8 +2,7 @@
 
 The product with the unnormalized Sylvester Hadamard matrix ``H_n`` (``H_1 =
 [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``, ``scipy.linalg.hadamard``) as a
-Kronecker product of small factors, one GEMM each (docs/DESIGN_NOTES.md,
-"FWHT"; docs/notes/transforms.md, "fwht").
+Kronecker product of small factors, one GEMM each.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ import numpy as np
 
 __all__ = ['fwht', 'hadamard_factors', 'is_power_of_two']
 
-# Radix of every contraction but the first (16: fastest of 2, 4, 8, 16 on
-# XLA:CPU; a radix-m contraction costs m multiply-adds per element).
+# Radix of every contraction but the first (docs/notes/transforms.md).
 _RADIX_LOG2 = 4
 # A leading factor 2 is merged into the next 16 (radix 32); 4 and 8 are not.
 _MAX_MERGED_RADIX = 32
@@ -114,8 +112,7 @@ def _fwht_impl(x: jax.Array) -> jax.Array:
   return y.reshape(x.shape)
 
 
-# H is symmetric: VJP(ct) = fwht(ct), by the forward code (JAX's own
-# transpose of _fwht_impl writes with a large stride: much slower on XLA:CPU).
+# H is symmetric: VJP(ct) = fwht(ct), by the forward code.
 @jax.custom_vjp
 def _fwht_symmetric(x: jax.Array) -> jax.Array:
   return _fwht_impl(x)

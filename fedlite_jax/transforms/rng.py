@@ -1,8 +1,7 @@
 """Uniform random numbers of the stochastic quantizers, by generator name.
 
 ``'threefry'``: ``jax.random.uniform``. ``'hash'``: a counter-based lowbias32
-hash (Wellons, hash-prospector) of the flat element index, fused by XLA into
-the quantizer. See docs/DESIGN_NOTES.md, "Uniform quantizer".
+hash (Wellons, hash-prospector) of the flat element index.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ def hash_uniform(key: jax.Array, shape: Sequence[int],
   dtype = jnp.dtype(dtype)
   if dtype == jnp.float64:
     return bits.astype(jnp.float64) * 2.0**-32
-  # The top 24 bits fit a float32 mantissa exactly; an int32 conversion is
-  # cheaper than uint32 on CPUs without unsigned vector conversions.
+  # The top 24 bits fit a float32 mantissa exactly (via int32).
   u = (bits >> jnp.uint32(8)).astype(jnp.int32).astype(jnp.float32)
   return (u * jnp.float32(2.0**-24)).astype(dtype)
 
