@@ -28,11 +28,8 @@ CUT_SIZE = 12 * 12 * 64  # 9,216.
 
 
 def _max_pool_2x2(x: Array) -> Array:
-  """2x2 max-pool, stride 2: float32 [B, H, W, C] -> [B, H/2, W/2, C].
-
-  ``nn.max_pool(x, (2, 2), strides=(2, 2))`` for even H, W, as reshape + max
-  (XLA:CPU's gradient of ``reduce_window`` is slow).
-  """
+  """``nn.max_pool(x, (2, 2), strides=(2, 2))`` for even H, W: [B, H, W, C]
+  -> [B, H/2, W/2, C]."""
   b, h, w, c = x.shape
   return jnp.max(x.reshape(b, h // 2, 2, w // 2, 2, c), axis=(2, 4))
 
@@ -127,9 +124,8 @@ def create_emnist_cnn(num_classes: int = 62, client_dropout_rate: float = 0.25,
     num_classes: 62 (FEMNIST: digits, upper and lower case) or 10 (digits).
     client_dropout_rate: dropout after the max-pool (client side).
     server_dropout_rate: dropout after the hidden dense layer (server side).
-    conv_implementation: ``'lax'`` or ``'im2col'`` (equal to float
-      rounding; im2col avoids grouped convolutions when vmapped over
-      clients, see :func:`~fedlite_jax.models.layers.im2col_conv_general_dilated`).
+    conv_implementation: ``'lax'`` or ``'im2col'`` (equal to float rounding;
+      :func:`~fedlite_jax.models.layers.im2col_conv_general_dilated`).
     compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision (parameters
       and logits stay float32); None: float32.
 

@@ -23,7 +23,7 @@ def haiku_linear_init(key: Array, shape: Sequence[int],
   """Haiku's default ``Linear``/``ConvND`` weight initializer.
 
   Truncated normal on [-2, 2] times ``1 / sqrt(fan_in)``, with no correction
-  for the truncation (Flax's ``lecun_normal`` has one: ~14% larger weights).
+  for the truncation.
 
   Args:
     key: a PRNG key.
@@ -119,10 +119,8 @@ def im2col_conv_general_dilated(lhs: Array, rhs: Array, window_strides,
   NHWC input ``[B, H, W, C]``, HWIO kernel ``[kh, kw, C, O]``, stride 1, no
   dilation or groups: the ``kh * kw`` shifted slices of the (padded) input
   are concatenated on the channels, ``[B, H', W', kh kw C]``, and multiplied
-  by the kernel as a ``[kh kw C, O]`` matrix. Vmapped over clients with
-  per-client kernels this is a batched matmul, where ``lax.conv`` becomes
-  a grouped convolution (slow on XLA:CPU and GPUs). Equal to ``lax.conv``
-  to float rounding.
+  by the kernel as a ``[kh kw C, O]`` matrix. Equal to ``lax.conv`` to
+  float rounding.
 
   Raises:
     ValueError: another layout, a stride, dilation or feature groups.

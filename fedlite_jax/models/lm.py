@@ -2,8 +2,7 @@
 
 Source: Ro et al., "Scaling Language Model Size in Cross-Device Federated
 Learning" (2022), Sec. 3 and Table 1 (architectures), Appendix A (sequence
-length 30, 4K SentencePiece vocabulary). Design notes:
-docs/notes/models.md, "models/lm.py".
+length 30, 4K SentencePiece vocabulary).
 """
 
 from __future__ import annotations
@@ -396,13 +395,10 @@ def param_shapes(model: str | LMConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
 
 def count_params(model: str | LMConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  max_length: int = DEFAULT_MAX_LENGTH) -> int:
-  """Number of scalar parameters.
+  """Number of scalar parameters (Ro et al. 2022, Table 1: within 1%).
 
   LSTM: ``V D + (D + P) 3H + 3H + H P + V``; Transformer: ``V D + T D +
-  L (4 (D^2 + D) + 2 D F + F + D + 4 D) + 2 D + V``. At V = 4,096, T = 30
-  (Ro et al. 2022, Table 1 in parentheses): lstm_small 4,728,832 (4.7M),
-  lstm_large 18,884,608 (18.8M), transformer_small 4,090,624 (4.1M),
-  transformer_large 21,031,936 (21.0M).
+  L (4 (D^2 + D) + 2 D F + F + D + 4 D) + 2 D + V``.
   """
   return int(sum(math.prod(s.shape) for s in
                  jax.tree.leaves(param_shapes(model, vocab_size, max_length))))

@@ -117,8 +117,7 @@ def eval_metrics(vocab_size: int) -> dict[str, fedjax.metrics.Metric]:
   ``'loss'``: mean token cross-entropy over non-PAD targets (= ``token_loss``;
   perplexity = exp(loss)). ``'accuracy'``: argmax accuracy over all
   ``vocab_size + 4`` outputs, counting only targets that are not PAD, EOS or
-  OOV (TFF's ``accuracy_no_oov_no_eos`` masking; unlike FedJAX's
-  ``accuracy_in_vocab``, no logits mask and OOV targets left out).
+  OOV (TFF's ``accuracy_no_oov_no_eos``).
   """
   pad, eos, oov = PAD_ID, EOS_ID, oov_id(vocab_size)
   logits_mask = tuple(-np.inf if i in (PAD_ID, BOS_ID, EOS_ID, oov) else 0.0
@@ -156,8 +155,7 @@ def create_stackoverflow_lstm(vocab_size: int = DEFAULT_VOCAB_SIZE,
   ``batch['x']`` int32 [B, T] -> logits float32 [B, T, vocab_size + 4].
   Defaults (10,000 words, 96, 670, 1 layer): client 3,080,360 parameters
   ('embed', 'lstm_0', 'projection_0'), server 970,388 ('logits'), total
-  4,050,748 = FedJAX's model. FedJAX's ``share_input_output_embeddings`` is
-  not offered: it would tie parameters across the cut.
+  4,050,748 = FedJAX's model (without ``share_input_output_embeddings``).
 
   Args:
     vocab_size: number of words, without PAD, BOS, EOS and OOV.

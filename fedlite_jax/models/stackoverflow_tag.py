@@ -174,8 +174,7 @@ def create_stackoverflow_tag_model(
     num_tags: number of tags (outputs).
     hidden_size: output size of the client's dense layer, the cut size d.
     activation: nonlinearity after the client's dense layer; None (default):
-      none, a rank-d factorization of logistic regression (FedLite names
-      only the dense layers); ``jax.nn.relu`` for a two-layer perceptron.
+      none (a rank-d logistic regression); ``jax.nn.relu``: an MLP.
     loss_reduction: ``'sum'`` (default) or ``'mean'`` of the per-tag sigmoid
       cross-entropies in the per-example loss (:func:`multilabel_loss`).
 

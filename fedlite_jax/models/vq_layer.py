@@ -3,8 +3,7 @@
 Source: Wang et al., "FedLite", Section 4.2, equation 5: the client updates
 with ``g~ = [dh/dz~ + lambda (z - z~)] du/dw_c``. ``lambda`` is per example;
 for a batch-mean loss the correction is ``(lambda / B)(z - z~)`` (Appendix B,
-equation 36). ``lambda = 0`` is the straight-through estimator. Derivation:
-docs/notes/models.md, "models/vq_layer.py".
+equation 36). ``lambda = 0`` is the straight-through estimator.
 """
 
 from __future__ import annotations
