@@ -41,8 +41,7 @@ def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
       raise DecodeError('varint longer than 10 bytes')
 
 
-# Written for speed in pure Python (TFF's StackOverflow is ~150M Examples):
-# single-byte varints are read inline, and expected tags are compared as whole
+# Single-byte varints are read inline; expected tags are compared as whole
 # keys (field number << 3 | wire type).
 def _key(buf: bytes, pos: int, end: int) -> tuple[int, int]:
   """Reads a field key (tag); returns (key, next position)."""
