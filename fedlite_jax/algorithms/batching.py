@@ -78,12 +78,9 @@ def client_batches(dataset: fedjax.ClientDataset,
 
 
 class ClientBatches(Sequence[dict]):
-  """A client's batches for one round (FedJAX's ``shuffle_repeat_batch``
-  order, :func:`batch_indices`), made on first access: the length is
-  known at once (it plans the round), and a round engine that reads its
-  clients' batches as it goes makes them while the device runs earlier
-  clients.
+  """A client's batches for one round, made on first access.
 
+  Order: FedJAX's ``shuffle_repeat_batch`` (:func:`batch_indices`).
   ``len()`` is FedJAX's batch count (``remote.num_shuffle_repeat_batches``);
   item ``i`` is a dict of NumPy arrays of ``batch_size`` rows (views into
   the client's preprocessed rows), as FedJAX's ``i``-th batch; slices give
@@ -106,19 +103,16 @@ class ClientBatches(Sequence[dict]):
     return self._batches[index]
 
   def make(self) -> None:
-    """Makes the batches now, once (thread-safe: a round engine makes its
-    clients' batches on worker threads while the device runs). An error
-    leaves them unmade, to be raised again by the next access."""
+    """Makes the batches now, once (thread-safe); an error leaves them
+    unmade, to be raised again by the next access."""
     with self._lock:
       if self._batches is None:
         self._batches = self._make()
         self._dataset = None  # Only the batches are needed from now on.
 
   def _make(self) -> list[dict]:
-    """The batches: the client's rows in batch order, preprocessed in one
-    call (FedJAX's ``all_examples`` too preprocesses any rows at once: a
-    ``BatchPreprocessor`` maps rows to rows) and cut into views; per batch
-    when the preprocessor changes the number of rows."""
+    """The batches, preprocessed in one call (per batch if that changes the
+    number of rows)."""
     idx = batch_indices(len(self._dataset), self._hparams)
     steps, b = idx.shape
     rows = {k: v[idx.ravel()] for k, v in self._dataset.raw_examples.items()}
@@ -135,10 +129,7 @@ _THREAD = threading.local()
 
 
 def _random_state(seed: Optional[int]) -> np.random.RandomState:
-  """``np.random.RandomState(seed)``'s stream: this thread's RandomState,
-  reseeded (``RandomState.seed``). A new RandomState first seeds itself
-  from OS entropy, then from ``seed``, which costs far more than
-  reseeding."""
+  """``RandomState(seed)``'s stream: this thread's RandomState, reseeded."""
   state = getattr(_THREAD, 'random_state', None)
   if state is None:
     state = _THREAD.random_state = np.random.RandomState()
@@ -151,7 +142,7 @@ def batch_indices(num_examples: int,
   """``int32[steps, batch_size]``: the example indices of each batch of
   FedJAX 0.0.17's ``ClientDataset.shuffle_repeat_batch(hparams)``, in its
   order (a ``RandomState(seed)`` shuffles one buffer in place per epoch,
-  batches run across epoch ends), computed per epoch instead of per batch.
+  batches run across epoch ends).
 
   Returns:
     ``int32[steps, batch_size]`` indices into the client's examples.

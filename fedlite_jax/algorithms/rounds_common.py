@@ -246,10 +246,8 @@ def delta_client_program(grad_fn: GradFn,
       grads, batch_stats = stats_fn(params, batch, use_rng)
       stats = {k: v.merge(batch_stats[k]) for k, v in stats.items()}
     if in_place:
-      # Every parameter update waits for all gradients (same values): then
-      # no reader of the old weights (the input-gradient matmuls) is left
-      # when they are overwritten, and XLA updates a lane's carried
-      # parameters in place instead of copying them each step.
+      # Every parameter update waits for all gradients (same values), so
+      # the carried parameters can be updated in place.
       grads = ordering.ordered_after(grads, grads)
     grads = _masked(grads, state.mask)
     if fedprox_mu:
@@ -280,12 +278,8 @@ def delta_client_program(grad_fn: GradFn,
 
 
 def on_first_device(state: PyTree) -> PyTree:
-  """``state`` committed to this process's first local device, where the
-  round engines' sums land: a server state made by ``init`` then has the
-  placement of the states the server update returns, so the server update
-  and the download compile once, not again at the second round. The
-  same pytree (same shapes and dtypes); raises nothing beyond
-  ``jax.device_put``'s errors."""
+  """``state`` committed to this process's first local device (where the
+  round engines' sums land); same pytree, shapes and dtypes."""
   return jax.device_put(state, jax.local_devices()[0])
 
 
