@@ -54,8 +54,7 @@ def _compare_rounds(ref, ours, params, clients, rounds, tol):
   return diag
 
 
-@pytest.mark.parametrize('engine,steps_per_call', [('loop', 1), ('loop', 3)])
-def test_cnn_matches_fedjax_fed_avg(femnist, engine, steps_per_call):
+def test_cnn_matches_fedjax_fed_avg(femnist):
   model = models.create_emnist_cnn(62).model  # has dropout: rng use matters
   grad_fn = fedjax.model_grad(model)
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=20, seed=7)
@@ -63,7 +62,7 @@ def test_cnn_matches_fedjax_fed_avg(femnist, engine, steps_per_call):
   ref = fedjax.algorithms.fed_avg.federated_averaging(
       grad_fn, fedjax.optimizers.sgd(0.1), fedjax.optimizers.sgd(1.0), hp)
   ours = federated_averaging(grad_fn, optax.sgd(0.1), optax.sgd(1.0), hp,
-                             engine=engine, steps_per_call=steps_per_call)
+                             engine='loop')
   diag = _compare_rounds(ref, ours, params, femnist, 2, tol=1e-6)
   n = sum(x.size for x in jax.tree.leaves(params))
   assert n == 1_206_590
