@@ -1,8 +1,7 @@
 """Batched Lloyd k-means of FedLite's grouped product quantizer (Section 4.1).
 
 Pure JAX over independent groups ``[G, N, m]`` (clients x groups under
-``jax.vmap``). Details (ties, empty clusters): docs/notes/transforms.md,
-"kmeans".
+``jax.vmap``).
 """
 
 from __future__ import annotations

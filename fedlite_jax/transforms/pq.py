@@ -212,8 +212,8 @@ def grouped_pq(z: jax.Array, key: jax.Array, q: int, R: int, L: int,
     phi: bits per float in the message size (paper: 64).
     empty_cluster: ``'farthest'`` or ``'keep'``
       (:mod:`fedlite_jax.transforms.kmeans`).
-    update_method: ``'segment_sum'`` (a scatter; fastest on CPU), ``'onehot'``
-      (a matmul; deterministic on GPU) or ``'auto'`` (the former on CPU).
+    update_method: ``'segment_sum'`` (a scatter), ``'onehot'`` (a matmul;
+      deterministic on GPU) or ``'auto'`` (the former on CPU).
 
   Returns:
     A :class:`PQResult`; under differentiation only its errors depend on

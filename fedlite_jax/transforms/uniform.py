@@ -3,8 +3,7 @@
 Source: Suresh et al., "Distributed Mean Estimation with Limited
 Communication", ICML 2017, Sec. 2.2; upload and download in Ro et al.,
 "Scaling Language Model Size in Cross-Device Federated Learning" (2022), Sec.
-4 and App. C. Float precision (identity at ``bits >= passthrough_bits``) and
-range readings: docs/DESIGN_NOTES.md, "Uniform quantizer".
+4 and App. C.
 """
 
 from __future__ import annotations
