@@ -31,6 +31,8 @@ import fedlite_jax  # noqa: F401  (FedJAX compatibility fixes first)
 from fedlite_jax import datasets
 from fedlite_jax.training import compression_options
 from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import evaluation
+from fedlite_jax.training import loop
 from fedlite_jax.training import registry
 from fedlite_jax.training import runner
 from fedlite_jax.training import start
@@ -62,9 +64,34 @@ def _define(name: str, default, help_text: str, kind: type, choices,
     flags.DEFINE_string(name, default, help_text)
 
 
+#: What a task without a default for the field runs with.
+_UNSET_MEANS = {'server_eps': "optax's default",
+                'max_examples_per_client': 'all'}
+
+
+def _show(value) -> str:
+  return f'{value:.4g}' if isinstance(value, float) else str(value)
+
+
+def task_default_help(name: str) -> Optional[str]:
+  """``(task default: embedded_mnist 100; emnist, ... 200)``: the task
+  defaults of RunConfig field ``name`` (tasks with one value together), or
+  None if no task sets it."""
+  by_value: dict[str, list[str]] = {}
+  for task in tasks.TASKS.values():
+    value = task.defaults.get(name)
+    shown = (_UNSET_MEANS.get(name, 'unset') if value is None
+             else _show(value))
+    by_value.setdefault(shown, []).append(task.name)
+  if all(task.defaults.get(name) is None for task in tasks.TASKS.values()):
+    return None
+  return '(task default: ' + '; '.join(
+      f'{", ".join(names)} {value}' for value, names in by_value.items()) + ')'
+
+
 def _define_config_flags() -> None:
   """One flag per RunConfig field, from its metadata (default, choices,
-  help); None defaults take the task's defaults."""
+  help); None defaults take the task's defaults, named in the help."""
   for f in config_lib.dataclasses.fields(config_lib.RunConfig):
     if f.name == 'options':
       continue
@@ -72,7 +99,11 @@ def _define_config_flags() -> None:
     default = f.default
     if default is not None and meta['kind'] is str:
       default = str(default)
-    _define(f.name, default, _HELP.get(f.name, meta['help']), meta['kind'],
+    help_text = _HELP.get(f.name, meta['help'])
+    if default is None:
+      help_text += ' ' + (task_default_help(f.name) or (
+          '' if 'default' in help_text else '(default: none)'))
+    _define(f.name, default, help_text.strip(), meta['kind'],
             _CHOICES.get(f.name, meta['choices']),
             lower_bound=meta['lower_bound'])
 
@@ -127,8 +158,25 @@ def _take_removed_flags(args: list[str]) -> list[str]:
   return rest
 
 
+def _is_ours(module: str) -> bool:
+  """Whether flags defined by ``module`` are listed by ``--helpfull``: this
+  binary's, fedlite_jax's and absl.flags' (``--flagfile``)."""
+  return (module in (sys.argv[0], __name__, 'absl.flags') or
+          module.endswith('run_experiment.py') or
+          module.split('.')[0] == 'fedlite_jax')
+
+
+def hide_foreign_flags() -> None:
+  """Takes the flags of imported libraries (absltest's ``--test_srcdir``,
+  orbax's, absl.logging's) out of ``--helpfull``; they stay defined."""
+  by_module = FLAGS.flags_by_module_dict()
+  for module in [m for m in by_module if not _is_ours(m)]:
+    del by_module[module]
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing of ``argv``, the removed flags taken out first."""
+  hide_foreign_flags()
   _removed_given.clear()
   try:
     args = FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
@@ -218,28 +266,58 @@ def _flag_named_in(message: str) -> Optional[str]:
   return found[0] if found else None
 
 
+#: The library's Python argument forms in its messages -> this binary's
+#: flags (the datasets' not-found message names ``allow_download=True``).
+_CLI_FORMS = (('pass allow_download=True', 'pass --allow_download'),
+              ('the data_dir argument', 'the --data_dir flag'),
+              ('(data_dir argument', '(--data_dir'),
+              ('an explicit data_dir', 'an explicit --data_dir'),
+              ('no data_dir argument', 'no --data_dir'))
+
+
+def cli_message(error: BaseException) -> str:
+  """``error``'s message as this binary prints it: the settings it quotes
+  named as flags (``config_lib.flag_message``), Python forms translated."""
+  text = config_lib.flag_message(error)
+  for python_form, flag_form in _CLI_FORMS:
+    text = text.replace(python_form, flag_form)
+  return text
+
+
+def privacy_line(privacy: dict) -> str:
+  """summary.json's ``privacy`` in one line: epsilon, delta, z, noise."""
+  return (f'eps={privacy["epsilon"]:.4g} at delta={privacy["delta"]:g} after '
+          f'{privacy["rounds"]} rounds ({privacy["accountant"]}; z='
+          f'{privacy["noise_multiplier"]:.4g}, noise std '
+          f'{evaluation.mean_noise_std(privacy):.3g} per coordinate of the '
+          'mean update)')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   try:
     config = checked_config()
     if FLAGS.validate_only:
-      try:
-        lines = validate.validate(config)
-      except datasets.DatasetNotFoundError as e:  # Its first line.
-        raise config_lib.ConfigError(str(e).splitlines()[0]) from None
+      lines = validate.validate(config)
       print(f'flags OK: --task={config.task} --algorithm={config.algorithm}')
       for what, value in lines.items():
         print(f'  {what}: {value}')
       return
     summary = runner.run(config)
+  except loop.RunInterrupted as e:  # Checkpointed: one line, 128 + signal.
+    sys.stderr.write(f'run_experiment.py: {e}\n')
+    sys.exit(128 + e.signal_number)
+  except KeyboardInterrupt:  # Before the first round, or a second Ctrl-C.
+    sys.stderr.write('run_experiment.py: interrupted; run the same command '
+                     'to resume from the last checkpoint.\n')
+    sys.exit(130)
   except (config_lib.ConfigError, datasets.DatasetNotFoundError,
           datasets.DatasetFormatError, state_io.CheckpointError,
           FloatingPointError, OSError) as e:
     # OSError: an output or data path that fails after the checks (disk
     # full, permissions changed); its message names the file.
-    sys.stderr.write(
-        f'run_experiment.py: error: {config_lib.flag_message(e)}\n')
+    sys.stderr.write(f'run_experiment.py: error: {cli_message(e)}\n')
     sys.exit(2)
   except ValueError as e:
     # Library errors name parameters (round_engine, lanes_per_device, ...);
@@ -269,6 +347,9 @@ def main(argv):
         '--clients_per_round, --sketch_cols, --num_subspaces, '
         '--intrinsic_dim).\n')
     sys.exit(2)
+  if summary.get('status') == 'stored':  # Nothing trained: no new result.
+    print(summary['message'])
+    return
   final = summary['final_eval']
   comm = summary['communication']
   headline = ', '.join(f'{k} {v:.4f}' for k, v in final.items()
@@ -281,6 +362,9 @@ def main(argv):
         f'{_ratio(comm["download_compression"])} / total '
         f'{_ratio(comm["total_compression"])} vs FedAvg; '
         f'{summary["seconds_per_round"]:.3f} s/round')
+  privacy = summary.get('privacy')
+  if privacy:
+    print(f'privacy: {privacy_line(privacy)}')
   print(f'outputs: {summary["flags"]["output_dir"]}')
 
 

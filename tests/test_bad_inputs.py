@@ -403,7 +403,13 @@ def test_validate_only_catches_what_the_run_would_meet(repo_root, tmp_path,
   assert proc.returncode == 2, proc.stderr[-2000:]
   errors = [l for l in proc.stderr.splitlines() if 'error:' in l]
   assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
-  assert proc.stderr.rstrip().endswith(errors[0])  # The last line.
+  if case == 'missing_data_dir':  # The run's message: files, folders.
+    assert proc.stderr.rstrip().endswith('(pass --allow_download to let '
+                                         f'FedJAX download its copy into '
+                                         f'{tmp_path}/nonexistent).'), (
+                                             proc.stderr[-2000:])
+  else:
+    assert proc.stderr.rstrip().endswith(errors[0])  # The last line.
   assert sorted(p.name for p in tmp_path.rglob('*')) == before
 
 

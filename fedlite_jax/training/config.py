@@ -21,8 +21,8 @@ from fedlite_jax.training import dp_options
 from fedlite_jax.training import registry
 from fedlite_jax.training import spec
 from fedlite_jax.training.run_config import (  # noqa: F401 (re-exported)
-    CLIENT_OPTIMIZERS, COMPUTE_DTYPES, CONV_IMPLEMENTATIONS, ROUND_ENGINES,
-    SERVER_OPTIMIZERS, TOKENIZERS, RunConfig)
+    CLIENT_OPTIMIZERS, COMPUTE_DTYPES, CONV_IMPLEMENTATIONS, PLOT_FORMATS,
+    ROUND_ENGINES, SERVER_OPTIMIZERS, TOKENIZERS, RunConfig)
 
 ConfigError = spec.ConfigError
 
@@ -153,7 +153,8 @@ def resolve(config: RunConfig, task_defaults: dict[str, Any]) -> RunConfig:
                         ('server_optimizer', SERVER_OPTIMIZERS),
                         ('round_engine', ROUND_ENGINES),
                         ('conv_implementation', CONV_IMPLEMENTATIONS),
-                        ('compute_dtype', COMPUTE_DTYPES)):
+                        ('compute_dtype', COMPUTE_DTYPES),
+                        ('plot_format', PLOT_FORMATS)):
     _check_choice(name, getattr(config, name), allowed)
   config = dataclasses.replace(config, lanes_per_device=(
       parse_lanes_per_device(config.lanes_per_device)))
@@ -276,6 +277,14 @@ def _not_applicable(name: str, config: RunConfig,
       config.num_processes == 1:
     return 'applies to multi-host runs (--num_processes > 1)'
   return None
+
+
+def applies(config: RunConfig, name: str) -> bool:
+  """Whether RunConfig field ``name`` may be set for resolved ``config``
+  (:func:`check_explicit` would not refuse it)."""
+  spec = registry.get(config.algorithm)
+  return spec.ignored_reason(name) is None and \
+      _not_applicable(name, config, spec) is None
 
 
 def check_explicit(config: RunConfig, names: Iterable[str]) -> None:

@@ -144,15 +144,41 @@ def training_failure(metrics: Mapping[str, Any],
   return None
 
 
+def mean_noise_std(privacy: Mapping[str, Any]) -> float:
+  """Std of the DP noise per coordinate of the mean update (units of the
+  parameters), ``z_Delta * C / M`` (McMahan et al. 2018, Alg. 1), from
+  summary.json's ``privacy`` (``delta_noise_multiplier``,
+  ``final_clip_norm`` else ``clip_norm``, ``noise_cohort_size``)."""
+  clip = privacy.get('final_clip_norm', privacy.get('clip_norm'))
+  return (float(privacy['delta_noise_multiplier']) * float(clip) /
+          float(privacy['noise_cohort_size']))
+
+
+def _dp_advice(privacy: Mapping[str, Any]) -> str:
+  """Why a DP run may fail: the noise on the mean, and its levers."""
+  clip = privacy.get('final_clip_norm', privacy.get('clip_norm'))
+  return (f'DP: eps={privacy["epsilon"]:.4g} at delta={privacy["delta"]:g};'
+          f' the noise std per coordinate of the mean update is z*C/M = '
+          f'{privacy["delta_noise_multiplier"]:.4g}*{clip:.4g}/'
+          f'{privacy["noise_cohort_size"]:g} = {mean_noise_std(privacy):.3g} '
+          'each round; lower it with a larger cohort (--clients_per_round, '
+          'or --dp_noise_cohort_size for the noise of a production cohort), '
+          'a lower --server_lr, or a lower --dp_noise_multiplier (a larger '
+          'epsilon)')
+
+
 def check_trained(metrics: Mapping[str, Any], chance: float,
-                  output_dir: Optional[str] = None) -> None:
+                  output_dir: Optional[str] = None,
+                  privacy: Optional[Mapping[str, Any]] = None) -> None:
   """Raises TrainingFailedError if :func:`training_failure` finds a reason
-  (one line, naming ``output_dir`` and the usual fixes)."""
+  (one line, naming ``output_dir`` and the usual fixes; for a DP run, with
+  ``privacy`` as summary.json holds it, the noise on the mean and its
+  levers)."""
   reason = training_failure(metrics, chance)
   if reason is None:
     return
   kept = (f'; its outputs are in {output_dir} (summary.json: status '
           '"failed")' if output_dir is not None else '')
-  raise TrainingFailedError(
-      f'Training failed: {reason}. Lower --client_lr / --server_lr or set '
-      f'--client_clip_norm{kept}.')
+  advice = ('Lower --client_lr / --server_lr or set --client_clip_norm'
+            if privacy is None else _dp_advice(privacy))
+  raise TrainingFailedError(f'Training failed: {reason}. {advice}{kept}.')

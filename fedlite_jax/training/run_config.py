@@ -23,6 +23,8 @@ TOKENIZERS = ('word', 'sentencepiece')
 ROUND_ENGINES = rounds.ENGINE_NAMES
 CONV_IMPLEMENTATIONS = ('auto',) + models_layers.CONV_IMPLEMENTATIONS
 COMPUTE_DTYPES = ('float32', 'bfloat16')
+#: ``--plot_format``: the formats of ``plots.FORMATS``.
+PLOT_FORMATS = ('png', 'pdf', 'svg')
 
 
 def _field(default: Any, help_text: str, *, kind: type | None = None,
@@ -37,7 +39,16 @@ def _field(default: Any, help_text: str, *, kind: type | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """All settings of one federated run; each field is a runner flag."""
+  """All settings of one federated run; each field is a runner flag.
+
+  Algorithm options (``--upload``, ``--dp_clip``, ... of
+  ``registry.all_options()``) are keywords too, kept in ``options``:
+  ``RunConfig(upload='uniform_quantization:8')`` equals
+  ``RunConfig(options={'upload': 'uniform_quantization:8'})``.
+
+  Raises:
+    TypeError: a keyword that is neither a field nor an algorithm option.
+  """
   task: str = _field('embedded_mnist', 'Federated task.')
   algorithm: str = _field(registry.DEFAULT_ALGORITHM, 'Federated algorithm.')
   num_rounds: int | None = _field(None, 'Training rounds.', kind=int,
@@ -76,8 +87,8 @@ class RunConfig:
       None, 'Data directory, the only one searched when given (else '
       '$FEDLITE_DATA_DIR, ~/.cache/fedjax, ~/.tff).', kind=str)
   output_dir: str | None = _field(
-      None, 'Output directory (default runs/<task>_<algorithm>_<hash of the '
-      'result flags>_seed<seed>).',
+      None, 'Output directory (default runs/<task>_<algorithm>[_up-<stages>]'
+      '[_down-<stages>][_dp-eps<e>]_seed<seed>_<hash of the result flags>).',
       kind=str)
   checkpoint_every: int = _field(
       50, 'Checkpoint every N rounds (0 = only at the end).', lower_bound=0)
@@ -129,6 +140,8 @@ class RunConfig:
   distributed_timeout: int = _field(
       60, 'Multi-host runs: seconds to wait for all processes.', lower_bound=1)
   progress: bool = _field(True, 'Show a progress bar.')
+  plot_format: str = _field('png', 'File format of the curves plot '
+                            '(curves.<format>).', choices=PLOT_FORMATS)
   # Task-specific (see TASK_FIELDS).
   sequence_length: int = _field(20, 'Next-word prediction sequence length.',
                                 lower_bound=1)
@@ -166,7 +179,7 @@ class RunConfig:
       'conv_implementation', 'client_cache_mb', 'compilation_cache_dir',
       'prefetch_clients', 'num_devices',
       'coordinator_address', 'num_processes', 'process_id',
-      'distributed_timeout', 'progress')
+      'distributed_timeout', 'progress', 'plot_format')
 
   # Result fields added later, left out at their default so that runs
   # written before them keep their identity.
@@ -182,3 +195,27 @@ class RunConfig:
                       if (k not in known or known[k].affects_result) and not
                       (k in dp_options.NAMES and v == known[k].default)}
     return out
+
+
+_dataclass_init = RunConfig.__init__
+
+
+def _init(self, *args, **kwargs) -> None:
+  """RunConfig's ``__init__``, algorithm options given as keywords moved
+  into ``options`` (TypeError naming an unknown keyword)."""
+  extra = [k for k in kwargs if k not in RunConfig.__dataclass_fields__]
+  if extra:
+    known = registry.all_options()
+    for name in extra:
+      if name not in known:
+        raise TypeError(
+            f'RunConfig() got an unknown keyword {name!r}: not a runner flag '
+            'nor an algorithm option (registry.all_options()); pass options '
+            "as keywords, e.g. upload='uniform_quantization:8', or as "
+            "options={...}.")
+    kwargs['options'] = {**kwargs.get('options', {}),
+                         **{k: kwargs.pop(k) for k in extra}}
+  _dataclass_init(self, *args, **kwargs)
+
+
+RunConfig.__init__ = _init

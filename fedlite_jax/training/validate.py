@@ -95,7 +95,11 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
 
 
 def _flags(config: config_lib.RunConfig) -> str:
-  """The resolved settings that determine the result, as flags."""
+  """The resolved settings that determine the result, and ``--num_rounds``,
+  as flags; none unset (None) or that the task or algorithm refuses."""
   fingerprint = config.fingerprint()
   options = fingerprint.pop('options', {})
-  return ' '.join(f'--{k}={v}' for k, v in {**fingerprint, **options}.items())
+  fields = {'num_rounds': config.num_rounds, **fingerprint}
+  return ' '.join(f'--{k}={v}' for k, v in {**fields, **options}.items()
+                  if v is not None and (
+                      k in options or config_lib.applies(config, k)))

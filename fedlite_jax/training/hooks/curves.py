@@ -15,4 +15,5 @@ class CurvesHook(Hook):
   def end(self, run: Run, summary: dict[str, Any]) -> None:
     """Draws curves.png."""
     plots.plot_curves(run.scratch, run.rows, run.task.metric,
-                      plots.run_title(run.config))
+                      plots.run_title(run.config),
+                      format=run.config.plot_format)

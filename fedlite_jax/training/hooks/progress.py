@@ -9,7 +9,9 @@ from typing import Any
 
 import tqdm
 
+from fedlite_jax.training import dp_options
 from fedlite_jax.training import round_metrics
+from fedlite_jax.training import spec
 from fedlite_jax.training.build import LOG
 from fedlite_jax.training.build import Run
 from fedlite_jax.training.hooks import Hook
@@ -19,11 +21,20 @@ def _megabytes(n: float) -> str:
   return f'{n / 1e6:,.1f} MB'
 
 
+def privacy_text(run: Run, row: dict[str, Any]) -> str:
+  """``eps=E (delta=D)`` after the row's round of a DP run, else ''."""
+  if 'privacy/epsilon' not in row:
+    return ''
+  delta = spec.option_value(run.config.options, dp_options.DP_DELTA)
+  return f'eps={row["privacy/epsilon"]:.4g} (delta={delta:g})'
+
+
 class ProgressHook(Hook):
   """A tqdm bar when ``--progress`` and stderr is a terminal (process 0);
   otherwise an INFO line per evaluation: round, test metrics, MB uploaded
-  so far, seconds per round, the time left. Either way an INFO line says
-  that the first round compiles, and how long that took."""
+  so far, seconds per round, the time left; a DP run's epsilon (and
+  delta) so far on either. Either way an INFO line says that the first
+  round compiles, and how long that took."""
 
   def __init__(self, stream=None):
     self._stream = stream or sys.stderr
@@ -65,18 +76,23 @@ class ProgressHook(Hook):
   def evaluation(self, run: Run, row: dict[str, Any]) -> None:
     """Shows the evaluation (bar or INFO line)."""
     metrics = round_metrics.eval_metrics(row)
+    eps = privacy_text(run, row)
     if self._bar is not None:
-      self._bar.set_postfix({k: f'{v:.4f}' for k, v in metrics.items()
-                             if k == run.task.metric})
+      postfix = {k: f'{v:.4f}' for k, v in metrics.items()
+                 if k == run.task.metric}
+      if eps:
+        postfix['eps'] = f'{row["privacy/epsilon"]:.4g}'
+      self._bar.set_postfix(postfix)
       return
     steady = self._times[1:] or self._times
     per_round = sum(steady) / len(steady) if steady else float('nan')
     left = run.config.num_rounds - row['round']
     eta = (str(datetime.timedelta(seconds=round(per_round * left)))
            if steady else '?')
-    LOG.info('Round %d/%d: %s; uploaded %s; %.2f s per round; %s left.',
+    LOG.info('Round %d/%d: %s; %suploaded %s; %.2f s per round; %s left.',
              row['round'], run.config.num_rounds,
              ', '.join(f'{k} {v:.4g}' for k, v in sorted(metrics.items())),
+             eps + '; ' if eps else '',
              _megabytes(row.get('comm/upload_bytes_total', 0.0)), per_round,
              eta)
 
