@@ -6,4 +6,5 @@ modules import only those below them (``tests/test_layering.py``).
 
 from fedlite_jax.training.config import ConfigError
 from fedlite_jax.training.config import RunConfig
+from fedlite_jax.training.loop import RunInterrupted
 from fedlite_jax.training.runner import run

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
+import threading
 import time
 import zlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 
 from fedlite_jax.training import data_path
+from fedlite_jax.training.build import LOG
 from fedlite_jax.training import round_metrics
 from fedlite_jax.training.build import Run
 from fedlite_jax.training.hooks import Hook
@@ -77,11 +81,72 @@ def _train_round(run: Run, cohorts: data_path.CohortPrefetcher,
           'time/train_seconds': t_done - t_train}
 
 
-def run_rounds(run: Run, hooks: Sequence[Hook]) -> None:
+class RunInterrupted(Exception):
+  """SIGINT or SIGTERM stopped a run between two rounds; the rounds done
+  are checkpointed and the same command resumes.
+
+  Attributes:
+    signal_number: the signal (``signal.SIGINT`` or ``signal.SIGTERM``);
+      a binary exits with ``128 + signal_number``.
+    round: rounds done and checkpointed.
+  """
+
+  def __init__(self, signal_number: int, round_num: int):
+    super().__init__(f'Interrupted at round {round_num}; checkpoint written; '
+                     'run the same command to resume.')
+    self.signal_number = signal_number
+    self.round = round_num
+
+
+#: Signals that end a run after its current round.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_signals(enabled: bool = True) -> Iterator[list[int]]:
+  """While open, SIGINT and SIGTERM only note themselves in the yielded
+  list (a second one raises KeyboardInterrupt at once); the old handlers
+  come back on exit. Nothing is installed unless ``enabled`` (runs of
+  several processes must stop at the same round) or outside the main
+  thread (Python delivers signals to the main thread only)."""
+  received: list[int] = []
+  if not enabled or threading.current_thread() is not threading.main_thread():
+    yield received
+    return
+
+  def note(signum, frame):
+    del frame
+    if received:
+      raise KeyboardInterrupt
+    received.append(signum)
+    LOG.warning('%s: stopping after this round (again to stop now).',
+                signal.Signals(signum).name)
+
+  old = {s: signal.signal(s, note) for s in STOP_SIGNALS}
+  try:
+    yield received
+  finally:
+    for s, handler in old.items():
+      signal.signal(s, handler)
+
+
+def run_rounds(run: Run, hooks: Sequence[Hook],
+               received: Sequence[int] = ()) -> Optional[int]:
   """Rounds ``run.start_round + 1`` .. ``num_rounds`` (or until a hook
   calls ``run.request_stop``), each row through ``hooks``; a run with an
   ``--init_checkpoint`` starts with the row of round 0 (its evaluation).
-  The caller calls the hooks' ``end`` and ``close``."""
+  The caller calls the hooks' ``end`` and ``close``.
+
+  Args:
+    run: the run (its ``rows`` grow).
+    hooks: in call order.
+    received: signals noted so far (:func:`stop_signals`'s list), checked
+      after each round.
+
+  Returns:
+    The first signal in ``received`` if it stopped the loop before
+    ``num_rounds``, else None.
+  """
   cohorts = data_path.CohortPrefetcher(
       run.source, run.config.clients_per_round, run.config.seed,
       prefetch=run.config.prefetch_clients)
@@ -98,5 +163,19 @@ def run_rounds(run: Run, hooks: Sequence[Hook]) -> None:
       _dispatch(hooks, run, _train_round(run, cohorts, r))
       if run.stop_reason is not None:
         break
+      if received and r + 1 < run.config.num_rounds:
+        return received[0]
+    return None
   finally:
     cohorts.close()
+
+
+def interrupted(run: Run, hooks: Sequence[Hook],
+                signal_number: int) -> RunInterrupted:
+  """Checkpoints the rounds done (the hooks' ``save_now``, complete on
+  return) and returns the :class:`RunInterrupted` to raise."""
+  done = run.rows[-1]['round'] if run.rows else run.start_round
+  for hook in hooks:
+    if callable(save_now := getattr(hook, 'save_now', None)):
+      save_now(run)
+  return RunInterrupted(signal_number, done)

@@ -226,3 +226,12 @@ def write_summary(output_dir: str | os.PathLike, summary: dict) -> pathlib.Path:
   path = pathlib.Path(output_dir) / 'summary.json'
   _write_atomic(path, json.dumps(jsonable(summary), indent=2, sort_keys=True))
   return path
+
+
+def read_summary(output_dir: str | os.PathLike) -> Optional[dict]:
+  """``summary.json`` of ``output_dir``; None if missing or unreadable."""
+  try:
+    return dict(json.loads((pathlib.Path(output_dir) /
+                            'summary.json').read_text()))
+  except (OSError, ValueError, TypeError):
+    return None

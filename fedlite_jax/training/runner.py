@@ -19,7 +19,6 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from fedlite_jax.rounds import default_engine_name
 from fedlite_jax.rounds import sharding
 from fedlite_jax.training import build as build_lib
 from fedlite_jax.training import compression_options
@@ -28,7 +27,6 @@ from fedlite_jax.training import dp_options
 from fedlite_jax.training import evaluation
 from fedlite_jax.training import loop
 from fedlite_jax.training import outputs
-from fedlite_jax.training import registry
 from fedlite_jax.training import start as start_lib
 from fedlite_jax.training import tasks
 from fedlite_jax.training.hooks import Hook
@@ -70,11 +68,16 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
   Returns:
     The summary also written to ``output_dir/summary.json``: ``final_eval``,
     ``communication`` (bytes each way, compression vs uncompressed FedAvg),
-    ``rounds``, ``seconds_per_round``, ``flags`` and more.
+    ``rounds``, ``seconds_per_round``, ``flags`` and more. When the folder
+    holds ``num_rounds`` or more rounds of this run, nothing is trained or
+    written: ``{'status': 'stored', 'message', ...}``
+    (:func:`start.stored_result`).
 
   Raises:
     ConfigError: bad settings, ``--upload`` / ``--download`` stages or
-      ``--init_checkpoint``; an ``output_dir`` in use, or holding results of other flags (without ``--overwrite``).
+      ``--init_checkpoint``; an ``output_dir`` in use, holding results of
+      other flags (without ``--overwrite``) or more rounds than asked.
+    loop.RunInterrupted: SIGINT / SIGTERM; the rounds done are checkpointed.
     FileNotFoundError: missing data (the message names the files).
     state_io.CheckpointError: a corrupt or mismatched checkpoint.
     FloatingPointError: the model diverged (non-finite updates).
@@ -121,29 +124,19 @@ def run(config: RunConfig, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
         if (out / name).exists():
           shutil.copy(out / name, scratch / name)
     start = start_lib.plan(config, out, scratch)
-    engine = _engine_name(config, mesh)
-    the_run = build_lib.build_run(config, task, mesh, engine, _model_config(
-        config, engine), out, scratch, start, compression)
+    if start.stored is not None:  # Nothing to train; nothing written.
+      return start.stored
+    engine = start_lib.engine_name(config, mesh)
+    the_run = build_lib.build_run(
+        config, task, mesh, engine, start_lib.model_config(config, engine),
+        out, scratch, start, compression)
     all_hooks = ordered_hooks(hooks, dp_options.enabled(config))
     for hook in reversed(all_hooks):
       stack.callback(hook.close)
-    loop.run_rounds(the_run, all_hooks)
+    with loop.stop_signals(mesh.num_processes == 1) as received:
+      if (signum := loop.run_rounds(the_run, all_hooks, received)):
+        raise loop.interrupted(the_run, all_hooks, signum)
     return _finish(the_run, all_hooks)
-
-
-def _engine_name(config: RunConfig, mesh: sharding.ClientMesh) -> str:
-  """``--round_engine`` with ``auto`` resolved (vmap on several devices)."""
-  if config.round_engine != 'auto':
-    return config.round_engine
-  return 'vmap' if mesh.num_devices > 1 else default_engine_name()
-
-
-def _model_config(config: RunConfig, engine: str) -> RunConfig:
-  """``config`` with its algorithm's ``AlgorithmSpec.model_overrides``
-  (e.g. ``--conv_implementation=auto`` resolved)."""
-  spec = registry.get(config.algorithm)
-  overrides = spec.model_overrides(config, engine)
-  return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def _summary(run: build_lib.Run) -> dict[str, Any]:
@@ -154,9 +147,9 @@ def _summary(run: build_lib.Run) -> dict[str, Any]:
     communication.update(run.spec.communication_summary(run.ledger.extra_bits))
   train_seconds = [r['time/train_seconds'] for r in run.rows
                    if 'time/train_seconds' in r]
+  rounds = run.rows[-1]['round'] if run.rows else run.start_round
   return {
-      'task': config.task, 'algorithm': config.algorithm,
-      'rounds': run.rows[-1]['round'] if run.rows else run.start_round,
+      'task': config.task, 'algorithm': config.algorithm, 'rounds': rounds,
       'stopped_early': run.stop_reason,
       'communication': communication,
       'seconds_per_round': (float(np.mean(train_seconds)) if train_seconds
@@ -177,7 +170,8 @@ def _summary(run: build_lib.Run) -> dict[str, Any]:
                     'num_processes': mesh.num_processes,
                     'mesh_devices': [str(d) for d in mesh.mesh.devices.flat]},
       'init_checkpoint': None if run.init is None else run.init.describe(),
-      'flags': dataclasses.asdict(config),
+      # The rounds reached (fewer than asked after a stop).
+      'flags': dict(dataclasses.asdict(config), num_rounds=rounds),
   }
 
 
@@ -196,5 +190,6 @@ def _finish(run: build_lib.Run, hooks: Sequence[Hook]) -> dict[str, Any]:
   summary.update(status='failed' if failure else 'ok', failure=failure)
   outputs.write_summary(run.scratch, summary)
   evaluation.check_trained(summary['final_eval'], chance,
-                           output_dir=str(run.out))
+                           output_dir=str(run.out),
+                           privacy=summary.get('privacy'))
   return summary

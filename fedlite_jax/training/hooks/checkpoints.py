@@ -44,6 +44,13 @@ class CheckpointHook(Hook):
     if done > self._saved:
       self._save(run, done)
 
+  def save_now(self, run: Run) -> None:
+    """Saves the last round done (unless saved) and waits for the save: a
+    run interrupted between two rounds."""
+    self.end(run, {})
+    if self._ckpt is not None:
+      self._ckpt.wait()
+
   def close(self) -> None:
     """Waits for a save still being written."""
     if self._ckpt is not None:
