@@ -2,10 +2,11 @@
 
 Each results file keeps a ``check``: one short run of a configuration it
 reports, with its evaluation curve, which ``tests/test_experiment_results.py``
-re-runs at HEAD and compares within float noise. When a change moves those
-numbers within float noise, this re-runs each check's own command and
+re-runs at HEAD and compares within the check's tolerance. When a change
+moves those numbers within float noise, this re-runs each check's own command and
 writes the new curve, commit and dirty flag back, leaving every other
-entry of the file as it was::
+entry of the file as it was (the check's ``spread`` and ``tolerance`` from
+``experiments/measure_check_spread.py`` included)::
 
   python experiments/recheck.py --files=igc_femnist.json,lm_seeds.json
 
@@ -44,6 +45,11 @@ def recheck(path: pathlib.Path) -> dict:
                          f'not a {provenance.RUNNER} run.')
   flags_ = [f for f in argv[2:] if f not in ('--noresume', '--overwrite')]
   data['check'] = provenance.check_record(flags_, old['label'])
+  # The measured float-order spread and the tolerance it sets stay: they
+  # describe the configuration, not one recording; re-measure them with
+  # experiments/measure_check_spread.py when the run's programs change.
+  data['check'].update({k: old[k] for k in ('spread', 'tolerance')
+                        if k in old})
   path.write_text(json.dumps(data, indent=1) + '\n')
   return data['check']
 
