@@ -175,9 +175,9 @@ KEYS = ('privacy/epsilon', 'privacy/clip_norm', 'privacy/noise_std',
 
 
 def test_adaptive_clipping_engines_agree_and_resume_is_identical(tmp_path):
-  # One convolution for both engines (auto: im2col where vmapped).
+  # One convolution for both engines: im2col (a matmul), as the vmap engine's.
   cfg = dict(SMALL, num_rounds=4, eval_every=2, checkpoint_every=1,
-             conv_implementation='lax', options=ADAPTIVE)
+             conv_implementation='im2col', options=ADAPTIVE)
   full = run(RunConfig(output_dir=str(tmp_path / 'loop'),
                        round_engine='loop', **cfg))
   rows = _rows(tmp_path / 'loop')
@@ -194,11 +194,14 @@ def test_adaptive_clipping_engines_agree_and_resume_is_identical(tmp_path):
   vmap = run(RunConfig(output_dir=str(tmp_path / 'vmap'),
                        round_engine='vmap', lanes_per_device=2,
                        segment_steps=1, **cfg))
+  # The lanes sum in another float order than the loop, which the adaptive
+  # clip norm carries into later rounds: train/loss at round 4 differed by
+  # 1.6e-4 relative (lax convolutions in the vmap engine's scan: 2e-3).
   for a, b in zip(rows, _rows(tmp_path / 'vmap')):
     for k in KEYS:
-      assert b[k] == pytest.approx(a[k], rel=1e-4), (a['round'], k)
+      assert b[k] == pytest.approx(a[k], rel=5e-4), (a['round'], k)
   assert vmap['final_eval']['loss'] == pytest.approx(
-      full['final_eval']['loss'], rel=1e-4)
+      full['final_eval']['loss'], rel=5e-4)
 
   out = tmp_path / 'resumed'
   with pytest.raises(RuntimeError, match='killed'):
