@@ -21,6 +21,7 @@ from fedlite_jax.training import ConfigError
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import RunInterrupted
 from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import evaluation
 from fedlite_jax.training import outputs
 from fedlite_jax.training import run
 from fedlite_jax.training import start
@@ -169,6 +170,21 @@ def test_overwrite_starts_over_a_folder_of_as_many_rounds_or_more(
   assert _latest_round(out) == 1
   _run(out, num_rounds=1, checkpoint_every=1, overwrite=True)
   assert _rounds(out) == [1]
+
+
+def test_dp_target_epsilon_run_keeps_its_num_rounds(tmp_path):
+  """z is calibrated to --num_rounds: such a run does not continue."""
+  out = tmp_path / 'run'
+  dp = dict(num_rounds=2, checkpoint_every=1,
+            options={'dp_clip': 1.0, 'dp_target_epsilon': 50.0})
+  try:
+    _run(out, **dp)
+  except evaluation.TrainingFailedError:
+    pass  # Two noisy rounds may end worse than chance; the folder is kept.
+  with pytest.raises(ConfigError, match=(
+      r'calibrated to --num_rounds=2; pass --num_rounds=2')):
+    _run(out, **dict(dp, num_rounds=3))
+  assert _rounds(out) == [1, 2]
 
 
 def test_eval_every_applies_to_the_rounds_still_to_run(tmp_path):

@@ -139,13 +139,26 @@ def read_code_version(output_dir: str | os.PathLike) -> Optional[dict]:
 
 def write_run_identity(output_dir: str | os.PathLike,
                        fingerprint: Mapping[str, Any],
-                       code: Optional[Mapping[str, Any]] = None) -> None:
-  """Writes ``run.json`` (``{'fingerprint', 'code'}``) atomically; ``code``
-  is informational (a resume under other code only warns)."""
+                       code: Optional[Mapping[str, Any]] = None,
+                       num_rounds: Optional[int] = None) -> None:
+  """Writes ``run.json`` (``{'fingerprint', 'code', 'num_rounds'}``)
+  atomically; ``code`` is informational (a resume under other code only
+  warns), ``num_rounds`` the rounds the run is set to reach."""
   _write_atomic(pathlib.Path(output_dir) / RUN_FILE,
                 json.dumps({'fingerprint': dict(fingerprint),
-                            'code': dict(code or {})}, indent=1,
+                            'code': dict(code or {}),
+                            'num_rounds': num_rounds}, indent=1,
                            sort_keys=True, default=str))
+
+
+def read_planned_rounds(output_dir: str | os.PathLike) -> Optional[int]:
+  """The ``num_rounds`` stored in ``run.json`` (None if absent)."""
+  try:
+    value = json.loads((pathlib.Path(output_dir) / RUN_FILE).read_text()
+                       ).get('num_rounds')
+  except (OSError, ValueError, AttributeError):
+    return None
+  return int(value) if isinstance(value, int) else None
 
 
 @contextlib.contextmanager

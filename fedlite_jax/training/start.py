@@ -283,7 +283,7 @@ def plan(config: config_lib.RunConfig, out: pathlib.Path,
   if jax.process_index() == 0:
     outputs.write_run_identity(out, fingerprint,
                                code if resume_from is None or not previous_code
-                               else previous_code)
+                               else previous_code, config.num_rounds)
   return Start(fingerprint, resume_from, code)
 
 
@@ -331,8 +331,9 @@ def stored_result(config: config_lib.RunConfig, fingerprint: dict[str, Any],
                   ) -> Optional[dict[str, Any]]:
   """What a run that trains nothing returns, or None if rounds are to run.
 
-  ``latest`` (the newest checkpoint) holds ``R`` rounds. ``--num_rounds``
-  > R: None (the run continues, logging ``Continuing from round R to N``;
+  ``latest`` (the newest checkpoint) holds ``R`` rounds. A
+  ``--dp_target_epsilon`` run keeps the ``--num_rounds`` it was calibrated
+  to (run.json). ``--num_rounds`` > R: None (the run continues, logging ``Continuing from round R to N``;
   a stale summary.json is removed). = R with a summary.json of R rounds:
   nothing is run. < R with a checkpoint at exactly that round: its stored
   result. Nothing is written in either case.
@@ -343,12 +344,22 @@ def stored_result(config: config_lib.RunConfig, fingerprint: dict[str, Any],
     ``rounds`` (or None).
 
   Raises:
-    ConfigError: fewer rounds than stored and no checkpoint at that round.
+    ConfigError: fewer rounds than stored and no checkpoint at that round;
+      more ``--num_rounds`` than a ``--dp_target_epsilon`` run's.
     state_io.CheckpointError: a checkpoint of other flags.
     evaluation.TrainingFailedError: all rounds are done and summary.json
       says the run failed.
   """
   held, wanted = int(latest.name), config.num_rounds
+  planned = outputs.read_planned_rounds(out)
+  epsilon = float(config.options.get('dp_target_epsilon') or 0.0)
+  if wanted > held and planned not in (None, wanted) and epsilon > 0 and \
+      dp_options.enabled(config):
+    raise ConfigError(
+        f'{out} holds {held} rounds of a run whose noise multiplier '
+        f'--dp_target_epsilon={epsilon:g} calibrated to --num_rounds='
+        f'{planned}; pass --num_rounds={planned}, a new --output_dir, or '
+        '--noresume --overwrite to start over.')
   if wanted > held:
     LOG.info('Continuing from round %d to %d.', held, wanted)
     if jax.process_index() == 0:
