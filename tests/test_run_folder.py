@@ -288,3 +288,16 @@ def test_default_folder_names_are_readable_and_distinct():
   assert len({base, igc, dp, dpz, down}) == 5
   # The hash is that of the result flags but the seed: seeds share it.
   assert _default_dir(task='emnist', seed=1)[-8:] == base[-8:]
+
+
+def test_rerun_of_a_failed_run_stays_an_error(tmp_path):
+  out = tmp_path / 'run'
+  _run(out, num_rounds=1, checkpoint_every=1)
+  summary = dict(_summary(out), status='failed', failure='test loss nan')
+  (out / 'summary.json').write_text(json.dumps(summary))
+  before = _files(out)
+  with pytest.raises(evaluation.TrainingFailedError,
+                     match=r'Nothing was run: .* \(status "failed": test '
+                     r'loss nan\); pass --overwrite'):
+    _run(out, num_rounds=1, checkpoint_every=1)
+  assert _files(out) == before
