@@ -87,7 +87,7 @@ def clear_results(output_dir: str | os.PathLike) -> None:
   """Removes a previous run's outputs (all but the lock)."""
   out = pathlib.Path(output_dir)
   for name in ('metrics.jsonl', 'communication.csv', 'summary.json',
-               'curves.png', RUN_FILE):
+               'curves.png', 'curves.pdf', 'curves.svg', RUN_FILE):
     (out / name).unlink(missing_ok=True)
   for name in ('tb', 'checkpoints'):
     shutil.rmtree(out / name, ignore_errors=True)
