@@ -153,7 +153,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
             '![accuracy vs epsilon](dp_femnist.png)', '',
             'Figure: test accuracy vs epsilon (inf = no DP), mean ± std over '
             'seeds, per compression.', '']
-  (out / 'dp_femnist.md').write_text('\n'.join(lines))
+  (out / 'dp_femnist.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top

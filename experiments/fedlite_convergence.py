@@ -176,7 +176,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
       '![accuracy by iteration](fedlite_convergence.png)', '',
       'Figure: test accuracy by iteration, mean over seeds with a band of ± '
       'one standard deviation, per row.', '']
-  (out / 'fedlite_convergence.md').write_text('\n'.join(lines))
+  (out / 'fedlite_convergence.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
   stats.plot_seed_bands(
       data['results'], out / 'fedlite_convergence.png', xlabel='iteration',
       title='FEMNIST-105: FedLite vs SplitFed (mean ± std over seeds)')

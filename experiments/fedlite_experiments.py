@@ -695,7 +695,8 @@ def _tables(data: dict, out: pathlib.Path, figures: list[str]) -> None:
     caption = CAPTIONS[name].format(
         iteration=data.get('fig3', {}).get('iteration'))
     lines += [f'![{name}]({name})', '', caption, '']
-  (out / 'fedlite_tables.md').write_text('\n'.join(lines))
+  (out / 'fedlite_tables.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
 
 
 def _report(data: dict, out: pathlib.Path) -> None:

@@ -259,7 +259,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
             'Figure: test accuracy (mean over seeds, error bars ± one sample '
             'standard deviation) against the total upload + download bits of '
             'a run (log scale), one marker per method family.', '']
-  (out / f'{name}.md').write_text('\n'.join(lines))
+  (out / f'{name}.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
   _plot(data, out / f'{name}.png')
 
 

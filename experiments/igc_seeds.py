@@ -102,7 +102,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
   lines += ['', '![accuracy by round](igc_seeds.png)', '',
             'Figure: test accuracy by round, mean over seeds with a band of '
             '± one standard deviation, per row.', '']
-  (out / 'igc_seeds.md').write_text('\n'.join(lines))
+  (out / 'igc_seeds.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
   stats.plot_seed_bands(
       data['results'], out / 'igc_seeds.png', xlabel='round',
       title='FEMNIST-105 IGC (mean ± std over seeds)', scale=100,

@@ -349,7 +349,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
       'error bars are the spread over seeds, which the cells share (same '
       'seed = same cohorts and initialisation); the paired differences in '
       'the tables above resolve finer differences than the bars.*', '']
-  (out / f'{NAME}.md').write_text('\n'.join(lines))
+  (out / f'{NAME}.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
   _plots(data, out)
 
 

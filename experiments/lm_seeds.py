@@ -167,7 +167,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
       '![perplexity by round](lm_seeds.png)', '',
       'Figure: test perplexity by round, mean over seeds with error bars of '
       '± one standard deviation, per row.', '']
-  (out / 'lm_seeds.md').write_text('\n'.join(lines))
+  (out / 'lm_seeds.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
   stats.plot_seed_bands(
       data['results'], out / 'lm_seeds.png', xlabel='round', key=METRIC,
       ylabel='test perplexity', title='Shakespeare LM (mean ± std over seeds)')

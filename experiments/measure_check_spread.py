@@ -61,8 +61,8 @@ flags.DEFINE_bool('measure_deterministic', False, 'Also run checks without '
                   'stochastic rounding (else marked float noise, no runs).')
 flags.DEFINE_bool('write', True, 'Write spread/tolerance into the files.')
 
-FACTOR = 3.0
-FLOAT_NOISE = {'loss_rel': 1e-5, 'accuracy_examples': 1.0}
+FACTOR = provenance.TOLERANCE_FACTOR
+FLOAT_NOISE = provenance.FLOAT_NOISE
 STOCHASTIC = ('uniform_quantization', 'terngrad', 'stochastic')
 # name: (environment, command prefix, description).
 ORDERS = {
@@ -292,23 +292,7 @@ def _results() -> pathlib.Path:
   return provenance.REPO / provenance.RESULTS_DIR
 
 
-def md_line(spread: Mapping[str, Any], tol: Mapping[str, Any]) -> str:
-  """The ``.md``'s one-line statement of the check's tolerance."""
-  unit = 'tokens' if 'token' in spread['count_source'] else 'examples'
-  head = (f'check tolerance: loss rel {tol["loss_rel"]:.2g}, accuracy '
-          f'{tol["accuracy_examples"]:g} {unit} of {spread["count"]:,.0f}, '
-          'bytes exact')
-  floor = (f'float-noise floor loss rel {FLOAT_NOISE["loss_rel"]:g}, '
-           f'accuracy {FLOAT_NOISE["accuracy_examples"]:g} {unit[:-1]}')
-  if not spread['orders']:
-    return f'{head} ({floor}; {spread["note"]}).'
-  orders = '; '.join(d['description'] for d in spread['orders'].values())
-  kind = ('stochastic rounding' if spread['stochastic_rounding'] else
-          'no stochastic rounding')
-  return (f'{head} (the larger of {FACTOR:g}x the spread, loss rel '
-          f'{spread["loss_rel"]:.2g} and accuracy '
-          f'{spread["accuracy_examples"]:g} {unit}, measured under: {orders}; '
-          f'and the {floor}; {kind}; per order in the check\'s "spread").')
+md_line = provenance.tolerance_md_line
 
 
 def write(name: str, spread: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -247,3 +247,39 @@ def write_study(out: pathlib.Path, name: str, data: dict,
 def write_json(path: pathlib.Path, data: Any) -> None:
   """Writes ``data`` as indented JSON (``default=str`` for odd values)."""
   path.write_text(json.dumps(data, indent=1, default=str) + '\n')
+
+#: A check's tolerance: this many times its measured spread, at least the
+#: float-noise floor (experiments/measure_check_spread.py).
+TOLERANCE_FACTOR = 3.0
+FLOAT_NOISE = {'loss_rel': 1e-5, 'accuracy_examples': 1.0}
+
+
+def tolerance_md_line(spread: Mapping[str, Any], tol: Mapping[str, Any]) -> str:
+  """The ``.md``'s one-line statement of the check's tolerance."""
+  unit = 'tokens' if 'token' in spread['count_source'] else 'examples'
+  head = (f'check tolerance: loss rel {tol["loss_rel"]:.2g}, accuracy '
+          f'{tol["accuracy_examples"]:g} {unit} of {spread["count"]:,.0f}, '
+          'bytes exact')
+  floor = (f'float-noise floor loss rel {FLOAT_NOISE["loss_rel"]:g}, '
+           f'accuracy {FLOAT_NOISE["accuracy_examples"]:g} {unit[:-1]}')
+  if not spread['orders']:
+    return f'{head} ({floor}; {spread["note"]}).'
+  orders = '; '.join(d['description'] for d in spread['orders'].values())
+  kind = ('stochastic rounding' if spread['stochastic_rounding'] else
+          'no stochastic rounding')
+  return (f'{head} (the larger of {TOLERANCE_FACTOR:g}x the spread, loss rel '
+          f'{spread["loss_rel"]:.2g} and accuracy '
+          f'{spread["accuracy_examples"]:g} {unit}, measured under: {orders}; '
+          f'and the {floor}; {kind}; per order in the check\'s "spread").')
+
+
+def results_md(lines: list[str], check: Mapping[str, Any]) -> str:
+  """A results ``.md``'s text: ``lines``, then the check's tolerance line
+  (:func:`tolerance_md_line`) when the check states its spread."""
+  if 'spread' not in check or 'tolerance' not in check:
+    return '\n'.join(lines)
+  lines = list(lines)
+  while lines and not lines[-1].strip():
+    lines.pop()
+  return '\n'.join(lines + ['', tolerance_md_line(check['spread'],
+                                                  check['tolerance'])]) + '\n'
