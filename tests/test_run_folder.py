@@ -123,7 +123,7 @@ def test_fewer_rounds_are_one_line(repo_root, tmp_path, reference):
   error = [l for l in fewer.stderr.splitlines() if 'error:' in l]
   assert len(error) == 1, fewer.stderr[-2000:]
   assert (f'{reference} holds 5 rounds; --num_rounds=3 is fewer: pass '
-          '--num_rounds=5 (or more)') in error[0]
+          '--num_rounds=5 for its result, more to continue') in error[0]
   assert 'Traceback' not in fewer.stderr and not fewer.stdout
   assert _files(reference) == before
   with pytest.raises(ConfigError, match='holds 5 rounds'):

@@ -372,8 +372,8 @@ def stored_result(config: config_lib.RunConfig, fingerprint: dict[str, Any],
   if wanted < held and not state_io.is_checkpoint(at):
     raise ConfigError(
         f'{out} holds {held} rounds; --num_rounds={wanted} is fewer: pass '
-        f'--num_rounds={held} (or more) to continue, a new --output_dir, or '
-        '--overwrite to start over.')
+        f'--num_rounds={held} for its result, more to continue, a new '
+        '--output_dir, or --overwrite to start over.')
   _checked_identity(latest if wanted == held else at, fingerprint)
   if wanted == held:
     message = (f'Nothing was run: {out} holds all {held} rounds of this run; '
