@@ -149,7 +149,7 @@ def test_dp_failure_names_the_noise_on_the_mean():
       config_lib.RunConfig(clients_per_round=5, dp_clip=1.0,
                            dp_noise_multiplier=1.0),
       tasks.TASKS['embedded_mnist'].defaults)
-  dp = dp_options.resolve(config, 50)
+  dp = dp_options.resolve(config, 50, 1000)
   privacy = {**dp.describe(2), 'final_clip_norm': 1.0}
   assert evaluation.mean_noise_std(privacy) == pytest.approx(0.2)
   with pytest.raises(evaluation.TrainingFailedError) as e:

@@ -53,9 +53,9 @@ def test_epsilon_is_dp_accountings_and_summary_states_it(tmp_path,
   resolved = []
   unmemoized = dp_options._resolve  # pylint: disable=protected-access
 
-  def counting(config, num_train_clients):
+  def counting(config, num_train_clients, num_params):
     resolved.append(num_train_clients)
-    return unmemoized(config, num_train_clients)
+    return unmemoized(config, num_train_clients, num_params)
 
   monkeypatch.setattr(dp_options, '_resolve', counting)
   out = tmp_path / 'run'
@@ -268,7 +268,7 @@ def test_dp_flags_refused_by_algorithms_without_dp():
 def test_unreachable_target_epsilon_and_fingerprint_without_dp():
   config = _resolve(dp_clip=1.0, dp_target_epsilon=1e-9)
   with pytest.raises(config_lib.ConfigError) as e:
-    dp_options.resolve(config, 12)
+    dp_options.resolve(config, 12, 1000)
   assert str(e.value).startswith('--dp_target_epsilon=1e-09: ')
   assert 'unreachable' in str(e.value) and '\n' not in str(e.value)
   # Without DP flags the fingerprint names none of them (old checkpoints

@@ -2,89 +2,44 @@
 
 Source: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Alg. 2;
 local steps of FedAvg (McMahan et al. 2017, Alg. 1) or FedProx (Li et al.
-2020, Alg. 2); upload / download chains and PVT as in Ro et al. 2022, Sec. 4.
+2020, Alg. 2); upload / download chains and PVT as in Ro et al. 2022, Sec. 4;
+central DP-FedAvg (McMahan et al. 2018) or distributed DP under secure
+aggregation (Kairouz et al. 2021; Agarwal et al. 2021).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import fedjax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fedlite_jax import privacy
-from fedlite_jax import transforms as tx
 from fedlite_jax.algorithms import nonfinite as nonfinite_lib
 from fedlite_jax.algorithms import rounds_common as rc
+from fedlite_jax.algorithms.compressed_round import (  # noqa: F401
+    Compression, CompressedRound, DDPFedOptState, DPFedOptState,
+    encode_decode, FedOptState, per_leaf_mean)
 from fedlite_jax.algorithms.rounds_common import (  # noqa: F401
     DOWNLOAD_ACCOUNTING, DOWNLOAD_STREAM, batch_hparams, num_params,
     UPLOAD_STREAM)
 from fedlite_jax.rounds import make_engine
-from fedlite_jax.transforms import pvt as pvt_lib
-from fedlite_jax.common import PyTree
+from fedlite_jax.common import DP_STREAM, PyTree
 
 Params = Any
 
 __all__ = [
-    'Compression', 'CompressedRound', 'DP', 'DPFedOptState', 'FedOptState',
+    'Compression', 'CompressedRound', 'DDPFedOptState', 'DP', 'DPFedOptState',
+    'FedOptState',
     'dp_mean', 'federated_averaging',
     # Re-exported from rounds_common (used by training and tests).
     'DOWNLOAD_ACCOUNTING', 'DOWNLOAD_STREAM', 'UPLOAD_STREAM', 'batch_hparams',
     'num_params',
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Compression:
-  """Communication settings of a FedOpt round.
-
-  Transforms must be stateless or read-only (``transforms.init_read_only``).
-
-  Attributes:
-    download: CommTransform of the model sent (clients start from the
-      decoded ``Q(w)``); None: 32 bits per float.
-    upload: CommTransform of each client's delta (under PVT its size must
-      be a sum over variables); None: 32 bits per float.
-    pvt_fraction: trainable share of the parameters per client, in (0, 1];
-      1 = no PVT.
-    pvt_freezable: ``(key path, leaf) -> bool``: what PVT may freeze.
-  """
-  download: Optional[tx.CommTransform] = None
-  upload: Optional[tx.CommTransform] = None
-  pvt_fraction: float = 1.0
-  pvt_freezable: Callable[[Any, Any], bool] = pvt_lib.is_multiplicative
-
-
-@fedjax.dataclass
-class FedOptState:
-  """Server state of a FedOpt (or MimeLite) round.
-
-  Attributes:
-    params: the server model (full precision).
-    opt_state: the server (MimeLite: base) optimizer's state.
-    round: ``int32[]``, rounds completed.
-    last_changed: ``int32[D]``, last round that changed each weight (-1:
-      never), ``jax.tree.leaves`` order; ``int32[0]`` unless ``'changed'``.
-    last_round: ``int32[N]``, each training client's last round (-1: never);
-      ``int32[0]`` without ``client_ids``.
-  """
-  params: Params
-  opt_state: optax.OptState
-  round: jax.Array
-  last_changed: jax.Array
-  last_round: jax.Array
-
-
-@fedjax.dataclass
-class DPFedOptState(FedOptState):
-  """:class:`FedOptState` of DP-FedAvg, plus ``clip_norm``: float32[], the
-  clip norm ``C`` of the next round (adaptive clipping moves it)."""
-  clip_norm: jax.Array
 
 
 DP = privacy.DPSettings
@@ -113,9 +68,11 @@ def dp_mean(dp: DP, seed: int, round_num: jax.Array, clip_norm: jax.Array,
   return out.mean, out.clip_norm
 
 
-def _clip_decoded(compress: Callable, shared, client_input, delta, mask):
+def _clip_decoded(compress: Callable, dp: DP, shared, client_input, delta,
+                  mask):
   """``compress``, then the decoded delta clipped to ``shared['clip_norm']``
   (diagnostics ``dp_norm`` before clipping, ``dp_clipped`` 0/1)."""
+  del dp  # C is the state's.
   out, diag = compress(shared, client_input, delta, mask)
   c = shared['clip_norm']
   clipped, norm = privacy.clip_by_global_norm(out['delta'], c)
@@ -123,211 +80,15 @@ def _clip_decoded(compress: Callable, shared, client_input, delta, mask):
       **diag, 'dp_norm': norm, 'dp_clipped': (norm > c).astype(jnp.float32)}
 
 
-def encode_decode(transform: Optional[tx.CommTransform], state: Any,
-                  tree: PyTree, key: jax.Array) -> PyTree:
-  """``tree`` as the receiver decodes it (``tree`` itself for None)."""
-  if transform is None:
-    return tree
-  message, _ = transform.encode(tree, state, key)
-  return transform.decode(message, state)[0]
-
-
-def per_leaf_mean(sums: PyTree, weights: jax.Array) -> PyTree:
-  """Each leaf of ``sums`` over its weight ``weights[i]`` (0 where 0)."""
-  leaves, treedef = jax.tree.flatten(sums)
-  return jax.tree.unflatten(treedef, [
-      jnp.where(weights[i] > 0, x / jnp.where(weights[i] > 0, weights[i], 1.0),
-                jnp.zeros_like(x)) for i, x in enumerate(leaves)])
-
-
-class _Setup:
-  """Per-model static pieces (transform states, bits, PVT plan)."""
-
-  def __init__(self, compression: Compression, params: Params, name: str):
-    example = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-        params)
-    self.spec = tx.TreeSpec.of(params)
-    self.plan = pvt_lib.make_plan(params, compression.pvt_fraction,
-                                  compression.pvt_freezable)
-    self.states, self.bits = {}, {}
-    for what in ('download', 'upload'):
-      transform = getattr(compression, what)
-      state = None if transform is None else tx.init_read_only(
-          transform, example, f'{name}: the {what} transform')
-      self.states[what] = state
-      self.bits[what] = float(tx.message_bits(
-          transform or tx.identity(), example, state))
-    # Per-variable sizes: under PVT only.
-    self.leaf_bits = None if self.plan.trains_everything else (
-        pvt_lib.leaf_bits(compression.upload, params, name))
-
-  def upload_bits(self, mask: Optional[np.ndarray]) -> float:
-    return (self.bits['upload'] if self.leaf_bits is None else
-            pvt_lib.masked_bits(self.leaf_bits, mask))
-
-
-class CompressedRound:
-  """The compression, accounting and bookkeeping FedOpt and MimeLite share.
-
-  Args:
-    compression: upload / download chains and PVT.
-    name: the algorithm's name in messages.
-    seed: run seed (keys the download quantizer).
-    weighting: ``'examples'`` or ``'uniform'`` client weights.
-    download_accounting: ``'dense'`` or ``'changed'`` (needs ``client_ids``,
-      no download transform).
-    client_ids: the training clients' ids.
-    nonfinite: ``'raise'`` or ``'skip'`` (:mod:`nonfinite`).
-
-  Raises:
-    ValueError: an unknown choice or a missing ``client_ids``.
-  """
-
-  def __init__(self, compression: Compression, name: str, seed: int,
-               weighting: str, download_accounting: str,
-               client_ids: Optional[Sequence[bytes]], nonfinite: str):
-    rc.check_choice(weighting, rc.WEIGHTINGS, 'weighting')
-    rc.check_choice(download_accounting, DOWNLOAD_ACCOUNTING,
-                    'download_accounting')
-    nonfinite_lib.check_policy(nonfinite)
-    self.index = rc.client_id_index(client_ids)
-    if download_accounting == 'changed' and (
-        not self.index or compression.download):
-      raise ValueError("download_accounting='changed' needs the training "
-                       'client_ids and no download transform.')
-    self.compression, self.name, self.seed = compression, name, seed
-    self.weighting, self.accounting = weighting, download_accounting
-    self.nonfinite = nonfinite
-    self.track_changes = download_accounting == 'changed'
-    self.s: Optional[_Setup] = None
-    self.download = jax.jit(self._download)
-
-  def setup(self, params: Params) -> _Setup:
-    """Transform states and PVT plan for ``params``' structure (cached)."""
-    if self.s is None or self.s.spec != tx.TreeSpec.of(params):
-      self.s = _Setup(self.compression, params, self.name)
-    return self.s
-
-  def plan(self) -> pvt_lib.PVTPlan:
-    """The PVT plan of the last :meth:`setup` (variables PVT may freeze)."""
-    return self.s.plan
-
-  def ones(self) -> jax.Array:
-    """``bool[num_leaves]`` all True: the mask of a client without PVT."""
-    return jnp.ones((len(self.s.plan.sizes),), bool)
-
-  def upload(self, tree: PyTree, key: jax.Array,
-             mask: Optional[jax.Array]) -> tuple[PyTree, jax.Array]:
-    """``(decoded upload, bool[num_leaves] mask)`` of one client."""
-    transform, state = self.compression.upload, self.s.states['upload']
-    if mask is None:
-      return encode_decode(transform, state, tree, key), self.ones()
-    return pvt_lib.masked_upload(transform, state, tree, mask, key), mask
-
-  def compress(self, shared, client_input, delta, mask):
-    """The delta's upload: ``{'delta', 'mask': float per variable}``."""
-    del shared
-    sent, mask = self.upload(
-        delta, jax.random.fold_in(client_input['rng'], UPLOAD_STREAM), mask)
-    return ({'delta': sent, 'mask': mask.astype(jnp.float32)},
-            {'mask': mask})
-
-  def _download(self, params, round_num):
-    key = jax.random.fold_in(
-        jax.random.fold_in(jax.random.PRNGKey(self.seed), DOWNLOAD_STREAM),
-        round_num)
-    return encode_decode(self.compression.download,
-                         self.s.states['download'], params, key)
-
-  def init_state(self, params: Params, opt_state: Any) -> FedOptState:
-    """Round 0's :class:`FedOptState` (change / participation trackers -1)."""
-    s = self.setup(params)
-    return FedOptState(
-        params=params, opt_state=opt_state, round=jnp.zeros((), jnp.int32),
-        last_changed=jnp.full((s.spec.size if self.track_changes else 0,),
-                              -1, jnp.int32),
-        last_round=jnp.full((len(self.index),), -1, jnp.int32))
-
-  def with_changes(self, state: FedOptState,
-                   new_state: FedOptState) -> FedOptState:
-    """``new_state`` with ``last_changed`` updated (jittable)."""
-    if not self.track_changes:
-      return new_state
-    spec = tx.TreeSpec.of(state.params)
-    return new_state.replace(last_changed=rc.mark_changed(
-        state.last_changed, spec.ravel(state.params),
-        spec.ravel(new_state.params), state.round))
-
-  def apply(self, state: FedOptState, clients: rc.Clients,
-            hparams: fedjax.ShuffleRepeatBatchHParams, passes: Callable,
-            server_update: Callable, extra_download_bits: float = 0.0,
-            upload_factor: int = 1, dp_norms: bool = False):
-    """One round: download, client passes, non-finite policy, server update.
-
-    Args:
-      state, clients: as ``FederatedAlgorithm.apply``.
-      hparams: local batching of the training pass.
-      passes: ``(Q(w), work) -> [(engine, shared input, work)]``, training
-        pass first; each output is ``{'delta', 'mask'}``.
-      server_update: ``(state, delta sum, mask sum, ...) -> (new state,
-        finite)`` over the passes' sums in order; jittable: it runs with
-        the participation bookkeeping as one compiled program
-        (:func:`rounds_common.server_update`).
-      extra_download_bits: added to the dense download (bits).
-      upload_factor: uploads per client (the delta's bits each).
-      dp_norms: also pass ``server_update`` the clients' ``dp_norm``
-        diagnostics and kept flags (``float32[W]`` each; DP-FedAvg).
-
-    Returns:
-      ``(new state, diagnostics)`` as :func:`federated_averaging`; a client
-      is skipped when any of its passes is not finite.
-    """
-    s = self.setup(state.params)
-    round_num = int(state.round)
-    work = rc.make_work(clients, hparams, self.weighting)
-    positions = rc.client_positions(self.index, work)
-    down = rc.download_bits(
-        self.accounting, s.bits['download'] + extra_download_bits, len(work),
-        state.last_changed, state.last_round, positions)
-    runs = passes(self.download(state.params, state.round), work)
-    results = [eng(shared, ws) for eng, shared, ws in runs]
-    ok = [[bool(d['finite']) for d in res.diagnostics] for res in results]
-    skipped = nonfinite_lib.resolve(
-        [w.client_id for w in work], [all(f) for f in zip(*ok)],
-        self.nonfinite, self.name, round_num)
-    sums = [res.weighted_sum for res in results]
-    # A client skipped for another pass only is still in this pass's sum:
-    # rerun this pass without the skipped clients (rare).
-    for i, ((eng, shared, ws), flags) in enumerate(zip(runs, ok)):
-      if any(f for w, f in zip(ws, flags) if w.client_id in skipped):
-        sums[i] = eng(shared, [w for w in ws if w.client_id not in skipped]
-                      ).weighted_sum
-    args = [x for total in sums for x in (total['delta'], total['mask'])]
-    if dp_norms:
-      args += [np.asarray([d['dp_norm'] for d in results[0].diagnostics],
-                          np.float32),
-               np.asarray([w.client_id not in skipped for w in work],
-                          np.float32)]
-    new_state, finite = rc.server_update(server_update, state, positions,
-                                         *args)
-    nonfinite_lib.check_server_state(finite, self.name, skipped, round_num)
-    extra = None
-    if not s.plan.trains_everything:
-      extra = lambda d: {  # noqa: E731
-          'pvt_mask': np.asarray(d['mask'], bool),
-          'pvt_trained_fraction': pvt_lib.realized_fraction(
-              s.plan, np.asarray(d['mask'], bool))}
-    diagnostics = rc.client_diagnostics(
-        work, results[0], download=down, skipped=skipped, extra=extra,
-        num_examples=[w.weight if self.weighting == 'examples' else
-                      len(w.batches) * hparams.batch_size for w in work],
-        upload_bits=lambda d: upload_factor * s.upload_bits(
-            np.asarray(d['mask'], bool)))
-    for flags in ok[1:]:
-      for w, f in zip(work, flags):
-        diagnostics[w.client_id]['finite'] &= f
-    return new_state, diagnostics
+def _secure_encode(compress: Callable, ddp: privacy.DistributedDP, shared,
+                   client_input, delta, mask):
+  """``compress``, then :func:`privacy.encode_update` of the delta (key:
+  the client's ``rng`` folded with ``DP_STREAM``)."""
+  out, diag = compress(shared, client_input, delta, mask)
+  sent, ddiag = privacy.encode_update(
+      ddp, out['delta'], shared['dp_round_key'],
+      jax.random.fold_in(client_input['rng'], DP_STREAM))
+  return {**out, 'delta': sent}, {**diag, **ddiag}
 
 
 def _check_options(fedprox_mu: float, weighting: str,
@@ -338,6 +99,13 @@ def _check_options(fedprox_mu: float, weighting: str,
   if dp is None:
     return
   dp.check()
+  if isinstance(dp, privacy.DistributedDP):
+    if weighting != 'uniform' or compression.upload is not None:
+      raise ValueError(
+          'distributed DP needs uniform weighting and no upload transform '
+          "(secure aggregation's B-bit integers replace it); got weighting="
+          f'{weighting!r}, upload={compression.upload!r}.')
+    return
   if weighting != 'uniform' or compression.pvt_fraction < 1:
     raise ValueError('DP-FedAvg needs uniform weighting and no PVT (a '
                      f'fixed denominator); got weighting={weighting!r}, '
@@ -350,8 +118,9 @@ def _client_update(r: CompressedRound, grad_fn: rc.GradFn,
                    engine_options: dict[str, Any]):
   """The round engine of the clients' local steps and upload (the decoded
   delta clipped to ``C`` in the final step with ``dp``)."""
-  compress = r.compress if dp is None else functools.partial(_clip_decoded,
-                                                             r.compress)
+  compress = r.compress if dp is None else functools.partial(
+      _secure_encode if isinstance(dp, privacy.DistributedDP) else
+      _clip_decoded, r.compress, dp)
   return make_engine(engine, rc.delta_client_program(
       grad_fn, client_optimizer, compress, fedprox_mu=float(fedprox_mu),
       plan=r.plan), **engine_options)
@@ -368,6 +137,10 @@ def _server_update(r: CompressedRound,
   def server_update(state, sums, weights, norms=None, kept=None):
     if dp is None:
       mean = per_leaf_mean(sums, weights)
+    elif isinstance(dp, privacy.DistributedDP):
+      mean, wrapped = privacy.decode_sum(
+          dp, sums, privacy.dp_round_key(seed, state.round), state.params)
+      c, state = state.clip_norm, state.replace(wrapped_fraction=wrapped)
     else:
       mean, c = dp_mean(dp, seed, state.round, state.clip_norm, sums, norms,
                         kept)
@@ -391,9 +164,16 @@ def _init_state(r: CompressedRound,
   ``dp``) on the first device."""
   state = r.init_state(params, server_optimizer.init(params))
   if dp is not None:
-    state = DPFedOptState(**{f.name: getattr(state, f.name) for f in
-                             dataclasses.fields(state)},
-                          clip_norm=jnp.float32(dp.clip_norm))
+    fields = {f.name: getattr(state, f.name) for f in
+              dataclasses.fields(state)}
+    if isinstance(dp, privacy.DistributedDP):
+      if dp.size != num_params(params):
+        raise ValueError(f'the distributed DP size {dp.size} must be the '
+                         f"model's number of parameters {num_params(params)}.")
+      state = DDPFedOptState(**fields, clip_norm=jnp.float32(dp.clip_norm),
+                             wrapped_fraction=jnp.float32(0))
+    else:
+      state = DPFedOptState(**fields, clip_norm=jnp.float32(dp.clip_norm))
   return rc.on_first_device(state)
 
 
@@ -405,7 +185,8 @@ def federated_averaging(
     weighting: str = 'examples', download_accounting: str = 'dense',
     client_ids: Optional[Sequence[bytes]] = None, seed: int = 0,
     name: Optional[str] = None, nonfinite: str = 'raise', engine: str = 'auto',
-    dp: Optional[DP] = None, **engine_options) -> fedjax.FederatedAlgorithm:
+    dp: Optional[Union[DP, privacy.DistributedDP]] = None,
+    **engine_options) -> fedjax.FederatedAlgorithm:
   """FedAvg / FedAdam / FedProx, optionally compressed, as one FedOpt round.
 
   The entry point of every delta-based method, named as
@@ -418,11 +199,14 @@ def federated_averaging(
   * Quantized / PVT uploads and downloads (Ro et al. 2022, Sec. 4-6):
     ``compression=Compression(upload=..., download=..., pvt_fraction=...)``.
   * DP-FedAvg (McMahan et al. 2018, Alg. 1; adaptive clipping: Andrew et
-    al. 2021, Alg. 1): ``dp=DP(...)``, ``weighting='uniform'``. Each
-    client's decoded upload is clipped to ``C`` in its final step; the
-    server runs :func:`fedlite_jax.privacy.dp_noised_mean` on the sum (key
-    :func:`~fedlite_jax.privacy.dp_round_key` of ``seed`` and the round)
-    and steps the server optimizer on the noised mean.
+    al. 2021, Alg. 1): ``dp=DP(...)``, ``weighting='uniform'``: each decoded
+    upload clipped to ``C``; the server steps on
+    :func:`fedlite_jax.privacy.dp_noised_mean` of the sum.
+  * Distributed DP under secure aggregation (Kairouz et al. 2021, Alg. 1-2;
+    Agarwal et al. 2021): ``dp=privacy.DistributedDP(...)``, uniform
+    weights, no upload transform (PVT allowed); clients upload
+    :func:`privacy.encode_update` (``B * d`` bits), the server steps on
+    :func:`privacy.decode_sum` (keys: ``seed`` and the round).
   * IGC's baselines (Melas-Kyriazi & Wang 2022, Table 2: SGD, FedAvg with
     s local iterations, local Top-K): ``client_batch_hparams`` of s steps
     (:func:`~fedlite_jax.algorithms.rounds_common.batch_hparams`),
@@ -441,7 +225,9 @@ def federated_averaging(
     name: the algorithm's name in messages (default ``'fedprox'`` if
       ``fedprox_mu > 0``, else ``'fedavg'``).
     engine, engine_options: :func:`fedlite_jax.rounds.make_engine`'s.
-    dp: DP-FedAvg's settings, or None (no DP).
+    dp: central DP-FedAvg's :class:`DP`, a
+      :class:`fedlite_jax.privacy.DistributedDP` (its ``size`` the model's
+      number of parameters), or None (no DP).
 
   Returns:
     ``FederatedAlgorithm(init, apply)`` over :class:`FedOptState`;
@@ -449,7 +235,9 @@ def federated_averaging(
     steps x batch size under ``'uniform'``), ``delta_l2_norm``, ``finite``,
     ``skipped``; under PVT ``pvt_trained_fraction``, ``pvt_mask`` (bool per
     variable); with ``dp`` ``dp_norm`` (decoded delta, before clipping) and
-    ``dp_clipped`` (0/1), the state a :class:`DPFedOptState`.
+    ``dp_clipped`` (0/1), the state a :class:`DPFedOptState`; with a
+    distributed ``dp`` also ``dp_rounding_draws``, the state a
+    :class:`DDPFedOptState`.
 
   Raises:
     ValueError: an unknown choice, ``fedprox_mu`` < 0, bad DP settings, a
@@ -461,16 +249,33 @@ def federated_averaging(
   if name is None:
     name = 'fedprox' if fedprox_mu else 'fedavg'
   r = CompressedRound(compression, name, seed, weighting, download_accounting,
-                      client_ids, nonfinite)
+                      client_ids, nonfinite, _secure_bits(dp))
   train = _client_update(r, grad_fn, client_optimizer, fedprox_mu, dp,
                          engine, engine_options)
   server_update = _server_update(r, server_optimizer, dp, seed)
-
-  def apply(state: FedOptState, clients: rc.Clients):
-    dp_c = {} if dp is None else {'clip_norm': state.clip_norm}
-    return r.apply(state, clients, client_batch_hparams,
-                   lambda sent, work: [(train, {'params': sent, **dp_c}, work)],
-                   server_update, dp_norms=dp is not None)
-
   return fedjax.FederatedAlgorithm(
-      lambda params: _init_state(r, server_optimizer, dp, params), apply)
+      lambda params: _init_state(r, server_optimizer, dp, params),
+      functools.partial(_apply, r, train, server_update,
+                        client_batch_hparams, dp, seed))
+
+
+def _secure_bits(dp: Any) -> Optional[float]:
+  """Upload bits per client of a distributed ``dp`` (``B * d``), else None."""
+  if isinstance(dp, privacy.DistributedDP):
+    return float(dp.bits * dp.dim)
+  return None
+
+
+def _apply(r: CompressedRound, train, server_update: Callable,
+           client_batch_hparams: fedjax.ShuffleRepeatBatchHParams,
+           dp: Any, seed: int, state: FedOptState, clients: rc.Clients):
+  """:func:`federated_averaging`'s ``apply``: the clients' shared input
+  (``Q(w)``, and C or the round's secure-sum key under DP), then
+  :meth:`CompressedRound.apply`."""
+  secure = isinstance(dp, privacy.DistributedDP)
+  dp_c = {} if dp is None else {'clip_norm': state.clip_norm}
+  if secure:
+    dp_c = {'dp_round_key': privacy.dp_round_key(seed, int(state.round))}
+  return r.apply(state, clients, client_batch_hparams,
+                 lambda sent, work: [(train, {'params': sent, **dp_c}, work)],
+                 server_update, dp_norms=dp is not None and not secure)

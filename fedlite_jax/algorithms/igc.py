@@ -10,7 +10,7 @@ Server: ``params = base + sum_k A_e^(k) sigma_k``; clients upload
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import fedjax
 import jax
@@ -23,14 +23,14 @@ from fedlite_jax.algorithms import (
     fedopt, rounds_common as rc, nonfinite as nonfinite_lib)
 from fedlite_jax.transforms import fastfood as ff
 from fedlite_jax.rounds import make_engine
-from fedlite_jax.common import FLOAT_BITS
+from fedlite_jax.common import DP_STREAM, FLOAT_BITS
 
 Params = Any
 
 IGC_DOWNLOAD_ACCOUNTING = ('table1', 'exact')
 
 __all__ = [
-    'DPIGCState', 'IGC_DOWNLOAD_ACCOUNTING', 'IGCState',
+    'DDPIGCState', 'DPIGCState', 'IGC_DOWNLOAD_ACCOUNTING', 'IGCState',
     'default_rounds_per_epoch', 'igc_client_bits', 'igc_download_bits',
     'igc_upload_bits', 'igc_vectors_needed',
     'intrinsic_gradient_compression']
@@ -64,6 +64,13 @@ class DPIGCState(IGCState):
   float32[], the clip norm ``C`` of the next round (as
   :class:`fedopt.DPFedOptState`)."""
   clip_norm: jax.Array
+
+
+@fedjax.dataclass
+class DDPIGCState(DPIGCState):
+  """:class:`DPIGCState` of distributed DP in the subspace, plus
+  ``wrapped_fraction`` (as :class:`fedopt.DDPFedOptState`)."""
+  wrapped_fraction: jax.Array
 
 
 def default_rounds_per_epoch(num_train_clients: int,
@@ -213,8 +220,16 @@ def _setup(intrinsic_dim, num_subspaces, time_varying, rounds_per_epoch,
   name = {(False, False): 'igc_static', (True, False): 'igc_k_subspace',
           (False, True): 'igc_time_varying',
           (True, True): 'igc_k_subspace_time_varying'}[(K > 1, time_varying)]
-  if dp is not None:
+  if isinstance(dp, privacy.DistributedDP):
+    dp.check()
+    if dp.size != d or upload_transform is not None:
+      raise ValueError(f'distributed DP in the subspace needs size = d = {d} '
+                       f'and no upload_transform; got size={dp.size}, '
+                       f'upload_transform={upload_transform!r}.')
+    value_bits = float(dp.bits * dp.dim)
+  elif dp is not None:
     dp.noise_std(dp.clip_norm)  # Validates C, z, sizes and sigma_b.
+  if dp is not None:
     if name != 'igc_static' or project_on_server:
       raise ValueError(f'DP in the subspace needs static IGC without '
                        f'project_on_server; got {name}, project_on_server='
@@ -249,6 +264,11 @@ def _compress(s: _Setup, shared, client_input, delta, mask):
     coords, _ = s.upload_transform.decode(tail_msg, s.tail_state)
   k = msg.side['subspace']
   diag = {'subspace': k}
+  if isinstance(s.dp, privacy.DistributedDP):  # K = 1: the d-vector.
+    out, ddiag = privacy.encode_update(
+        s.dp, coords, shared['dp_round_key'],
+        jax.random.fold_in(client_input['rng'], DP_STREAM))
+    return out, {**diag, **ddiag}
   if s.dp is not None:  # Clip the decoded d coordinates (the summed ones).
     coords, norm = privacy.clip_by_global_norm(coords, shared['clip_norm'])
     diag.update(dp_norm=norm, dp_clipped=(norm > shared['clip_norm']
@@ -291,11 +311,17 @@ def _server_update(s: _Setup, state, fastfood, weighted_sum, total_weight,
   state = jax.tree.map(lambda new, old: jnp.where(epoch != state.epoch, new,
                                                   old), started, state)
   spec = tx.TreeSpec.of(state.params)
-  mean = weighted_sum / total_weight
-  if s.dp is not None:  # d numbers of noise on the sum, fixed denominator.
+  if isinstance(s.dp, privacy.DistributedDP):  # The secure sum's mean.
+    mean, wrapped = privacy.decode_sum(
+        s.dp, weighted_sum, privacy.dp_round_key(s.dp_seed, state.round),
+        state.sigma[0])
+    mean, state = mean[None, :], state.replace(wrapped_fraction=wrapped)
+  elif s.dp is not None:  # d numbers of noise on the sum, fixed denominator.
     mean, c = fedopt.dp_mean(s.dp, s.dp_seed, state.round, state.clip_norm,
                              weighted_sum, norms, kept)
     state = state.replace(clip_norm=c)
+  else:
+    mean = weighted_sum / total_weight
   updates, opt_state = s.server_optimizer.update(mean, state.opt_state,
                                                  state.sigma)
   sigma = optax.apply_updates(state.sigma, updates)
@@ -318,8 +344,11 @@ def _init(s: _Setup, params: Params) -> IGCState:
                 last_epoch=jnp.full((len(s.index),), -1, jnp.int32))
   if s.dp is None:
     return rc.on_first_device(IGCState(**fields))
-  return rc.on_first_device(
-      DPIGCState(**fields, clip_norm=jnp.float32(s.dp.clip_norm)))
+  fields['clip_norm'] = jnp.float32(s.dp.clip_norm)
+  if isinstance(s.dp, privacy.DistributedDP):
+    return rc.on_first_device(DDPIGCState(**fields,
+                                          wrapped_fraction=jnp.float32(0)))
+  return rc.on_first_device(DPIGCState(**fields))
 
 
 def _apply(s: _Setup, round_engine, server_update, state: IGCState, clients):
@@ -331,7 +360,10 @@ def _apply(s: _Setup, round_engine, server_update, state: IGCState, clients):
   fastfood = s.subspaces(D, epoch)
   work = rc.make_work(clients, s.hparams)
   shared = {'params': state.params, 'fastfood': fastfood}
-  if s.dp is not None:
+  secure = isinstance(s.dp, privacy.DistributedDP)
+  if secure:
+    shared['dp_round_key'] = privacy.dp_round_key(s.dp_seed, round_num)
+  elif s.dp is not None:
     shared['clip_norm'] = state.clip_norm
   result = round_engine(shared, work)
   total, skipped = rc.skip_nonfinite(result, work, s.nonfinite, s.name,
@@ -343,7 +375,7 @@ def _apply(s: _Setup, round_engine, server_update, state: IGCState, clients):
   last_epoch = np.asarray(state.last_epoch)
   prev = ([int(last_epoch[p]) for p in positions] if s.index else
           [-1] * len(work))
-  dp_args = () if s.dp is None else (
+  dp_args = () if s.dp is None or secure else (
       np.asarray([x['dp_norm'] for x in result.diagnostics], np.float32),
       np.asarray([w.client_id not in skipped for w in work], np.float32))
   state, finite = server_update(state, fastfood, weighted_sum,
@@ -373,7 +405,8 @@ def intrinsic_gradient_compression(
     download_accounting: str = 'table1',
     client_ids: Optional[Sequence[bytes]] = None, nonfinite: str = 'raise',
     project_on_server: bool = False, engine: str = 'auto',
-    dp: Optional[fedopt.DP] = None, dp_seed: int = 0,
+    dp: Optional[Union[fedopt.DP, privacy.DistributedDP]] = None,
+    dp_seed: int = 0,
     **engine_options) -> fedjax.FederatedAlgorithm:
   """Builds static / K-subspace / time-varying IGC as a FederatedAlgorithm.
 
@@ -405,7 +438,10 @@ def intrinsic_gradient_compression(
       decodes them are clipped to ``C``; Gaussian noise of std
       :meth:`fedopt.DP.noise_std` goes on the d-dimensional sum (key:
       ``dp_seed``, ``DP_STREAM``, round), divided by ``dp.denominator``,
-      before the server optimizer and the map back to D. None: no DP.
+      before the server optimizer and the map back to D. A
+      :class:`fedlite_jax.privacy.DistributedDP` (``size = d``, no
+      ``upload_transform``): distributed DP of the d coordinates under
+      secure aggregation (``B * d_padded`` upload bits). None: no DP.
     dp_seed: the noise's seed (the run seed).
 
   Returns:
@@ -413,7 +449,7 @@ def intrinsic_gradient_compression(
     ``download_bits``, ``subspace``, ``epoch``, ``delta_l2_norm``,
     ``num_examples``, ``finite``, ``skipped``; with ``dp`` ``dp_norm`` and
     ``dp_clipped`` (as :func:`fedopt.federated_averaging`), the state a
-    :class:`DPIGCState`.
+    :class:`DPIGCState` (:class:`DDPIGCState` when distributed).
 
   Raises:
     ValueError / TypeError: bad sizes or choices (also ``project_on_server``

@@ -43,7 +43,9 @@ class ClientProgram:
       same for all clients (the server model), ``client_input`` per client.
     step: ``(state, batch) -> state``; one local step.
     final: ``(shared_input, state) -> (output, diagnostics)``; ``output`` is
-      summed with the client weights, ``diagnostics`` kept per client.
+      summed with the client weights (integer leaves with the weights in
+      their dtype, wrapping: secure aggregation's ``uint32`` residues sum
+      mod ``2^32``), ``diagnostics`` kept per client.
     step_in_place: ``step`` (the same values, bit for bit) with data
       dependences that let XLA update a state carried through an
       on-device loop in place (:mod:`fedlite_jax.rounds.ordering`), for
@@ -111,6 +113,14 @@ def _check_cohort(work: Sequence[ClientWork]) -> None:
           'finite and >= 0.')
 
 
+def _weighted(weight: jax.Array, output: jax.Array) -> jax.Array:
+  """``weight * output``; an integer output (secure aggregation's residues)
+  takes the weight in its own dtype, so its sum wraps in that dtype."""
+  if jnp.issubdtype(output.dtype, jnp.inexact):
+    return weight * output
+  return output * weight.astype(output.dtype)
+
+
 class LoopEngine:
   """Python loop over clients; one jitted call per local step.
 
@@ -135,7 +145,7 @@ class LoopEngine:
     @functools.partial(jax.jit, donate_argnums=2)
     def loop_final(shared_input, state, acc, weight):
       output, diag = program.final(shared_input, state)
-      acc = jax.tree.map(lambda a, o: a + weight * o, acc, output)
+      acc = jax.tree.map(lambda a, o: a + _weighted(weight, o), acc, output)
       return acc, diag
 
     self._init, self._step, self._final = loop_init, loop_step, loop_final

@@ -69,7 +69,8 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
                         f'(got --client_epochs={config.client_epochs}).')
     upload = common.compression_of(ctx).upload
     common.check_options(opts)  # --igc_project_on_server: a linear upload.
-    dp = dp_options.resolve(config, len(ctx.train_client_ids))
+    dp = dp_options.resolve(config, len(ctx.train_client_ids),
+                            ctx.num_params)
     rpe = None
     if time_varying:
       rpe = _opt(opts, ROUNDS_PER_EPOCH) or igc.default_rounds_per_epoch(
@@ -93,7 +94,7 @@ def _builder(num_subspaces_option: bool, time_varying: bool):
         nonfinite=_opt(opts, common.NONFINITE_UPDATES),
         **common.engine_options(config),
         project_on_server=_opt(opts, PROJECT_ON_SERVER),
-        dp=None if dp is None else dp.dp, dp_seed=config.seed)
+        dp=None if dp is None else dp.algorithm_dp, dp_seed=config.seed)
 
   return build
 

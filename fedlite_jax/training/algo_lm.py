@@ -46,9 +46,10 @@ MIME_GRADS_BATCH_SIZE = Option(
 def _fedopt(ctx: spec.BuildContext, **kwargs) -> fedjax.FederatedAlgorithm:
   config = ctx.config
   compression = common.compression_of(ctx)
-  dp = dp_options.resolve(config, len(ctx.train_client_ids))
+  dp = dp_options.resolve(config, len(ctx.train_client_ids),
+                          ctx.num_params)
   if dp is not None:  # DP-FedAvg: uniform weights (McMahan et al. 2018).
-    kwargs.update(dp=dp.dp, weighting='uniform')
+    kwargs.update(dp=dp.algorithm_dp, weighting='uniform')
   return fedopt.federated_averaging(
       rounds_common.train_grad(ctx.split_model.model),
       optimizers.client_optimizer(config),

@@ -161,10 +161,11 @@ def _dp_advice(privacy: Mapping[str, Any]) -> str:
           f' the noise std per coordinate of the mean update is z*C/M = '
           f'{privacy["delta_noise_multiplier"]:.4g}*{clip:.4g}/'
           f'{privacy["noise_cohort_size"]:g} = {mean_noise_std(privacy):.3g} '
-          'each round; lower it with a larger cohort (--clients_per_round, '
-          'or --dp_noise_cohort_size for the noise of a production cohort), '
-          'a lower --server_lr, or a lower --dp_noise_multiplier (a larger '
-          'epsilon)')
+          'each round; lower it with a larger cohort (--clients_per_round'
+          + ('' if privacy.get('mechanism') in ('ddgauss', 'skellam') else
+             ', or --dp_noise_cohort_size for the noise of a production '
+             'cohort') + '), a lower --server_lr, or a lower '
+          '--dp_noise_multiplier (a larger epsilon)')
 
 
 def check_trained(metrics: Mapping[str, Any], chance: float,

@@ -80,18 +80,25 @@ def validate(config: config_lib.RunConfig) -> dict[str, str]:
     return {**lines, 'flags': _flags(config)}
   build_lib.check_cohort(config, train_fd.num_clients())
   lines['data'] = info.description
-  dp = dp_options.resolve(config, train_fd.num_clients())
-  if dp is not None:
-    lines['privacy'] = (
-        f'z={dp.dp.noise_multiplier:.6g}, q={dp.sampling_probability:.6g}, '
-        f'epsilon={dp.epsilon(config.num_rounds):.6g} ({dp.accountant}) at '
-        f'delta={dp.delta} '
-        f'after {config.num_rounds} rounds')
   model = task.build_model(dataclasses.replace(
       config, conv_implementation='lax'), info).model  # Same parameters.
   params = model.init(jax.random.PRNGKey(config.seed))
-  return {**lines, 'flags': _flags(config),
-          **_bits_per_client(config, compression, params)}
+  dp = dp_options.resolve(config, train_fd.num_clients(),
+                          fedopt.num_params(params))
+  if dp is not None:
+    lines['privacy'] = (
+        f'{dp_options.mechanism(config)}, z={dp.dp.noise_multiplier:.6g}, '
+        f'q={dp.sampling_probability:.6g}, '
+        f'epsilon={dp.epsilon(config.num_rounds):.6g} ({dp.accountant}) at '
+        f'delta={dp.delta} after {config.num_rounds} rounds')
+  bits = _bits_per_client(config, compression, params)
+  if dp is not None and dp.secure is not None:
+    up = dp.secure.bits * dp.secure.dim
+    bits['upload bits per client'] = (
+        f'{up:,.0f} (secure aggregation: --dp_bits={dp.secure.bits} x '
+        f'{dp.secure.dim:,} padded coordinates; '
+        f'{up * config.clients_per_round / 8e6:,.3f} MB per round)')
+  return {**lines, 'flags': _flags(config), **bits}
 
 
 def _flags(config: config_lib.RunConfig) -> str:
