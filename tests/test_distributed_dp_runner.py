@@ -22,6 +22,7 @@ import pytest
 
 from fedlite_jax.privacy import ddp_accounting
 from fedlite_jax.training import config as config_lib
+from fedlite_jax.training import dp_options
 from fedlite_jax.training import outputs
 from fedlite_jax.training import RunConfig
 from fedlite_jax.training import run
@@ -68,6 +69,7 @@ def test_igc_static_uploads_b_times_d_bits_and_summary_recomputes(
               'rounded_l2_sensitivity', 'rounded_l1_sensitivity', 'tau',
               'rdp_order', 'scaled_local_noise_std'):
     assert key in p and p[key] is not None, key
+  assert 'train/loss' in p['not_covered_by_epsilon']
   assert p['central_noise_std'] == pytest.approx(0.05 * 1.0)
   assert p['local_noise_std'] == pytest.approx(0.05 / math.sqrt(3))
   wrapped = [r['privacy/wrapped_fraction'] for r in rows]
@@ -138,6 +140,17 @@ def test_bad_values_one_config_error_line(options, expected):
   with pytest.raises(config_lib.ConfigError) as e:
     _resolve(**options)
   assert expected in str(e.value) and '\n' not in str(e.value)
+
+
+def test_a_noise_cohort_below_the_trained_one_is_accounted_at_the_trained():
+  config = _resolve(dp_clip=1.0, dp_noise_multiplier=1.0,
+                    dp_noise_cohort_size=2, dp_population=100)
+  p = dp_options.resolve(config, 12, 1000)
+  assert p.sampling_probability == 3 / 100  # max(m = 3, M = 2) / N.
+  bigger = dp_options.resolve(_resolve(
+      dp_clip=1.0, dp_noise_multiplier=1.0, dp_noise_cohort_size=7,
+      dp_population=100), 12, 1000)
+  assert bigger.sampling_probability == 7 / 100
 
 
 def test_pvt_is_allowed_with_a_distributed_mechanism():

@@ -65,7 +65,7 @@ DP_ADAPTIVE_QUANTILE = Option(
 DP_NOISE_COHORT_SIZE = Option(
     'dp_noise_cohort_size', 0, 'Production cohort M the noise and accounting '
     'are for (pfl-research): noise std z*C*clients_per_round/M on the sum, q '
-    '= M/population. 0 = --clients_per_round.')
+    '= max(M, clients_per_round)/population. 0 = --clients_per_round.')
 DP_POPULATION = Option(
     'dp_population', 0, 'Population N of the accounting, q = cohort/N. 0 = '
     "the task's training clients.")
@@ -101,6 +101,11 @@ DP_OPTIONS = (DP_CLIP, DP_NOISE_MULTIPLIER, DP_TARGET_EPSILON, DP_DELTA,
               DP_ADAPTIVE_QUANTILE, DP_NOISE_COHORT_SIZE, DP_POPULATION,
               DP_ACCOUNTANT, DP_MECHANISM, DP_BITS, DP_ROUNDING_BETA,
               DP_K_STDDEVS)
+#: Metrics logged from the clients' data without noise: epsilon does not
+#: cover them (summary.json's ``privacy.not_covered_by_epsilon``).
+NOT_COVERED = ('train/loss', 'train/accuracy', 'train/delta_norm_mean',
+               'train/delta_norm_max', 'privacy/clipped_fraction')
+
 #: Only with --dp_mechanism=ddgauss|skellam.
 DISTRIBUTED_OPTIONS = (DP_BITS, DP_ROUNDING_BETA, DP_K_STDDEVS)
 #: Left out of checkpoint fingerprints at their defaults (runs without DP
@@ -116,6 +121,13 @@ def enabled(config: Any) -> bool:
 def _cohort(config: Any) -> int:
   return int(_opt(config.options, DP_NOISE_COHORT_SIZE)) or \
       config.clients_per_round
+
+
+def _accounting_cohort(config: Any) -> int:
+  """``max(m, M)``: the sampling probability's cohort (as pfl-research). A
+  noise cohort M below the trained cohort m gives the trained sum more
+  noise than z*C (``z*C*m/M``), so accounting at ``m/N`` with z is sound."""
+  return max(_cohort(config), config.clients_per_round)
 
 
 def check(config: Any, explicit: Iterable[str]) -> None:
@@ -147,9 +159,10 @@ def check(config: Any, explicit: Iterable[str]) -> None:
        f'--dp_adaptive_quantile={o["gamma"]}: must be in [0, 1].'),
       (DP_NOISE_COHORT_SIZE.name in given and not o['m'] >= 1,
        f'--dp_noise_cohort_size={o["m"]}: must be >= 1.'),
-      (DP_POPULATION.name in given and not o['n'] >= _cohort(config),
+      (DP_POPULATION.name in given and
+       not o['n'] >= _accounting_cohort(config),
        f'--dp_population={o["n"]}: must be >= the cohort of the accounting '
-       f'({_cohort(config)}).'),
+       f'({_accounting_cohort(config)}).'),
       (_opt(opts, compression_options.PVT_FRACTION) < 1 and
        _opt(opts, DP_MECHANISM) == 'gaussian',
        '--pvt_fraction < 1 with --dp_clip: central DP-FedAvg needs one fixed '
@@ -277,6 +290,7 @@ class Privacy(NamedTuple):
         'population': self.population,
         'noise_cohort_size': dp.noise_cohort_size or dp.denominator,
         'denominator': dp.denominator,
+        'not_covered_by_epsilon': NOT_COVERED,
         'adaptive_clipping': None if dp.target_quantile is None else {
             'target_quantile': dp.target_quantile,
             'learning_rate': dp.clip_learning_rate,
@@ -330,6 +344,7 @@ class Privacy(NamedTuple):
         'scaled_rounded_l1_sensitivity': get('scaled_l1_sensitivity'),
         'tau': get('tau'),
         'upload_bits_per_client': sec.bits * sec.dim,
+        'not_covered_by_epsilon': NOT_COVERED + ('privacy/wrapped_fraction',),
         'assumptions': (
             'Distributed DP under secure aggregation (Kairouz et al. 2021; '
             'Agarwal et al. 2021): each client clips its update to L2 norm '
@@ -420,7 +435,7 @@ def _resolve(config: Any, num_train_clients: int,
   opts = config.options
   population = int(_opt(opts, DP_POPULATION)) or num_train_clients
   try:
-    q = privacy.sampling_probability(_cohort(config), population)
+    q = privacy.sampling_probability(_accounting_cohort(config), population)
   except ValueError as e:
     raise ConfigError(f'--dp_population / --dp_noise_cohort_size: {e}'
                       ) from None
