@@ -58,4 +58,5 @@ def test_dp_command_validates_on_its_data(page, argv, tmp_path):
     pytest.skip(f'{page}: the data of {argv} is not under '
                 f'$FEDLITE_DATA_DIR: {proc.stderr.splitlines()[0]}')
   assert proc.returncode == 0, (page, argv, proc.stderr[-2000:])
-  assert 'privacy: z=' in proc.stdout, proc.stdout
+  assert re.search(r'^  privacy: (gaussian|ddgauss|skellam), z=', proc.stdout,
+                   re.M), proc.stdout
