@@ -26,7 +26,8 @@ from scipy import stats
 
 from fedlite_jax.privacy import discrete_noise
 from fedlite_jax.privacy.discrete_noise import discrete_gaussian
-from fedlite_jax.privacy.discrete_noise import skellam
+from fedlite_jax.privacy import skellam_noise
+from fedlite_jax.privacy.skellam_noise import skellam
 
 _P_VALUE = 1e-4
 # One draw size (and one small shape) throughout, so that each sampler
@@ -178,7 +179,7 @@ def test_skellam_large_variances_fit_the_exact_pmf(variance):
 
 
 @pytest.mark.parametrize('variance',
-                         [1e12, discrete_noise.MAX_SKELLAM_VARIANCE])
+                         [1e12, skellam_noise.MAX_SKELLAM_VARIANCE])
 def test_skellam_huge_variance_moments(variance):
   n = _N
   x = np.asarray(skellam(jax.random.PRNGKey(14), (n,), variance))
@@ -196,9 +197,9 @@ def test_skellam_huge_variance_moments(variance):
 
 
 def test_skellam_variance_limit():
-  upper = discrete_noise.MAX_SKELLAM_VARIANCE
+  upper = skellam_noise.MAX_SKELLAM_VARIANCE
   assert upper >= 1e12
-  assert upper == 2 * discrete_noise.MAX_POISSON_RATE
+  assert upper == 2 * skellam_noise.MAX_POISSON_RATE
   key = jax.random.PRNGKey(0)
   assert skellam(key, _SMALL, upper).dtype == jnp.int32
   bad = upper * 1.001
@@ -212,7 +213,7 @@ def test_skellam_variance_limit():
 # --- the Poisson deviation behind skellam ------------------------------------
 
 _N_POISSON = 3_000_000
-_deviation = jax.jit(discrete_noise._poisson_deviation, static_argnums=1)
+_deviation = jax.jit(skellam_noise._poisson_deviation, static_argnums=1)
 
 
 @pytest.mark.parametrize('rate', [5e3, 1e7])
@@ -295,7 +296,7 @@ def test_ptrs_hat_dominates_the_poisson_pmf():
   # 1%; without it, not quite (by up to 0.58% near rate 14, 0.18% near
   # 100), so Hormann's PTRS as published (and jax.random.poisson) draws
   # some values slightly too rarely at those rates.
-  margin = discrete_noise._PTRS_HAT_MARGIN
+  margin = skellam_noise._PTRS_HAT_MARGIN
   for rate in (10.0, 11.61, 14.05, 37.3, 103.5, 2040.0, 1e4, 1e9):
     assert _ptrs_hat_log_ratio(rate, margin) < -0.01, rate
   assert _ptrs_hat_log_ratio(14.05, 1.0) > 0.005
@@ -303,9 +304,9 @@ def test_ptrs_hat_dominates_the_poisson_pmf():
 
 
 _ptrs_candidates = jax.jit(
-    lambda bits, rate: (discrete_noise._ptrs_candidates(
-        bits, discrete_noise._ptrs_constants(rate))[0],
-                        discrete_noise._ptrs_constants(rate)))
+    lambda bits, rate: (skellam_noise._ptrs_candidates(
+        bits, skellam_noise._ptrs_constants(rate))[0],
+                        skellam_noise._ptrs_constants(rate)))
 
 
 def _exact_ptrs_x(w0, w1, a, b, frac):
@@ -316,7 +317,7 @@ def _exact_ptrs_x(w0, w1, a, b, frac):
   return sign * y + frac + Fraction(float(np.float32(0.43)))
 
 
-@pytest.mark.parametrize('rate', [10.5, 1e7, discrete_noise.MAX_POISSON_RATE])
+@pytest.mark.parametrize('rate', [10.5, 1e7, skellam_noise.MAX_POISSON_RATE])
 def test_ptrs_integer_part_is_exact(rate):
   # T = floor(x - floor(rate)) from the double-float arithmetic equals the
   # floor of the exact x for random words and, within 1e-6 of a cell
@@ -356,9 +357,9 @@ def test_ptrs_integer_part_is_exact(rate):
 
 
 _ptrs_log_bound = jax.jit(
-    lambda t, us, rate: (discrete_noise._ptrs_log_bound(
-        t, us, discrete_noise._ptrs_constants(rate)),
-                         discrete_noise._ptrs_constants(rate)))
+    lambda t, us, rate: (skellam_noise._ptrs_log_bound(
+        t, us, skellam_noise._ptrs_constants(rate)),
+                         skellam_noise._ptrs_constants(rate)))
 
 
 @pytest.mark.parametrize('rate', [10.7, 37.3, 5000.3, 1e7, 5e13])
@@ -387,7 +388,7 @@ def test_ptrs_acceptance_bound_matches_float64(rate):
     log_p = (-(k * np.log1p(d / rate) - d) - 0.5 * np.log(2 * np.pi * k)
              - 1 / (12 * k))
   ref = (log_p + np.log(b + a / us.astype(np.float64) ** 2)
-         - math.log(discrete_noise._PTRS_HAT_MARGIN * inv_alpha))
+         - math.log(skellam_noise._PTRS_HAT_MARGIN * inv_alpha))
   relevant = ref > -30  # log V >= -22.9
   np.testing.assert_allclose(got[relevant], ref[relevant], rtol=0, atol=2e-5)
 
@@ -479,7 +480,7 @@ def test_zero_scale_gives_zeros(sampler):
 
 @pytest.mark.parametrize('sampler,upper', [
     (discrete_gaussian, discrete_noise.MAX_SIGMA),
-    (skellam, discrete_noise.MAX_SKELLAM_VARIANCE)])
+    (skellam, skellam_noise.MAX_SKELLAM_VARIANCE)])
 @pytest.mark.parametrize('bad,shown', [
     (-1.0, '-1.0'), (-1e-3, '-0.001'), (float('nan'), 'nan'),
     (float('inf'), 'inf'), (np.float32(-2), '-2'), ('huge', None)])
@@ -502,7 +503,7 @@ def test_non_scalar_scale_raises(sampler):
 
 @pytest.mark.parametrize('sampler,upper', [
     (discrete_gaussian, discrete_noise.MAX_SIGMA),
-    (skellam, discrete_noise.MAX_SKELLAM_VARIANCE)])
+    (skellam, skellam_noise.MAX_SKELLAM_VARIANCE)])
 def test_bad_traced_scales_give_the_invalid_marker(sampler, upper):
   # Under jit nothing can raise; the draw terminates (no endless rejection
   # loop on NaN) and every entry is INVALID_DRAW, which valid draws never
@@ -518,7 +519,8 @@ def test_bad_traced_scales_give_the_invalid_marker(sampler, upper):
 
 def test_public_names():
   assert set(discrete_noise.__all__) == {
-      'INVALID_DRAW', 'MAX_POISSON_RATE', 'MAX_SIGMA',
-      'MAX_SKELLAM_VARIANCE', 'discrete_gaussian', 'skellam'}
-  assert discrete_noise.MAX_SKELLAM_VARIANCE == (
-      2 * discrete_noise.MAX_POISSON_RATE)
+      'INVALID_DRAW', 'MAX_SIGMA', 'discrete_gaussian'}
+  assert set(skellam_noise.__all__) == {
+      'MAX_POISSON_RATE', 'MAX_SKELLAM_VARIANCE', 'skellam'}
+  assert skellam_noise.MAX_SKELLAM_VARIANCE == (
+      2 * skellam_noise.MAX_POISSON_RATE)

@@ -18,6 +18,7 @@ Modules: :mod:`~fedlite_jax.privacy.aggregation`,
 :mod:`~fedlite_jax.privacy.sensitivity`,
 :mod:`~fedlite_jax.privacy.distributed`,
 :mod:`~fedlite_jax.privacy.discrete_noise`,
+:mod:`~fedlite_jax.privacy.skellam_noise`,
 :mod:`~fedlite_jax.privacy.ddp_accounting`.
 """
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from fedlite_jax.privacy import ddp_accounting
 from fedlite_jax.privacy import discrete_noise
+from fedlite_jax.privacy import skellam_noise
 from fedlite_jax.common import PyTree
 from fedlite_jax.transforms.base import TreeSpec
 from fedlite_jax.transforms.fwht import fwht
@@ -242,7 +243,7 @@ def _noise(ddp: DistributedDP, key: jax.Array) -> jax.Array:
   s = ddp.scaled_local_std
   if ddp.mechanism == 'ddgauss':
     return discrete_noise.discrete_gaussian(key, (ddp.dim,), s)
-  return discrete_noise.skellam(key, (ddp.dim,), s * s)
+  return skellam_noise.skellam(key, (ddp.dim,), s * s)
 
 
 def client_encode(ddp: DistributedDP, vector: jax.Array,
