@@ -324,14 +324,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
     lines += ['', 'Unreachable: the runner refuses the cell because no noise '
               f'reaches epsilon {m["epsilon"]:g} at its B (it states: '
               f'"{data["unreachable"][0]["reason"]}").']
-  lines += ['', '| comparison | accuracy difference (points) |', '|---|---|']
-  lines += [f'| {c["label"]} | {stats.fmt_paired(c, 1, 100)} |'
-            for c in data['comparisons']]
-  held = [c['label'] for c in data['comparisons']
-          if c['n'] >= 3 and c['agree'] == c['n']]
-  lines += ['', 'Supported by every seed (same sign of the paired difference '
-            'in all of at least 3 seeds): ' + ('; '.join(held) or 'none') +
-            '. Other differences are not claimed.', '',
+  lines += stats.comparison_lines(data['comparisons'])
+  lines += ['',
             'Against central DP at B <= 16 (the papers\' claim: distributed '
             'DP matches central DP with 16 bits or fewer). A split sign '
             'means the seeds support no difference, not that the two are '

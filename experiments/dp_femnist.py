@@ -142,14 +142,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
         f'{stats.fmt(r["accuracy"], 1, 100)} | '
         f'{r["upload_bits_per_round"]:,.0f} | '
         f'{r["download_bits_per_round"]:,.0f} |')
-  lines += ['', '| comparison | accuracy difference (points) |', '|---|---|']
-  lines += [f'| {c["label"]} | {stats.fmt_paired(c, 1, 100)} |'
-            for c in data['comparisons']]
-  held = [c['label'] for c in data['comparisons']
-          if c['n'] >= 3 and c['agree'] == c['n']]
-  lines += ['', 'Supported by every seed (same sign of the paired difference '
-            'in all of at least 3 seeds): ' + ('; '.join(held) or 'none') +
-            '. Other differences are not claimed.', '',
+  lines += stats.comparison_lines(data['comparisons'])
+  lines += ['',
             '![accuracy vs epsilon](dp_femnist.png)', '',
             'Figure: test accuracy vs epsilon (inf = no DP), mean ± std over '
             'seeds, per compression.', '']

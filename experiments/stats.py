@@ -86,6 +86,21 @@ def fmt_paired(p: Mapping, digits: int = 3, scale: float = 1.0) -> str:
           f'same sign in {p["agree"]}/{p["n"]} seeds')
 
 
+def comparison_lines(comparisons: Sequence[Mapping]) -> list[str]:
+  """A results .md's comparison table (accuracy points, :func:`paired`
+  records with a ``label``) and the line naming the comparisons whose sign
+  held in every one of at least 3 seeds."""
+  lines = ['', '| comparison | accuracy difference (points) |', '|---|---|']
+  lines += [f'| {c["label"]} | {fmt_paired(c, 1, 100)} |'
+            for c in comparisons]
+  held = [c['label'] for c in comparisons
+          if c['n'] >= 3 and c['agree'] == c['n']]
+  return lines + ['', 'Supported by every seed (same sign of the paired '
+                  'difference in all of at least 3 seeds): '
+                  + ('; '.join(held) or 'none')
+                  + '. Other differences are not claimed.']
+
+
 def paired_at_equal_upload(a: Mapping, b: Mapping, key: str) -> dict:
   """Row ``a`` at its last evaluation against row ``b`` at the evaluation
   whose cumulative ``upload_bytes`` is closest, per seed (a comparison at
