@@ -52,6 +52,7 @@ import pathlib
 from absl import app
 from absl import flags
 
+import femnist_setting
 import provenance
 import stats
 
@@ -89,24 +90,16 @@ flags.DEFINE_string('data_dir', '', 'FEMNIST data folder (sets '
 FLAGS = flags.FLAGS
 
 DELTA = 1e-6
-INTRINSIC_DIM = 4096
 MECHANISMS = ('ddgauss', 'skellam')
 #: Reference rows of each model: no DP and central DP-FedAvg.
 REFERENCES = ('nodp', 'gaussian')
-#: model: (label, run_experiment flags). The training setting of
-#: experiments/dp_femnist.py (its COMPRESSIONS 'none' / 'igc4096', _TRAIN
-#: less --clients_per_round and --server_lr), restated: importing
-#: dp_femnist.py defines its absl flags (--rounds, --seeds, ...) again.
+#: model: (label, run_experiment flags): experiments/femnist_setting.py's.
 MODELS = {
-    'igc': (f'IGC static, d = {INTRINSIC_DIM:,}', (
-        '--algorithm=igc_static', f'--intrinsic_dim={INTRINSIC_DIM}',
-        '--igc_scale=unit_expectation')),
-    'full': ('full model', ('--algorithm=fedavg', '--local_steps=1')),
+    'igc': (femnist_setting.IGC_LABEL, femnist_setting.IGC),
+    'full': ('full model', femnist_setting.FULL),
 }
 #: The report's order (the full model's B grid first).
 REPORT_ORDER = ('full', 'igc')
-_TRAIN = ('--task=emnist', '--client_batch_size=20', '--client_optimizer=sgd',
-          '--client_lr=0.3', '--server_optimizer=sgd', '--eval_num_clients=0')
 MECH_LABEL = {'nodp': 'no DP', 'gaussian': 'central DP',
               'ddgauss': 'distributed discrete Gaussian',
               'skellam': 'distributed Skellam'}
@@ -136,7 +129,7 @@ def _flags(name: str, seed: int, rounds: int, out: str) -> list[str]:
     dp += [f'--dp_mechanism={mech}', f'--dp_bits={bits}']
   elif mech == 'gaussian':
     dp += ['--dp_mechanism=gaussian']
-  return [*MODELS[model][1], *_TRAIN,
+  return [*MODELS[model][1], *femnist_setting.TRAIN,
           f'--clients_per_round={FLAGS.clients_per_round}',
           f'--server_lr={FLAGS.server_lr:g}', *dp, f'--num_rounds={rounds}',
           f'--seed={seed}', f'--eval_every={max(1, rounds // 4)}',
@@ -426,7 +419,7 @@ def main(argv):
                    'clip': FLAGS.clip, 'population': FLAGS.population,
                    'clients_per_round': FLAGS.clients_per_round,
                    'server_lr': FLAGS.server_lr,
-                   'intrinsic_dim': INTRINSIC_DIM}}
+                   'intrinsic_dim': femnist_setting.INTRINSIC_DIM}}
   unreachable: dict[str, dict] = {}
   runs = provenance.seed_major(
       names, seeds, lambda name, seed: _train(name, seed, unreachable))

@@ -38,6 +38,7 @@ import pathlib
 from absl import app
 from absl import flags
 
+import femnist_setting
 import provenance
 import stats
 
@@ -52,17 +53,14 @@ flags.DEFINE_list('epsilons', ['inf', 'clip', '8', '4', '2'],
 FLAGS = flags.FLAGS
 
 DELTA, CLIP, COHORT, POPULATION = 1e-6, 0.5, 100, 100_000
-_TRAIN = ('--task=emnist', '--clients_per_round=10', '--client_batch_size=20',
-          '--client_optimizer=sgd', '--client_lr=0.3',
-          '--server_optimizer=sgd', '--server_lr=1.0', '--eval_num_clients=0')
+_TRAIN = (*femnist_setting.TRAIN, '--clients_per_round=10',
+          '--server_lr=1.0')
 #: name: (label, flags).
 COMPRESSIONS = {
-    'none': ('no compression', ('--algorithm=fedavg', '--local_steps=1')),
-    'upload8': ('8-bit uploads', ('--algorithm=fedavg', '--local_steps=1',
+    'none': ('no compression', femnist_setting.FULL),
+    'upload8': ('8-bit uploads', (*femnist_setting.FULL,
                                   '--upload=uniform_quantization:8')),
-    'igc4096': ('IGC static, d = 4,096', (
-        '--algorithm=igc_static', '--intrinsic_dim=4096',
-        '--igc_scale=unit_expectation')),
+    'igc4096': (femnist_setting.IGC_LABEL, femnist_setting.IGC),
 }
 CHECK = ('igc4096', '8')
 
