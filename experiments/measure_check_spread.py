@@ -4,7 +4,8 @@ A results file's ``check`` (``experiments/results/*.json``) is one short run
 whose evaluation curve ``tests/test_experiment_results.py`` re-runs and
 compares. XLA:CPU sums float32 values in an order that depends on the host
 (vector width, thread count, fusion), and runs with stochastic rounding
-(``uniform_quantization``, ``terngrad``) turn a last-bit difference into a
+(``uniform_quantization``, ``terngrad``; distributed DP's conditional
+randomized rounding, ``ddgauss``, ``skellam``) turn a last-bit difference into a
 different rounding draw, so their loss and accuracy move on another machine of
 the same kind. This re-runs each check's command under several float orders
 (``ORDERS``: default; one core with Eigen single-threaded; the vector ISA capped
@@ -63,7 +64,8 @@ flags.DEFINE_bool('write', True, 'Write spread/tolerance into the files.')
 
 FACTOR = provenance.TOLERANCE_FACTOR
 FLOAT_NOISE = provenance.FLOAT_NOISE
-STOCHASTIC = ('uniform_quantization', 'terngrad', 'stochastic')
+STOCHASTIC = ('uniform_quantization', 'terngrad', 'stochastic', 'ddgauss',
+              'skellam')
 # name: (environment, command prefix, description).
 ORDERS = {
     'default': ({}, [], 'default (all cores, the host ISA)'),

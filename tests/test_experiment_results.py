@@ -32,9 +32,9 @@ _RUNNER = 'experiments/run_experiment.py'
 _COMMIT = re.compile(r'`([0-9a-f]{40})`')
 # Results written by the current scripts (experiments/provenance.py).
 _JSON_FILES = ('igc_femnist.json', 'efficient_lm.json', 'fedlite_results.json',
-               'dp_femnist.json')
+               'dp_femnist.json', 'ddp_femnist.json')
 # Results over seeds (experiments/stats.py): every row aggregates >= 3.
-_SEEDED_FILES = ('dp_femnist.json', 'efficient_lm.json',
+_SEEDED_FILES = ('ddp_femnist.json', 'dp_femnist.json', 'efficient_lm.json',
                  'fedlite_convergence.json',
                  'fedlite_results.json', 'igc_femnist.json',
                  'igc_seeds.json', 'igc_privacy.json', 'lm_seeds.json')
