@@ -262,6 +262,16 @@ def _fmt(x, spec: str) -> str:
   return '-' if x is None else format(x, spec)
 
 
+def _not_run(data: dict) -> list[str]:
+  """A line naming the models this file has no rows of."""
+  ran = {r['model'] for r in data['results']} | {
+      u['model'] for u in data['unreachable']}
+  missing = [m for m in REPORT_ORDER if m not in ran]
+  return ['', 'Not run for this file: ' + ', '.join(
+      f'{MODELS[m][0]} (`--models={m}`)' for m in missing) +
+          ' (docs/notes/privacy.md gives its cost).'] if missing else []
+
+
 def _report(data: dict, out: pathlib.Path) -> None:
   data['comparisons'] = _comparisons(data)
   m = data['meta']
@@ -323,6 +333,7 @@ def _report(data: dict, out: pathlib.Path) -> None:
     lines += ['', 'Unreachable: the runner refuses the cell because no noise '
               f'reaches epsilon {m["epsilon"]:g} at its B (it states: '
               f'"{data["unreachable"][0]["reason"]}").']
+  lines += _not_run(data)
   lines += stats.comparison_lines(data['comparisons'])
   lines += ['',
             'Against central DP at B <= 16 (the papers\' claim: distributed '

@@ -40,6 +40,9 @@ def test_tiny_study_rows_upload_bits_epsilon_and_check(data_dir, tmp_path):
   # A row per (model, mechanism, B) cell; IGC first (the cheaper runs).
   assert list(rows) == ['igc_nodp', 'igc_gaussian', 'igc_ddgauss_b16',
                         'igc_skellam_b16']
+  # No DP at its own server learning rate (unclipped updates).
+  assert '--server_lr=1 ' in rows['igc_nodp']['runs'][0]['command'] + ' '
+  assert '--server_lr=3 ' in rows['igc_gaussian']['runs'][0]['command'] + ' '
   # B = 6 cannot reach epsilon 8 for d = 4,096: listed, not trained.
   assert [(u['run'], u['model'], u['mechanism'], u['bits'])
           for u in data['unreachable']] == [
@@ -86,6 +89,7 @@ def test_tiny_study_rows_upload_bits_epsilon_and_check(data_dir, tmp_path):
   assert f'{16 * 4096:,}' in md and f'{32 * 4096:,}' in md
   assert check['command'] in md and 'Supported by every seed' in md
   assert 'B = 16 (' in md  # The claim lines at B <= 16.
+  assert 'Not run for this file: full model (`--models=full`)' in md
   assert (out / 'ddp_femnist.png').stat().st_size > 0
   # --report_only rewrites the same .md from the .json.
   (out / 'ddp_femnist.md').unlink()
