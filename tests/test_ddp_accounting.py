@@ -279,7 +279,9 @@ def test_thm5_brackets_dp_accountings_exact_subsampled_gaussian(z, q):
   np.testing.assert_allclose(
       bound, [_zhu_wang(a, q, gaussian) for a in ORDERS], rtol=1e-9,
       atol=1e-15)
-  assert ddp.poisson_subsampled_rdp(17, q, gaussian) == bound[15]
+  # Scalar and vector evaluations may differ in the last bits (SIMD log/exp).
+  assert ddp.poisson_subsampled_rdp(17, q, gaussian) == pytest.approx(
+      bound[15], rel=1e-12)
   if q == 0.9:  # the minimum with the unamplified RDP binds somewhere
     assert np.any(bound == gaussian(np.array(ORDERS)))
   assert ddp.poisson_subsampled_rdp(5, 1.0, gaussian) == gaussian(5)

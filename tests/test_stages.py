@@ -219,4 +219,6 @@ def test_stage_strings_reproduce_the_removed_flags(name, tmp_path):
   comm = summary['communication']
   assert comm['total_upload_bytes'] == up
   assert comm['total_download_bytes'] == down
-  assert summary['final_eval']['loss'] == pytest.approx(loss, abs=1e-6)
+  # Float noise across CPUs (the q8 row moved by 2e-6 relative on an AMD
+  # EPYC without AVX-512); the byte counts above are exact.
+  assert summary['final_eval']['loss'] == pytest.approx(loss, rel=1e-5)
