@@ -38,10 +38,6 @@ _SEEDED_FILES = ('ddp_femnist.json', 'dp_femnist.json', 'efficient_lm.json',
                  'fedlite_convergence.json',
                  'fedlite_results.json', 'igc_femnist.json',
                  'igc_seeds.json', 'igc_privacy.json', 'lm_seeds.json')
-# igc_privacy.py's check (20 attack iterations): a few times the spread of
-# its best_loss across CPUs; on a 2-core AMD EPYC without AVX-512 it moved
-# by 2.4e-4 relative from the recorded value (psnr by under 1e-4).
-_ATTACK_REL = 1e-3
 # Not regenerated since the scripts record provenance (their .md headers say
 # so and give the command); drop a name once its file is regenerated.
 _NOT_REGENERATED: set[str] = set()
@@ -125,8 +121,7 @@ def test_check_run_reproduces(name, data_dir, tmp_path):
     assert [r['run'] for r in got] == [r['run'] for r in check['rows']]
     for g, w in zip(got, check['rows']):
       for key in ('psnr', 'best_loss'):
-        assert g[key] == pytest.approx(w[key], rel=_ATTACK_REL), (
-            g['run'], key)
+        assert g[key] == pytest.approx(w[key], rel=1e-4), (g['run'], key)
     return
   rows = stats.eval_rows(
       outputs.read_metrics(tmp_path / 'run' / 'metrics.jsonl'))
