@@ -435,7 +435,8 @@ def _report(data: dict, out: pathlib.Path) -> None:
       'reconstructions per observation (PSNR under each)' +
       ('; rows added later (above) are not in it.' if data.get('added_rows')
        else '.'), '']
-  (out / 'igc_privacy.md').write_text('\n'.join(lines))
+  (out / 'igc_privacy.md').write_text(
+      provenance.results_md(lines, data.get('check', {})))
   _plot_psnr(rows, out / 'igc_privacy.png')
 
 

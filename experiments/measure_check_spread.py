@@ -19,7 +19,11 @@ file's ``check``:
 * ``tolerance``: ``FACTOR`` x the largest deviation, floored at float noise
   (``FLOAT_NOISE``: loss relative 1e-5, accuracy 1 example / token);
 
-and a ``check tolerance: ...`` line at the end of the file's ``.md``. A check
+and a ``check tolerance: ...`` line at the end of the file's ``.md``. A
+script's own per-row check (``rows``: ``igc_privacy.py --check``'s PSNR and
+best attack loss per row) is run under every order (its attack iterations
+amplify a last-bit difference) and gets a relative tolerance per row
+and key. A check
 whose command has no stochastic rounding is deterministic up to float noise:
 it keeps the floor, and unless ``--measure_deterministic`` its spread says so
 without runs. ``CROSS_MACHINE`` holds deviations measured on another machine
@@ -95,6 +99,8 @@ TEST_EXAMPLES = {'emnist': 1685}
 # The .md beside a results file, where it is not <file>.md.
 MARKDOWN = {'fedlite_results.json': 'fedlite_tables.md'}
 _COUNT_KEYS = ('num_tokens', 'num_examples', 'eval/num_examples')
+# Values of a script's own per-row check (igc_privacy.py --check).
+ROW_KEYS = ('psnr', 'best_loss')
 
 
 def command_flags(command: str) -> dict[str, str]:
@@ -192,11 +198,27 @@ def deviation(rows: Sequence[Mapping], curve: Sequence[Mapping],
 
 def run_order(name: str, command: str, order: str) -> list[dict]:
   """Runs ``command`` under ``order``; its evaluation rows."""
+  out = _run(name, command, order, ('summary.json', 'metrics.jsonl'))
+  rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text(
+      ).splitlines() if line.strip()]
+  return stats.eval_rows(rows)
+
+
+def run_rows_order(name: str, command: str, order: str) -> list[dict]:
+  """Runs a script's own check ``command`` under ``order``; its rows
+  (``<output_dir>/check.json``, e.g. ``igc_privacy.py --check``)."""
+  out = _run(name, command, order, ('check.json',))
+  return json.loads((out / 'check.json').read_text())['rows']
+
+
+def _run(name: str, command: str, order: str,
+         outputs: Sequence[str]) -> pathlib.Path:
+  """Runs ``command`` under ``order`` into ``<work_dir>/<file>/<order>``
+  (reused under ``--reuse`` when ``outputs`` exist there); that folder."""
   env_add, prefix, _ = ORDERS[order]
   out = pathlib.Path(FLAGS.work_dir) / pathlib.Path(name).stem / order
-  metrics = out / 'metrics.jsonl'
   argv = shlex.split(command)
-  if FLAGS.reuse and (out / 'summary.json').exists() and metrics.exists():
+  if FLAGS.reuse and all((out / o).exists() for o in outputs):
     print(f'{name} {order}: reusing {out}', flush=True)
   else:
     argv = ['nice', '-n', '10', *prefix, sys.executable] + [
@@ -208,9 +230,7 @@ def run_order(name: str, command: str, order: str) -> list[dict]:
     print(f'{name} {order}: {" ".join(argv)}', flush=True)
     subprocess.run(argv, cwd=provenance.REPO, env=env, check=True,
                    stdout=subprocess.DEVNULL)
-  rows = [json.loads(line) for line in metrics.read_text().splitlines()
-          if line.strip()]
-  return stats.eval_rows(rows)
+  return out
 
 
 def machine() -> str:
@@ -240,6 +260,11 @@ def _up(x: float) -> float:
 
 def tolerance(spread: Mapping[str, Any]) -> dict[str, Any]:
   """``FACTOR`` x the spread (rounded up), floored at ``FLOAT_NOISE``."""
+  if 'rows' in spread:  # A per-row check: per row and key, relative.
+    return {'rows': {run: {k: max(FLOAT_NOISE['loss_rel'], _up(FACTOR * v))
+                           for k, v in d.items()}
+                     for run, d in spread['rows'].items()},
+            'factor': FACTOR, 'floor': FLOAT_NOISE['loss_rel']}
   return {'loss_rel': max(FLOAT_NOISE['loss_rel'],
                           _up(FACTOR * spread['loss_rel'])),
           'accuracy_examples': max(FLOAT_NOISE['accuracy_examples'],
@@ -248,9 +273,42 @@ def tolerance(spread: Mapping[str, Any]) -> dict[str, Any]:
           'count': spread['count']}
 
 
+def rows_deviation(got: Sequence[Mapping], want: Sequence[Mapping]
+                   ) -> dict[str, Any]:
+  """Relative deviation per row and key (``ROW_KEYS``) of a per-row check:
+  ``{'rows': {run: {'<key>_rel': ...}}, 'got': {run: {key: values}}}``."""
+  if [r['run'] for r in got] != [r['run'] for r in want]:
+    raise RuntimeError(f'rows {[r["run"] for r in got]} differ from the '
+                       f'check\'s {[r["run"] for r in want]}')
+  return {'rows': {w['run']: {f'{k}_rel': max(
+      abs(a - b) / abs(b) for a, b in zip(g[k], w[k])) for k in ROW_KEYS}
+                   for g, w in zip(got, want)},
+          'got': {r['run']: {k: r[k] for k in ROW_KEYS} for r in got}}
+
+
+def measure_rows(name: str, check: Mapping[str, Any],
+                 orders: Sequence[str]) -> dict[str, Any]:
+  """The spread of a per-row check, every order run (an attack's iterations
+  amplify a last-bit difference, so no check of this kind is exact): per
+  row and key the largest deviation over the orders."""
+  per = {}
+  for order in orders:
+    per[order] = {'description': ORDERS[order][2], **rows_deviation(
+        run_rows_order(name, check['command'], order), check['rows'])}
+    print(f'{name} {order}: {per[order]["rows"]}', flush=True)
+  return {'rows': {r['run']: {f'{k}_rel': max(
+      d['rows'][r['run']][f'{k}_rel'] for d in per.values())
+                              for k in ROW_KEYS} for r in check['rows']},
+          'orders': per, 'machine': machine(), **provenance.git_state(),
+          'date': datetime.datetime.now(datetime.timezone.utc).strftime(
+              '%Y-%m-%dT%H:%M:%SZ')}
+
+
 def measure(name: str, orders: Sequence[str]) -> dict[str, Any]:
   """The spread of ``name``'s check (running its orders when stochastic)."""
   check = json.loads((_results() / name).read_text())['check']
+  if 'rows' in check:
+    return measure_rows(name, check, orders)
   n, source = eval_count(check)
   stochastic = is_stochastic(check['command'])
   per: dict[str, Any] = {}
@@ -323,8 +381,8 @@ def main(argv):
     raise app.UsageError(f'--orders: {bad} not in {sorted(ORDERS)}')
   for name in FLAGS.files:
     spread = measure(name, FLAGS.orders)
-    print(f'{name}: spread loss rel {spread["loss_rel"]:.3g}, accuracy '
-          f'{spread["accuracy_examples"]:.3g} of {spread["count"]:,.0f}',
+    print(f'{name}: spread ' + str(spread['rows'] if 'rows' in spread else {
+        k: spread[k] for k in ('loss_rel', 'accuracy_examples', 'count')}),
           flush=True)
     if FLAGS.write:
       print(f'{name}: {write(name, spread)}', flush=True)

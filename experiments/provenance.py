@@ -80,11 +80,54 @@ def file_provenance() -> dict[str, Any]:
 
 
 def markdown_header(prov: dict[str, Any]) -> str:
-  """One Markdown paragraph naming the command and commit of ``prov``."""
+  """One Markdown paragraph naming the command and commit of ``prov``, and
+  the commits its runs were trained at when they are not only that one
+  (finished runs are reused when a study restarts: :func:`run_or_reuse`)."""
   dirty = ' (with uncommitted changes: `dirty: true`)' if prov['dirty'] else ''
-  return (f'Produced at commit `{prov["commit"]}`{dirty} on {prov["utc"]} by '
+  head = (f'Produced at commit `{prov["commit"]}`{dirty} on {prov["utc"]} by '
           f'(from the repository root, with `FEDLITE_DATA_DIR` set):\n\n'
           f'    {prov["command"]}\n')
+  runs = prov.get('run_commits', {})
+  if not runs or list(runs) == [prov['commit']]:
+    return head
+  same = {True: 'identical across them', False: 'NOT identical across them',
+          None: 'not compared (git could not)'}[prov['training_code_same']]
+  return head + (
+      '\nIts runs were trained at ' + ', '.join(
+          f'`{c[:7]}` ({n} run{"s" * (n > 1)})' for c, n in runs.items()) +
+      ' (a restarted study reuses finished runs); the training code '
+      f'(`{"`, `".join(TRAINING_CODE)}`) is {same}.\n')
+
+
+#: What a run's result depends on, compared between the commits of a study's
+#: runs (:func:`record_run_commits`).
+TRAINING_CODE = ('fedlite_jax', RUNNER)
+
+
+def record_run_commits(data: dict) -> None:
+  """Records in ``data['provenance']`` the commits of its results' runs
+  (``run_commits``: commit -> runs) and whether :data:`TRAINING_CODE` is
+  the same at all of them (``training_code_same``: bool, None when git
+  cannot compare them)."""
+  commits: dict[str, int] = {}
+  for row in data.get('results', []):
+    for run in row.get('runs', []) if isinstance(row, dict) else []:
+      if isinstance(run, dict) and run.get('commit'):
+        commits[run['commit']] = commits.get(run['commit'], 0) + 1
+  if not commits:
+    return
+  first, *rest = commits
+  codes = set()
+  for c in rest:  # git diff --quiet: 0 same, 1 differs, else an error.
+    try:
+      codes.add(subprocess.run(
+          ['git', 'diff', '--quiet', first, c, '--', *TRAINING_CODE],
+          cwd=REPO, capture_output=True, check=False).returncode)
+    except OSError:
+      codes.add(-1)
+  same = None if codes - {0, 1} else 1 not in codes
+  data['provenance']['run_commits'] = commits
+  data['provenance']['training_code_same'] = same
 
 
 def run_script(script: str, flags: Sequence[str]) -> dict[str, Any]:
@@ -239,6 +282,7 @@ def write_study(out: pathlib.Path, name: str, data: dict,
                 report: Callable[[dict, pathlib.Path], None]) -> None:
   """Writes ``<out>/<name>.json`` and the report's .md and .png."""
   out.mkdir(parents=True, exist_ok=True)
+  record_run_commits(data)
   report(data, out)
   write_json(out / f'{name}.json', data)
   print(f'wrote {out}/{name}.json, .md and .png')
@@ -254,8 +298,24 @@ TOLERANCE_FACTOR = 3.0
 FLOAT_NOISE = {'loss_rel': 1e-5, 'accuracy_examples': 1.0}
 
 
+def _rows_tolerance_md_line(spread: Mapping[str, Any],
+                            tol: Mapping[str, Any]) -> str:
+  """:func:`tolerance_md_line` for a script's own per-row check (``rows``)."""
+  def per_row(d):
+    return '; '.join(f'{run} ' + ', '.join(
+        f'{k[:-4]} {v:.2g}' for k, v in keys.items())
+                     for run, keys in d.items())
+  orders = '; '.join(d['description'] for d in spread['orders'].values())
+  return (f'check tolerance, relative per row: {per_row(tol["rows"])} (the '
+          f'larger of {TOLERANCE_FACTOR:g}x the spread, {per_row(spread["rows"])}'
+          f', measured under: {orders}; and the float-noise floor '
+          f'{FLOAT_NOISE["loss_rel"]:g}; per order in the check\'s "spread").')
+
+
 def tolerance_md_line(spread: Mapping[str, Any], tol: Mapping[str, Any]) -> str:
   """The ``.md``'s one-line statement of the check's tolerance."""
+  if 'rows' in tol:
+    return _rows_tolerance_md_line(spread, tol)
   unit = 'tokens' if 'token' in spread['count_source'] else 'examples'
   head = (f'check tolerance: loss rel {tol["loss_rel"]:.2g}, accuracy '
           f'{tol["accuracy_examples"]:g} {unit} of {spread["count"]:,.0f}, '
