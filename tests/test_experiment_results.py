@@ -180,15 +180,24 @@ def test_check_run_reproduces(name, data_dir, tmp_path):
       assert got[key] == want[key], key
 
 
-@pytest.mark.parametrize('name', [n for n in dict.fromkeys(
-    _JSON_FILES + _SEEDED_FILES) if (_RESULTS / n).exists() and
-                                  'curve' in _load(n).get('check', {})])
-def test_check_tolerance_covers_its_measured_spread(name):
+def _checks_with(kind: str) -> list[str]:
+  """Results files whose check holds ``kind`` (``curve`` or ``rows``)."""
+  return [n for n in dict.fromkeys(_JSON_FILES + _SEEDED_FILES)
+          if (_RESULTS / n).exists() and kind in _load(n).get('check', {})]
+
+
+def _measured_check(name: str) -> tuple[dict, dict, dict]:
+  """``name``'s check, tolerance and spread (failing when it has none)."""
   check = _load(name)['check']
   assert 'tolerance' in check and 'spread' in check, (
       f'{name}: its check states no tolerance / spread; run '
       'python experiments/measure_check_spread.py --files=' + name)
-  tol, spread = check['tolerance'], check['spread']
+  return check, check['tolerance'], check['spread']
+
+
+@pytest.mark.parametrize('name', _checks_with('curve'))
+def test_check_tolerance_covers_its_measured_spread(name):
+  check, tol, spread = _measured_check(name)
   floor = {'loss_rel': 1e-5, 'accuracy_examples': 1.0}
   assert spread['count'] == tol['count'] > 0
   assert spread['count_source'] and spread['machine'], spread
@@ -213,15 +222,9 @@ def test_check_tolerance_covers_its_measured_spread(name):
     assert f'loss rel {tol["loss_rel"]:.2g}, accuracy ' in line, md.name
 
 
-@pytest.mark.parametrize('name', [n for n in dict.fromkeys(
-    _JSON_FILES + _SEEDED_FILES) if (_RESULTS / n).exists() and
-                                  'rows' in _load(n).get('check', {})])
+@pytest.mark.parametrize('name', _checks_with('rows'))
 def test_row_check_tolerance_covers_its_measured_spread(name):
-  check = _load(name)['check']
-  assert 'tolerance' in check and 'spread' in check, (
-      f'{name}: its check states no tolerance / spread; run '
-      'python experiments/measure_check_spread.py --files=' + name)
-  tol, spread = check['tolerance'], check['spread']
+  check, tol, spread = _measured_check(name)
   assert len(spread['orders']) >= 3 and spread['machine'], spread
   runs = [r['run'] for r in check['rows']]
   assert list(spread['rows']) == list(tol['rows']) == runs
